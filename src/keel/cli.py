@@ -1,0 +1,97 @@
+"""keel's command line: parse arguments, call the library, turn user errors into exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from keel.errors import KeelError
+
+EPILOG = "Overrides: any config key as key.sub=value, e.g. train.lr=1e-4 data.packing=true"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="keel", description="Fine-tune LLMs from one YAML.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a YAML config", epilog=EPILOG)
+    train.add_argument("config", help="path to the run's YAML config")
+    train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+
+    check = sub.add_parser("validate", epilog=EPILOG,
+                           help="check a config and its data (report only, no training)")
+    check.add_argument("config")
+    check.add_argument("overrides", nargs="*")
+
+    chat = sub.add_parser("chat", help="chat with a model (interactive, or one --prompt)")
+    chat.add_argument("--model", required=True,
+                      help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct")
+    chat.add_argument("--adapter", help="a PEFT adapter dir to apply on top of --model")
+    chat.add_argument("--prompt", help="answer this one prompt and exit")
+    chat.add_argument("--system", help="system prompt (default: the template's own)")
+    chat.add_argument("--max-new-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--cache-dir", default="~/.cache/keel",
+                      help="where bundled models are converted")
+    return parser
+
+
+def _train(args) -> int:
+    from keel.config import load_config
+    from keel.train.run import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    run_training(cfg, base_dir=Path.cwd())
+    return 0
+
+
+def _validate(args) -> int:
+    from keel.config import load_config
+    from keel.data import prepare_data
+    from keel.models import load_tokenizer, resolve_model_path
+
+    cfg = load_config(args.config, args.overrides)
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    prepare_data(cfg.data, load_tokenizer(model_dir), stage=cfg.train.stage,
+                 cache_dir=Path(cfg.model.cache_dir).expanduser(), base_dir=Path.cwd(),
+                 seed=cfg.train.seed)
+    print(f"{args.config}: config and data are valid")
+    return 0
+
+
+def _chat(args) -> int:
+    from keel.infer.chat import chat_once, interactive_chat
+    from keel.models import load_for_inference
+
+    model, tokenizer = load_for_inference(args.model, args.adapter, cache_dir=args.cache_dir)
+    gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+               top_p=args.top_p)
+    if args.prompt is not None:
+        chat_once(model, tokenizer, args.prompt, system=args.system, **gen)
+    else:
+        interactive_chat(model, tokenizer, system=args.system, **gen)
+    return 0
+
+
+COMMANDS = {"train": _train, "validate": _validate, "chat": _chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except KeelError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

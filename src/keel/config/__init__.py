@@ -1,0 +1,20 @@
+"""Run configuration: schema, YAML loading with overrides, whole-config validation."""
+
+from keel.config.load import apply_override, config_to_dict, load_config
+from keel.config.schema import (
+    DataConfig,
+    DatasetConfig,
+    FreezeConfig,
+    LoraConfig,
+    MethodConfig,
+    ModelConfig,
+    OutputConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "DataConfig", "DatasetConfig", "FreezeConfig", "LoraConfig", "MethodConfig", "ModelConfig",
+    "OutputConfig", "RunConfig", "TrainConfig", "apply_override", "config_to_dict",
+    "load_config",
+]

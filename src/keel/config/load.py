@@ -1,0 +1,279 @@
+"""YAML + `a.b=c` overrides -> a checked `RunConfig`, with every problem reported at once."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from keel.config.schema import DatasetConfig, RunConfig
+from keel.errors import ConfigError
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), *,
+                base: dict | None = None) -> RunConfig:
+    """Read a YAML file (or start from `base`), apply `key.sub=value` overrides, check it all.
+
+    Raises ConfigError listing every problem, each with its key, value, location and fix.
+    """
+    lines: dict[str, int] = {}
+    source = str(path) if path is not None else "config"
+    raw: dict = dict(base or {})
+    if path is not None:
+        raw, lines = _read_yaml(Path(path))
+    problems: list[str] = []
+    for item in overrides:
+        problem = apply_override(raw, item)
+        if problem:
+            problems.append(problem)
+            continue
+        lines[item.split("=", 1)[0].strip()] = -1  # -1: came from the command line
+    cfg = _build(RunConfig, raw, "", problems, _Locator(source, lines))
+    if not problems:
+        from keel.config.validate import check_config
+
+        problems.extend(check_config(cfg))
+    if problems:
+        raise ConfigError(problems, source=source)
+    return cfg
+
+
+def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist; pass the path to a YAML file"])
+    text = path.read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{path} is not valid YAML: {exc}"]) from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path} must hold a mapping of sections (model, data, ...), "
+                           f"found {type(raw).__name__}"])
+    lines: dict[str, int] = {}
+    _collect_lines(node, "", lines)
+    return raw, lines
+
+
+def _collect_lines(node, prefix: str, out: dict[str, int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = f"{prefix}{key_node.value}"
+            out[key] = key_node.start_mark.line + 1
+            _collect_lines(value_node, key + ".", out)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            out[f"{prefix}{index}"] = item.start_mark.line + 1
+            _collect_lines(item, f"{prefix}{index}.", out)
+
+
+def apply_override(raw: dict, item: str) -> str | None:
+    """Set `a.b.c=value` (value parsed as YAML) in the nested dict; return a problem or None."""
+    if "=" not in item:
+        return f"override {item!r} is not of the form key.sub=value (e.g. train.lr=1e-4)"
+    key, value_text = (part.strip() for part in item.split("=", 1))
+    try:
+        value = yaml.safe_load(value_text) if value_text else ""
+    except yaml.YAMLError:
+        value = value_text
+    parts = key.split(".")
+    node: Any = raw
+    for depth, part in enumerate(parts[:-1]):
+        nxt = _child(node, part)
+        if isinstance(node, list) and isinstance(nxt, str):
+            nxt = {"path": nxt}  # a dataset given by its path alone, now getting more keys
+            _set_child(node, part, nxt)
+        if nxt is None:
+            nxt = {}
+            if not _set_child(node, part, nxt):
+                return f"override {item!r}: cannot index {'.'.join(parts[:depth + 1])}"
+        elif not isinstance(nxt, dict | list):
+            return f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section"
+        node = nxt
+    if not _set_child(node, parts[-1], value):
+        return f"override {item!r}: cannot set {key}"
+    return None
+
+
+def _child(node, part: str):
+    if isinstance(node, list):
+        return node[int(part)] if part.isdigit() and int(part) < len(node) else None
+    return node.get(part)
+
+
+def _set_child(node, part: str, value) -> bool:
+    if isinstance(node, list):
+        if not part.isdigit() or int(part) > len(node):
+            return False
+        if int(part) == len(node):
+            node.append(value)
+        else:
+            node[int(part)] = value
+        return True
+    node[part] = value
+    return True
+
+
+class _Locator:
+    """Turns a key path into 'key (file:line)' for messages."""
+
+    def __init__(self, source: str, lines: dict[str, int]):
+        self.source, self.lines = source, lines
+
+    def __call__(self, key: str) -> str:
+        line = self.lines.get(key)
+        if line is None:
+            return key
+        if line < 0:
+            return f"{key} (command line)"
+        return f"{key} ({self.source}:{line})"
+
+
+def _build(cls, raw, prefix: str, problems: list[str], where: _Locator):
+    """Build dataclass `cls` from `raw`, appending problems instead of raising."""
+    if not isinstance(raw, dict):
+        problems.append(f"{where(prefix.rstrip('.')) or 'config'} must be a mapping, "
+                        f"got {raw!r}")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else \
+                f"; valid keys: {', '.join(fields)}"
+            problems.append(f"unknown key {where(prefix + str(key))}{hint}")
+    values = {}
+    for name, f in fields.items():
+        key = prefix + name
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"missing required key '{key}'{_required_hint(key)}")
+            continue
+        values[name] = _coerce(hints[name], raw[name], key, problems, where)
+    if any(v is _INVALID for v in values.values()) or _missing_required(cls, raw):
+        return None
+    return cls(**values)
+
+
+_INVALID = object()
+
+
+def _missing_required(cls, raw) -> bool:
+    return any(f.name not in raw and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING for f in dataclasses.fields(cls))
+
+
+def _required_hint(key: str) -> str:
+    hints = {
+        "model": ": add a model section with path: <HF dir> or bundled:smollm2-135m-instruct",
+        "model.path": " (an HF model directory, or bundled:smollm2-135m-instruct)",
+        "data": ": add a data section with a datasets list",
+        "data.datasets": " (a list of dataset files or dataset_info.json names)",
+        "output": ": add an output section with dir: <where results go>",
+        "output.dir": " (the folder for checkpoints, metrics and the trained model)",
+    }
+    if key.startswith("data.datasets.") and key.endswith(".path"):
+        return " (a data file, folder, or a name in dataset_info.json)"
+    return hints.get(key, "")
+
+
+def _coerce(tp, value, key: str, problems: list[str], where: _Locator):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        built = _build(tp, value, key + ".", problems, where)
+        return _INVALID if built is None else built
+    if origin in (typing.Union, types.UnionType):
+        return _coerce_union(tp, value, key, problems, where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value in choices:
+            return value
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        problems.append(f"{where(key)} = {value!r} is not one of "
+                        f"{', '.join(map(str, choices))}{hint}")
+        return _INVALID
+    if origin is list:
+        return _coerce_list(typing.get_args(tp)[0], value, key, problems, where)
+    if origin is dict:
+        if isinstance(value, dict) and all(isinstance(v, str | int | float | bool)
+                                           for v in value.values()):
+            return {str(k): str(v) for k, v in value.items()}
+        problems.append(f"{where(key)} must be a mapping of names to strings, got {value!r}")
+        return _INVALID
+    return _coerce_scalar(tp, value, key, problems, where)
+
+
+def _coerce_union(tp, value, key, problems, where):
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        problems.append(f"{where(key)} must not be empty")
+        return _INVALID
+    for arg in (a for a in args if a is not type(None)):
+        trial: list[str] = []
+        result = _coerce(arg, value, key, trial, where)
+        if not trial:
+            return result
+    names = " or ".join(_type_name(a) for a in args if a is not type(None))
+    problems.append(f"{where(key)} = {value!r} must be {names}")
+    return _INVALID
+
+
+def _coerce_list(item_tp, value, key, problems, where):
+    if item_tp is DatasetConfig and isinstance(value, str | dict):
+        value = [value]  # a single dataset needs no list
+    if not isinstance(value, list):
+        problems.append(f"{where(key)} must be a list, got {value!r}")
+        return _INVALID
+    out = []
+    for index, item in enumerate(value):
+        if item_tp is DatasetConfig and isinstance(item, str):
+            item = {"path": item}  # shorthand: a dataset is just its path or name
+        out.append(_coerce(item_tp, item, f"{key}.{index}", problems, where))
+    return _INVALID if any(v is _INVALID for v in out) else out
+
+
+def _coerce_scalar(tp, value, key, problems, where):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+    problems.append(f"{where(key)} = {value!r} must be {_type_name(tp)}")
+    return _INVALID
+
+
+def _type_name(tp) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if tp in names:
+        return names[tp]
+    if typing.get_origin(tp) is list:
+        return "a list"
+    return getattr(tp, "__name__", str(tp))
+
+
+def config_to_dict(cfg) -> dict:
+    """The resolved config as plain data (for writing next to the outputs)."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,111 @@
+"""The run config: one keyword-only dataclass per YAML section.
+
+Field types are the schema: `keel.config.load` checks every value against them (including
+`Literal` choices) and reports all problems at once. Cross-field rules live in
+`keel.config.validate`. Comments after a field are shown by `keel train --help-config`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+BUNDLED_PREFIX = "bundled:"
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: str  # HF model directory, or bundled:smollm2-135m-instruct
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # weight storage dtype
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
+    trust_remote_code: bool = False
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    targets: str | list[str] = "all-linear"  # "all-linear" or module names, e.g. [q_proj, v_proj]
+
+
+@dataclass(kw_only=True)
+class FreezeConfig:
+    trainable_layers: int = 2  # train the last N decoder layers
+    trainable_modules: list[str] = field(default_factory=list)  # extra names, e.g. [lm_head, norm]
+
+
+@dataclass(kw_only=True)
+class MethodConfig:
+    type: Literal["full", "freeze", "lora"] = "lora"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    freeze: FreezeConfig = field(default_factory=FreezeConfig)
+
+
+@dataclass(kw_only=True)
+class DatasetConfig:
+    path: str  # a file, a folder, a local HF datasets dir, or a name in dataset_info.json
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
+    columns: dict[str, str] = field(default_factory=dict)  # e.g. {prompt: question, response: answer}
+    tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}
+    split: str = "train"
+    max_samples: int | None = None
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    datasets: list[DatasetConfig]
+    dataset_dir: str | None = None  # folder with a LLaMA-Factory dataset_info.json
+    template: str = "auto"  # auto (the tokenizer's own), chatml, or a path to a .jinja file
+    cutoff_len: int = 1024  # tokens per sample (and per packed row)
+    packing: bool = False
+    val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
+    overlength: Literal["drop", "truncate", "error"] = "drop"
+    on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
+    shuffle: bool = True
+    num_proc: int = 1  # processes for tokenization
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    stage: Literal["pt", "sft"] = "sft"
+    epochs: float = 1.0
+    max_steps: int | None = None  # overrides epochs when set
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    lr: float = 2e-4
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0
+    weight_decay: float = 0.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    seed: int = 42
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    gradient_checkpointing: bool = False
+    eval_every: int = 0  # steps; 0: evaluate at the end only (when a validation split exists)
+    resume: str = "auto"  # auto (newest complete checkpoint in output.dir), never, or a path
+    threads: int = 0  # CPU threads for torch; 0: all cores of this process
+    loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
+
+
+@dataclass(kw_only=True)
+class OutputConfig:
+    dir: str
+    save_every: int = 0  # steps; 0: only the final save
+    keep_last: int = 2  # complete checkpoints kept
+    log_every: int = 1
+    loggers: list[Literal["jsonl", "tensorboard"]] = field(default_factory=lambda: ["jsonl"])
+    merge_lora: bool = False  # also write a merged HF model to <dir>/merged
+    overwrite: bool = False  # allow a fresh run into a non-empty dir
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    data: DataConfig
+    output: OutputConfig
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

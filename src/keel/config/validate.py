@@ -1,0 +1,104 @@
+"""Cross-field rules: things the field types alone cannot say. Returns problems, never raises."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from keel.config.schema import BUNDLED_PREFIX, RunConfig
+
+
+def check_config(cfg: RunConfig) -> list[str]:
+    """Every problem with a well-typed config, each naming its key, value and fix."""
+    return [*_check_model(cfg), *_check_method(cfg), *_check_data(cfg), *_check_train(cfg),
+            *_check_output(cfg)]
+
+
+def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
+    if value > 0 or (allow_zero and value == 0):
+        return []
+    bound = ">= 0" if allow_zero else "> 0"
+    return [f"{key} = {value!r} must be {bound}"]
+
+
+def _check_model(cfg: RunConfig) -> list[str]:
+    path = cfg.model.path
+    if path.startswith(BUNDLED_PREFIX):
+        return []  # the name is checked where bundled models are known (keel.models)
+    if not Path(path).expanduser().exists():
+        return [f"model.path = {path!r} does not exist; give an HF model directory or "
+                f"{BUNDLED_PREFIX}smollm2-135m-instruct"]
+    return []
+
+
+def _check_method(cfg: RunConfig) -> list[str]:
+    lora, freeze = cfg.method.lora, cfg.method.freeze
+    problems = _positive(lora.r, "method.lora.r") + _positive(lora.alpha, "method.lora.alpha")
+    if not 0 <= lora.dropout < 1:
+        problems.append(f"method.lora.dropout = {lora.dropout} must be in [0, 1)")
+    if cfg.method.type == "freeze":
+        problems += _positive(freeze.trainable_layers, "method.freeze.trainable_layers",
+                              allow_zero=bool(freeze.trainable_modules))
+    if cfg.output.merge_lora and cfg.method.type != "lora":
+        problems.append(f"output.merge_lora = true needs method.type = lora "
+                        f"(it is {cfg.method.type}); remove output.merge_lora")
+    return problems
+
+
+def _check_data(cfg: RunConfig) -> list[str]:
+    data = cfg.data
+    problems = []
+    if not data.datasets:
+        problems.append("data.datasets is empty; list at least one dataset file or name")
+    if data.cutoff_len < 8:
+        problems.append(f"data.cutoff_len = {data.cutoff_len} must be >= 8 tokens")
+    if data.val_size < 0 or (data.val_size >= 1 and data.val_size != int(data.val_size)):
+        problems.append(f"data.val_size = {data.val_size} must be a fraction in [0, 1) "
+                        f"or a whole number of samples")
+    problems += _positive(data.num_proc, "data.num_proc")
+    for index, ds in enumerate(data.datasets):
+        if ds.format == "text" and cfg.train.stage == "sft":
+            problems.append(f"data.datasets.{index}.format = text has no assistant turns to "
+                            f"learn; use train.stage = pt, or a chat format for sft")
+        if ds.max_samples is not None:
+            problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
+    if data.dataset_dir is not None and not Path(data.dataset_dir).is_dir():
+        problems.append(f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
+                        f"hold a dataset_info.json")
+    return problems
+
+
+def _check_train(cfg: RunConfig) -> list[str]:
+    t = cfg.train
+    problems = _positive(t.micro_batch_size, "train.micro_batch_size")
+    problems += _positive(t.grad_accum, "train.grad_accum")
+    problems += _positive(t.lr, "train.lr")
+    problems += _positive(t.loss_chunk_size, "train.loss_chunk_size")
+    problems += _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
+    problems += _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
+    problems += _positive(t.max_grad_norm, "train.max_grad_norm", allow_zero=True)
+    problems += _positive(t.threads, "train.threads", allow_zero=True)
+    problems += _positive(t.eval_every, "train.eval_every", allow_zero=True)
+    if t.max_steps is None:
+        problems += _positive(t.epochs, "train.epochs")
+    else:
+        problems += _positive(t.max_steps, "train.max_steps")
+    if not 0 <= t.warmup_ratio < 1:
+        problems.append(f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
+    if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
+        problems.append(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1)")
+    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+        problems.append(f"train.resume = {t.resume!r} must be auto, never, or an existing "
+                        f"checkpoint folder")
+    return problems
+
+
+def _check_output(cfg: RunConfig) -> list[str]:
+    out = cfg.output
+    problems = _positive(out.log_every, "output.log_every")
+    problems += _positive(out.keep_last, "output.keep_last")
+    problems += _positive(out.save_every, "output.save_every", allow_zero=True)
+    if "tensorboard" in out.loggers and importlib.util.find_spec("tensorboard") is None:
+        problems.append("output.loggers includes tensorboard, which is not installed; "
+                        "pip install tensorboard (or keel[tensorboard]), or drop it")
+    return problems

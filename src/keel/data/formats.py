@@ -1,0 +1,257 @@
+"""Dataset formats: turn one row into a conversation (a list of {role, content}) or a text.
+
+Column and tag names use LLaMA-Factory's vocabulary, so a `dataset_info.json` entry and a
+`DatasetConfig.columns`/`tags` override mean the same thing:
+
+- alpaca: prompt=instruction, query=input, response=output, system, history
+  (history: [user, assistant] pairs before the current turn; query joins prompt with "\\n")
+- sharegpt: messages=conversations, system; tags from/value, human/gpt/system
+- messages (OpenAI): messages=messages; tags role/content, user/assistant/system
+- text: prompt=text (pretraining only)
+
+Problems with a row raise `RowError`; the pipeline turns them into report rejections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from difflib import get_close_matches
+
+from keel.errors import DataError
+
+FORMATS = ("messages", "sharegpt", "alpaca", "text")
+_MEDIA = ("images", "videos", "audios")
+DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
+    "alpaca": {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "system": "system",
+        "history": "history",
+    },
+    "sharegpt": {"messages": "conversations", "system": "system"},
+    "messages": {"messages": "messages", "system": "system"},
+    "text": {"prompt": "text"},
+}
+for _cols in DEFAULT_COLUMNS.values():
+    _cols.update({"tools": "tools", **{m: m for m in _MEDIA}})
+DEFAULT_TAGS: dict[str, dict[str, str]] = {
+    "sharegpt": {
+        "role_tag": "from",
+        "content_tag": "value",
+        "user_tag": "human",
+        "assistant_tag": "gpt",
+        "observation_tag": "observation",
+        "function_tag": "function_call",
+        "system_tag": "system",
+    },
+    "messages": {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+        "observation_tag": "tool",
+        "function_tag": "function",
+        "system_tag": "system",
+    },
+}
+COLUMN_KEYS = sorted({k for cols in DEFAULT_COLUMNS.values() for k in cols})
+TAG_KEYS = sorted(DEFAULT_TAGS["sharegpt"])
+
+
+class RowError(Exception):
+    """A row that cannot be used; the message is the reason shown in the report."""
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """A format with its effective column and tag names (defaults, then overrides)."""
+
+    format: str
+    columns: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def check_overrides(columns: dict, tags: dict, where: str) -> None:
+    """Refuse unknown column/tag keys, suggesting the closest valid one."""
+    problems = []
+    for kind, given, valid in (("columns", columns, COLUMN_KEYS), ("tags", tags, TAG_KEYS)):
+        for key in given:
+            if key not in valid:
+                close = get_close_matches(key, valid, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                problems.append(f"{kind}.{key} is not a known key{hint}; valid: {', '.join(valid)}")
+    if problems:
+        raise DataError(f"{where}: " + "; ".join(problems))
+
+
+def make_spec(fmt: str, columns: dict, tags: dict) -> FormatSpec:
+    """The spec for `fmt` with `columns`/`tags` laid over the defaults."""
+    return FormatSpec(
+        format=fmt,
+        columns={**DEFAULT_COLUMNS[fmt], **columns},
+        tags={**DEFAULT_TAGS.get(fmt, {}), **tags} if fmt in DEFAULT_TAGS else {},
+    )
+
+
+def detect_format(row: dict, columns: dict, tags: dict, where: str) -> str:
+    """Guess the format of a dataset from the columns of its first row."""
+    present = {k for k, v in row.items() if v is not None}
+    message_cols = [columns["messages"]] if "messages" in columns else ["messages", "conversations"]
+    for col in message_cols:
+        if col in present:
+            return _chat_flavour(row[col], col, tags)
+    if columns.get("prompt", "instruction") in present and columns.get("response", "output") in present:
+        return "alpaca"
+    if columns.get("prompt", "text") in present:
+        return "text"
+    raise DataError(
+        f"{where}: cannot detect the data format from the columns {sorted(row)}; expected "
+        f"'messages' (OpenAI), 'conversations' (sharegpt), 'instruction' + 'output' (alpaca) or "
+        f"'text' (pretraining). Set format: and columns: for this dataset in data.datasets"
+    )
+
+
+def _chat_flavour(conversation, col: str, tags: dict) -> str:
+    """sharegpt (from/value) or OpenAI messages (role/content), judged from the first message."""
+    if tags:
+        return "sharegpt"
+    first = conversation[0] if isinstance(conversation, list) and conversation else None
+    if isinstance(first, dict):
+        if "from" in first or "value" in first:
+            return "sharegpt"
+        if "role" in first or "content" in first:
+            return "messages"
+    return "sharegpt" if col == "conversations" else "messages"
+
+
+def row_to_example(row: dict, spec: FormatSpec) -> list[dict] | str:
+    """A validated conversation, or the text for the text format. Raises RowError."""
+    if spec.format == "text":
+        return _required_text(row, spec.columns["prompt"], what="text")
+    _refuse_unsupported(row, spec.columns)
+    if spec.format == "alpaca":
+        messages = _alpaca(row, spec.columns)
+    else:
+        messages = _chat(row, spec.columns, spec.tags)
+    validate_conversation(messages)
+    return messages
+
+
+def _refuse_unsupported(row: dict, columns: dict) -> None:
+    for key in _MEDIA:
+        col = columns.get(key)
+        if col and row.get(col):
+            raise RowError(f"has {key} (column '{col}'); multimodal data is not supported")
+    col = columns.get("tools")
+    if col and row.get(col) not in (None, "", "[]", []):
+        raise RowError(f"has tool definitions (column '{col}'); tool-calling data is not supported yet")
+
+
+def _required_text(row: dict, col: str, what: str = "field") -> str:
+    value = row.get(col)
+    if value is None:
+        raise RowError(f"missing field '{col}'")
+    if not isinstance(value, str):
+        raise RowError(f"field '{col}' must be text, got {type(value).__name__}")
+    if what == "text" and not value.strip():
+        raise RowError(f"empty text (field '{col}')")
+    return value
+
+
+def _optional_text(row: dict, col: str | None) -> str:
+    value = row.get(col) if col else None
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RowError(f"field '{col}' must be text, got {type(value).__name__}")
+    return value
+
+
+def _alpaca(row: dict, c: dict) -> list[dict]:
+    prompt = _required_text(row, c["prompt"])
+    response = _required_text(row, c["response"])
+    query = _optional_text(row, c.get("query"))
+    system = _optional_text(row, c.get("system"))
+    history = row.get(c.get("history")) if c.get("history") else None
+    messages = [{"role": "system", "content": system}] if system else []
+    for i, pair in enumerate(history or [], 1):
+        if not (isinstance(pair, list | tuple) and len(pair) == 2):
+            raise RowError(f"field '{c['history']}': item {i} must be a [user, assistant] pair")
+        if not all(isinstance(x, str) for x in pair):
+            raise RowError(f"field '{c['history']}': item {i} must hold two strings")
+        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    user = "\n".join(x for x in (prompt, query) if x)
+    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+    return messages
+
+
+def _chat(row: dict, c: dict, t: dict) -> list[dict]:
+    col = c["messages"]
+    conversation = row.get(col)
+    if conversation is None:
+        raise RowError(f"missing field '{col}'")
+    if not isinstance(conversation, list):
+        raise RowError(f"field '{col}' must be a list of messages, got {type(conversation).__name__}")
+    roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
+    tool_roles = {t["observation_tag"], t["function_tag"]}
+    messages = []
+    for i, m in enumerate(conversation, 1):
+        if not isinstance(m, dict):
+            raise RowError(f"message {i} of '{col}' is not an object")
+        role = m.get(t["role_tag"])
+        if role is None:
+            raise RowError(f"message {i} of '{col}': missing field '{t['role_tag']}'")
+        if role in tool_roles or m.get("tool_calls"):
+            raise RowError(
+                f"message {i} of '{col}' is a tool/function-call turn (role '{role}'); "
+                f"tool-calling data is not supported yet"
+            )
+        if role not in roles:
+            raise RowError(f"message {i} of '{col}': unknown role '{role}' (expected one of {', '.join(roles)})")
+        content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
+        messages.append({"role": roles[role], "content": content})
+    system = _optional_text(row, c.get("system"))
+    if system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def _message_content(content, i: int, tag: str, role: str) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""  # reported as an empty answer
+        raise RowError(f"message {i}: missing field '{tag}'")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RowError(f"message {i}: content part of type '{kind}' is not supported (text only)")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise RowError(f"message {i}: field '{tag}' must be text, got {type(content).__name__}")
+
+
+def validate_conversation(messages: list[dict]) -> None:
+    """Optional system, then user/assistant alternating from user, ending with assistant."""
+    roles = [m["role"] for m in messages]
+    shown = ", ".join(roles) if len(roles) <= 12 else ", ".join(roles[:12]) + ", ..."
+    rule = "roles must be: optional system, then user and assistant alternating, ending with assistant"
+    offset = 1 if roles[:1] == ["system"] else 0
+    if len(roles) == offset:
+        raise RowError("conversation has no user/assistant messages")
+    for j, role in enumerate(roles[offset:]):
+        expected = "user" if j % 2 == 0 else "assistant"
+        if role != expected:
+            pos = j + offset + 1
+            raise RowError(f"wrong role order: message {pos} is {role}, expected {expected}; {rule} (got: {shown})")
+    if roles[-1] != "assistant":
+        raise RowError(f"wrong role order: the conversation ends with {roles[-1]}; {rule} (got: {shown})")
+    for pos, m in enumerate(messages, 1):
+        if m["role"] != "system" and not m["content"].strip():
+            if m["role"] == "assistant":
+                raise RowError(f"empty answer (message {pos})")
+            raise RowError(f"empty {m['role']} message (message {pos})")

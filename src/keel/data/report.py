@@ -1,0 +1,146 @@
+"""The validation report: what was read from each file, what was kept, and why rows were not.
+
+The report is built before training starts and logged once; with `data.on_invalid: error`
+its text is the message of the `DataError`. It is stored as JSON beside the cached data so
+a cached run reports exactly what the first run found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MAX_LISTED = 50  # rejections (or over-length rows) listed in a message before "and N more"
+
+
+@dataclass
+class Rejection:
+    """One row that cannot be used. `row` is 1-based within its file; `line` is set for JSON."""
+
+    file: str
+    row: int | None
+    reason: str
+    line: int | None = None
+
+    def where(self) -> str:
+        parts = [self.file]
+        if self.row is not None:
+            parts.append(f"row {self.row}")
+        if self.line is not None:
+            parts.append(f"(line {self.line})" if self.row is not None else f"line {self.line}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return f"{self.where()}: {self.reason}"
+
+
+@dataclass
+class FileStats:
+    """Counts for one source file (or one saved `datasets` directory)."""
+
+    file: str
+    read: int = 0  # rows read (malformed JSON lines included)
+    kept: int = 0  # rows that became samples (truncated ones included)
+    truncated: int = 0
+    dropped: int = 0  # over cutoff_len with data.overlength=drop
+    rejected: int = 0
+
+
+@dataclass
+class SplitStats:
+    """What one split (train or eval) holds after packing."""
+
+    samples: int = 0
+    rows: int = 0
+    tokens: int = 0
+    targets: int = 0
+
+
+@dataclass
+class DataReport:
+    """Everything data preparation found, per file and in total."""
+
+    stage: str
+    template: str  # "tokenizer", "chatml", a .jinja path, or "none" (plain text only)
+    cutoff_len: int
+    overlength: str
+    on_invalid: str
+    packing: bool
+    files: list[FileStats] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+    train: SplitStats = field(default_factory=SplitStats)
+    eval: SplitStats | None = None
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(f.rejected for f in self.files)
+
+    def totals(self) -> FileStats:
+        total = FileStats(file="total")
+        for f in self.files:
+            total.read += f.read
+            total.kept += f.kept
+            total.truncated += f.truncated
+            total.dropped += f.dropped
+            total.rejected += f.rejected
+        return total
+
+    def format(self, max_listed: int = MAX_LISTED) -> str:
+        """A readable table: per-file counts, split sizes, then the rejected rows."""
+        lines = [
+            f"data: stage {self.stage}, template {self.template}, cutoff_len {self.cutoff_len}, "
+            f"overlength {self.overlength}, on_invalid {self.on_invalid}, "
+            f"packing {'on' if self.packing else 'off'}"
+        ]
+        lines += _file_table([*self.files, self.totals()])
+        for name, split in (("train", self.train), ("eval", self.eval)):
+            if split is not None and split.samples:
+                lines.append(
+                    f"  {name}: {split.samples:,} samples in {split.rows:,} rows, "
+                    f"{split.tokens:,} tokens, {split.targets:,} trained tokens"
+                )
+        if self.rejections:
+            if self.on_invalid == "skip":
+                head = "rejected rows (skipped, data.on_invalid=skip):"
+            else:
+                head = (
+                    "rejected rows (data.on_invalid=error): fix these rows, "
+                    "or set data.on_invalid: skip to train without them:"
+                )
+            lines.append(f"  {head}")
+            lines += list_capped([str(r) for r in self.rejections], max_listed)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DataReport:
+        d = dict(d)
+        d["files"] = [FileStats(**f) for f in d.get("files", [])]
+        d["rejections"] = [Rejection(**r) for r in d.get("rejections", [])]
+        d["train"] = SplitStats(**d.get("train", {}))
+        d["eval"] = SplitStats(**d["eval"]) if d.get("eval") else None
+        return cls(**d)
+
+
+def list_capped(items: list[str], max_listed: int = MAX_LISTED, indent: str = "    ") -> list[str]:
+    """Indented lines for at most `max_listed` items, then "and N more"."""
+    out = [f"{indent}{item}" for item in items[:max_listed]]
+    if len(items) > max_listed:
+        out.append(f"{indent}and {len(items) - max_listed} more")
+    return out
+
+
+def _file_table(rows: list[FileStats]) -> list[str]:
+    heads = ("file", "read", "kept", "truncated", "dropped", "rejected")
+    cells = [heads] + [
+        (r.file, str(r.read), str(r.kept), str(r.truncated), str(r.dropped), str(r.rejected))
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
+    out = []
+    for c in cells:
+        first = c[0].ljust(widths[0])
+        rest = "  ".join(v.rjust(w) for v, w in zip(c[1:], widths[1:]))
+        out.append(f"  {first}  {rest}")
+    return out

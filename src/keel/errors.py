@@ -1,0 +1,37 @@
+"""User-facing error types.
+
+Anything the user can fix (a config key, a data file, a path) raises a `KeelError`
+subclass; the CLI prints its message and exits with code 2, no traceback unless `--debug`.
+Internal invariants use `assert` instead.
+"""
+
+from __future__ import annotations
+
+
+class KeelError(Exception):
+    """Base class: a problem the user can fix. The message says what, where and how."""
+
+    exit_code = 2
+
+
+class ConfigError(KeelError):
+    """The config is invalid. Holds every problem found, not just the first."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        head = f"{len(self.problems)} problem(s){where}:"
+        super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
+
+
+class DataError(KeelError):
+    """The training data cannot be used as given (missing file, malformed rows, ...)."""
+
+
+class ModelError(KeelError):
+    """The model or tokenizer cannot be loaded or saved as asked."""
+
+
+class CheckpointError(KeelError):
+    """A checkpoint is missing, incomplete or does not match the run."""

@@ -1,0 +1,235 @@
+"""Choose what trains (full, freeze, LoRA), save the result, and load it back for inference.
+
+Saved directories are ones other tools read as they are: a PEFT adapter directory, or a
+full Hugging Face model directory in safetensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from keel.config.schema import BUNDLED_PREFIX, MethodConfig
+from keel.errors import ModelError
+from keel.models.bundled import resolve_model_path
+from keel.models.loading import load_model, load_tokenizer
+
+Log = Callable[[str], None]
+# Module types PEFT's LoRA can wrap; a target name must match at least one of them.
+_LORA_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; tied weights count once."""
+    params = list(model.parameters())  # parameters() already de-duplicates shared tensors
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    return trainable, sum(p.numel() for p in params)
+
+
+def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print) -> torch.nn.Module:
+    """Mark what trains according to `method.type` and return the model to train.
+
+    full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
+    modules named in `trainable_modules`. lora: a PEFT LoRA wrapper (a new PeftModel
+    around `model`). Unknown module names raise ModelError with the names that exist.
+    """
+    if method.type == "full":
+        model.requires_grad_(True)
+    elif method.type == "freeze":
+        _apply_freeze(model, method.freeze.trainable_layers, method.freeze.trainable_modules, log)
+    elif method.type == "lora":
+        model = _apply_lora(model, method, log)
+    else:
+        raise ModelError(f"method.type: unknown method {method.type!r}; use full, freeze or lora")
+    trainable, total = count_parameters(model)
+    log(f"method {method.type}: {trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)")
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of transformer blocks, in order."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ModelError(
+            f"cannot find the decoder layers of {type(model).__name__} "
+            "(looked at model.get_decoder().layers and model.model.layers); use method.type full or lora"
+        )
+    return layers
+
+
+def _matches(name: str, entry: str) -> bool:
+    # PEFT's rule, used for both freeze and LoRA: the exact qualified name or a dotted suffix.
+    return name == entry or name.endswith("." + entry)
+
+
+def _unknown_names(entries: list[str], names: list[str]) -> list[str]:
+    """One problem line per entry matching none of `names`, with the closest existing ones."""
+    suffixes = sorted({n.rsplit(".", 1)[-1] for n in names} | set(names))
+    problems = []
+    for entry in entries:
+        if not any(_matches(n, entry) for n in names):
+            close = difflib.get_close_matches(entry, suffixes, n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            problems.append(f"{entry!r}{hint}")
+    return problems
+
+
+def _apply_freeze(model, trainable_layers: int, trainable_modules: list[str], log: Log) -> None:
+    layers = decoder_layers(model)
+    if not 0 <= trainable_layers <= len(layers):
+        raise ModelError(
+            f"method.freeze.trainable_layers: {trainable_layers} is outside 0..{len(layers)} "
+            f"(the model has {len(layers)} decoder layers)"
+        )
+    names = [n for n, _ in model.named_modules() if n]
+    unknown = _unknown_names(trainable_modules, names)
+    if unknown:
+        raise ModelError(
+            f"method.freeze.trainable_modules: no module named {'; '.join(unknown)} in "
+            f"{type(model).__name__}"
+        )
+    model.requires_grad_(False)
+    for layer in layers[len(layers) - trainable_layers :]:
+        layer.requires_grad_(True)
+    for name, module in model.named_modules():
+        if any(_matches(name, entry) for entry in trainable_modules):
+            module.requires_grad_(True)
+    if count_parameters(model)[0] == 0:
+        raise ModelError(
+            "method.freeze: nothing would train; set trainable_layers > 0 or list trainable_modules"
+        )
+    if getattr(model.config, "tie_word_embeddings", False) and any(
+        _matches("lm_head", e) or e.endswith("embed_tokens") for e in trainable_modules
+    ):
+        log("note: lm_head and the input embeddings share one weight here, so both train")
+
+
+def lora_target_names(model: torch.nn.Module) -> list[str]:
+    """Sorted short names of the modules LoRA could wrap (e.g. q_proj, v_proj)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)})
+
+
+def _apply_lora(model, method: MethodConfig, log: Log):
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    cfg = method.lora
+    targets = cfg.targets
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = [targets]
+    if isinstance(targets, list):
+        wrappable = [n for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)]
+        unknown = _unknown_names(targets, wrappable)
+        if unknown:
+            raise ModelError(
+                f"method.lora.targets: no linear module named {'; '.join(unknown)}; this model has: "
+                f"{', '.join(lora_target_names(model))} (or use all-linear)"
+            )
+    peft_config = LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type=TaskType.CAUSAL_LM,
+    )
+    peft_model = get_peft_model(model, peft_config)
+    log(f"LoRA r={cfg.r} alpha={cfg.alpha} on: {', '.join(sorted(peft_model.peft_config['default'].target_modules))}")
+    return peft_model
+
+
+def _is_peft(model) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def save_model_dir(model, tokenizer, out_dir: Path, *, merged: bool = False) -> None:
+    """Write `model` and `tokenizer` to `out_dir` in formats other tools load directly.
+
+    A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors);
+    with merged=True a copy is merged instead and written as a full HF model, leaving the live
+    model untouched. A plain model is written as a full HF model in safetensors. Pass the
+    underlying module, not a DDP/FSDP wrapper.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if _is_peft(model) and merged:
+        # merge_and_unload rewrites the base weights in place; the live model keeps training,
+        # so merge a copy (costs one extra model in memory for the duration of the save).
+        merged_model = copy.deepcopy(model).merge_and_unload()
+        merged_model.save_pretrained(str(out_dir))
+        del merged_model
+    elif _is_peft(model):
+        for cfg in model.peft_config.values():
+            base = cfg.base_model_name_or_path
+            # Relative base paths break `keel chat --model <out_dir>` from another directory.
+            if base and Path(base).is_dir():
+                cfg.base_model_name_or_path = str(Path(base).resolve())
+        model.save_pretrained(str(out_dir))
+    else:
+        model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def load_for_inference(
+    model: str,
+    adapter: str | None,
+    *,
+    cache_dir: str | Path,
+    dtype: torch.dtype | None = torch.float32,
+    log: Log = print,
+):
+    """Load (model, tokenizer) in eval mode for chat or serving.
+
+    `model` is "bundled:NAME", a full HF model dir, or a keel output dir holding an adapter
+    (adapter_config.json; its base_model_name_or_path is loaded under it). `adapter` is an
+    adapter dir to put on top of a full model. The tokenizer comes from the adapter dir when
+    it has one (keel saves it there), else from the base.
+    """
+    adapter_dir = Path(adapter).expanduser() if adapter else None
+    model_path = Path(model).expanduser()
+    if not model.startswith(BUNDLED_PREFIX) and (model_path / "adapter_config.json").is_file():
+        if adapter_dir is not None:
+            raise ModelError(
+                f"--model {model} already holds an adapter; can't also pass --adapter {adapter}. "
+                "Pass the base model as --model, or drop --adapter."
+            )
+        adapter_dir = model_path
+        model = _adapter_base(adapter_dir)
+    if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
+        raise ModelError(f"--adapter {adapter_dir}: no adapter_config.json there; give a PEFT adapter dir")
+    base_dir = resolve_model_path(model, cache_dir, log)
+    net = load_model(base_dir, dtype=dtype)
+    tokenizer_dir = base_dir
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        log(f"loading adapter {adapter_dir} on {base_dir}")
+        net = PeftModel.from_pretrained(net, str(adapter_dir))
+        if (adapter_dir / "tokenizer_config.json").is_file():
+            tokenizer_dir = adapter_dir
+    net.eval()
+    return net, load_tokenizer(tokenizer_dir)
+
+
+def _adapter_base(adapter_dir: Path) -> str:
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ModelError(
+            f"{adapter_dir}/adapter_config.json names no base model; "
+            f"pass --model BASE_DIR --adapter {adapter_dir}"
+        )
+    if not base.startswith(BUNDLED_PREFIX) and not Path(base).expanduser().is_dir():
+        raise ModelError(
+            f"the base model of adapter {adapter_dir} ({base}) is not a local directory; "
+            f"pass --model BASE_DIR --adapter {adapter_dir}"
+        )
+    return base

@@ -1,0 +1,79 @@
+"""Load Hugging Face tokenizers and causal-LM models from a local directory.
+
+Paths reaching these functions are already resolved (see `keel.models.bundled`); nothing
+here downloads. Loader failures become `ModelError`s that name the directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from keel.errors import ModelError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """Map a config dtype name to a torch dtype; "auto" gives None (the caller decides)."""
+    if name == "auto":
+        return None
+    if name not in _DTYPES:
+        raise ModelError(
+            f"model.dtype: unknown dtype {name!r}; use one of auto, {', '.join(_DTYPES)}"
+        )
+    return _DTYPES[name]
+
+
+def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False):
+    """Load the tokenizer saved in `model_dir`; pad_token falls back to eos_token.
+
+    Batching needs a pad token; many chat models ship none. Padding positions are masked
+    out of attention and loss, so reusing eos is safe.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ModelError(f"cannot load a tokenizer from {model_dir}: {e}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(
+                f"the tokenizer in {model_dir} has neither a pad_token nor an eos_token; "
+                "set one in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype | None,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+):
+    """Load an `AutoModelForCausalLM` from `model_dir` on the CPU, in `dtype`.
+
+    dtype None keeps the dtype stored in the checkpoint. The model is left in whatever mode
+    transformers gives it; training and inference callers set train()/eval() themselves.
+    """
+    from transformers import AutoModelForCausalLM
+
+    # An absolute path ends up in model.name_or_path, which PEFT copies into
+    # adapter_config.json as base_model_name_or_path: `keel chat --model <output_dir>`
+    # must find the base from any working directory.
+    source = str(Path(model_dir).expanduser().resolve())
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype if dtype is not None else "auto",
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelError(f"cannot load a causal-LM model from {source}: {e}") from e

@@ -1,0 +1,113 @@
+"""Config loading: YAML, overrides, and every problem reported at once with a fix."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.config import load_config
+from keel.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data) if isinstance(data, dict) else data)
+    return path
+
+
+def minimal(tmp_path, **sections):
+    cfg = {"model": {"path": "bundled:smollm2-135m-instruct"},
+           "data": {"datasets": ["d.json"]}, "output": {"dir": str(tmp_path / "out")}}
+    cfg.update(sections)
+    return cfg
+
+
+def test_minimal_config_gets_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, minimal(tmp_path)))
+    assert cfg.method.type == "lora" and cfg.method.lora.targets == "all-linear"
+    assert cfg.data.datasets[0].path == "d.json" and cfg.data.datasets[0].format == "auto"
+    assert cfg.train.precision == "auto" and cfg.train.lr == 2e-4
+
+
+def test_overrides_set_nested_and_list_values(tmp_path):
+    cfg = load_config(write(tmp_path, minimal(tmp_path)),
+                      ["train.lr=1e-4", "data.packing=true", "data.datasets.0.format=alpaca",
+                       "method.lora.targets=[q_proj, v_proj]", "train.max_steps=7"])
+    assert cfg.train.lr == pytest.approx(1e-4)
+    assert cfg.data.packing is True
+    assert cfg.data.datasets[0].format == "alpaca"
+    assert cfg.method.lora.targets == ["q_proj", "v_proj"]
+    assert cfg.train.max_steps == 7
+
+
+def test_all_problems_reported_at_once_with_lines_and_suggestions(tmp_path):
+    text = """model:
+  path: bundled:smollm2-135m-instruct
+  dtyp: float32
+method:
+  type: lorra
+data:
+  datasets: [d.json]
+  cutof_len: 512
+train:
+  micro_batch_size: two
+output:
+  dir: out
+"""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), ["train.seed=abc"])
+    problems = info.value.problems
+    assert len(problems) == 5, problems
+    joined = "\n".join(problems)
+    assert "model.dtyp" in joined and "did you mean 'model.dtype'" in joined and "run.yaml:3" in joined
+    assert "data.cutof_len" in joined and "did you mean 'data.cutoff_len'" in joined
+    assert "'lorra' is not one of full, freeze, lora; did you mean 'lora'" in joined
+    assert "train.micro_batch_size (" in joined and "must be an integer" in joined
+    assert "train.seed (command line)" in joined
+
+
+def test_missing_required_sections_are_named_with_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, {"train": {"lr": 0.1}}))
+    joined = "\n".join(info.value.problems)
+    for key in ("'model'", "'data'", "'output'"):
+        assert key in joined
+
+
+def test_cross_field_rules(tmp_path):
+    data = minimal(tmp_path, train={"lr": -1, "micro_batch_size": 0, "warmup_ratio": 1.5,
+                                    "stage": "sft"},
+                   output={"dir": "o", "merge_lora": True, "log_every": 0})
+    data["method"] = {"type": "full"}
+    data["data"]["datasets"] = [{"path": "t.txt", "format": "text"}]
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data))
+    joined = "\n".join(info.value.problems)
+    for needle in ("train.lr = -1", "train.micro_batch_size = 0", "train.warmup_ratio",
+                   "output.merge_lora", "output.log_every", "format = text"):
+        assert needle in joined, needle
+
+
+def test_bad_yaml_and_bad_override(tmp_path):
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "model: [unclosed"))
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(write(tmp_path, minimal(tmp_path)), ["train.lr"])
+    with pytest.raises(ConfigError, match="unknown key train.lrr"):
+        load_config(write(tmp_path, minimal(tmp_path)), ["train.lrr=1"])
+
+
+def test_missing_model_dir_is_reported(tmp_path):
+    data = minimal(tmp_path)
+    data["model"]["path"] = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="model.path .* does not exist"):
+        load_config(write(tmp_path, data))
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_example_parses(path, monkeypatch):
+    monkeypatch.chdir(EXAMPLES.parent)
+    cfg = load_config(path)
+    assert cfg.output.dir

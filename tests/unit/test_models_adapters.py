@@ -1,0 +1,161 @@
+"""keel.models.adapters: full/freeze/LoRA, saving, and reloading with the same logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import build_tiny_model
+
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
+from keel.errors import ModelError
+from keel.models.adapters import apply_method, count_parameters, load_for_inference, save_model_dir
+from keel.models.loading import load_model, load_tokenizer
+
+IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])  # [1, T]
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits  # [1, T, V]
+
+
+def lora_method(targets="all-linear", r=4) -> MethodConfig:
+    return MethodConfig(type="lora", lora=LoraConfig(r=r, alpha=8.0, dropout=0.0, targets=targets))
+
+
+def randomize_lora_b(model, seed: int = 0) -> None:
+    # PEFT starts lora_B at zero (the adapter is a no-op); parity tests need a real delta.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+@pytest.fixture
+def base(tiny_model_dir):
+    return load_model(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def test_full_trains_everything():
+    model = build_tiny_model(320)
+    model.requires_grad_(False)
+    model = apply_method(model, MethodConfig(type="full"), log=lambda s: None)
+    trainable, total = count_parameters(model)
+    assert trainable == total > 0
+
+
+def test_freeze_trains_last_layers_and_named_modules():
+    model = build_tiny_model(320, layers=3)
+    method = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=1, trainable_modules=["norm"]))
+    logs = []
+    model = apply_method(model, method, log=logs.append)
+    expected = {n for n, _ in model.named_parameters() if n.startswith("model.layers.2.")} | {"model.norm.weight"}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+    assert any("trainable" in line for line in logs)
+    model(IDS, labels=IDS).loss.backward()  # frozen parameters really get no gradient
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (name in expected), name
+
+
+def test_freeze_bad_names_suggest_close_ones():
+    method = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=1, trainable_modules=["lm_haed", "norm"]))
+    with pytest.raises(ModelError, match=r"'lm_haed' \(did you mean lm_head"):
+        apply_method(build_tiny_model(320), method)
+    too_many = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=5))
+    with pytest.raises(ModelError, match="outside 0..2"):
+        apply_method(build_tiny_model(320), too_many)
+
+
+def test_lora_counts_match_formula():
+    from peft import PeftModel
+
+    model = build_tiny_model(320)
+    shapes = [m.weight.shape for n, m in model.named_modules() if n.endswith(("q_proj", "v_proj"))]
+    peft_model = apply_method(model, lora_method(["q_proj", "v_proj"]), log=lambda s: None)
+    assert isinstance(peft_model, PeftModel)
+    trainable, total = count_parameters(peft_model)
+    assert trainable == sum(4 * (out_f + in_f) for out_f, in_f in shapes)
+    assert all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+
+
+def test_lora_all_linear_skips_lm_head():
+    peft_model = apply_method(build_tiny_model(320), lora_method(), log=lambda s: None)
+    targets = peft_model.peft_config["default"].target_modules
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_lora_unknown_target_lists_model_names():
+    with pytest.raises(ModelError, match=r"'q_prj' \(did you mean q_proj.*this model has: .*down_proj"):
+        apply_method(build_tiny_model(320), lora_method(["q_prj", "v_proj"]))
+
+
+def test_adapter_save_reload_parity(base, tiny_model_dir, tiny_tokenizer, tmp_path):
+    from peft import PeftModel
+
+    live = apply_method(base, lora_method(), log=lambda s: None)
+    randomize_lora_b(live)
+    save_model_dir(live, tiny_tokenizer, tmp_path / "out")
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_model_dir.resolve())
+    reloaded = PeftModel.from_pretrained(load_model(tiny_model_dir, dtype=torch.float32), tmp_path / "out")
+    torch.testing.assert_close(logits(reloaded.eval()), logits(live), atol=1e-6, rtol=0)
+
+
+def test_merged_lora_matches_and_live_model_stays_unmerged(base, tiny_tokenizer, tmp_path):
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from transformers import AutoModelForCausalLM
+
+    live = apply_method(base, lora_method(), log=lambda s: None)
+    randomize_lora_b(live)
+    before = logits(live)
+    assert not torch.allclose(before, logits(live.get_base_model().__class__(live.config)), atol=1e-3)
+    save_model_dir(live, tiny_tokenizer, tmp_path / "merged", merged=True)
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(merged), before, atol=1e-5, rtol=0)
+    assert isinstance(live, PeftModel)
+    layers = [m for m in live.modules() if isinstance(m, LoraLayer)]
+    assert layers and not any(m.merged for m in layers)
+    torch.testing.assert_close(logits(live), before, atol=0, rtol=0)
+
+
+def test_full_save_reload_parity(tiny_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model(len(tiny_tokenizer)).eval()
+    save_model_dir(model, tiny_tokenizer, tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(reloaded), logits(model), atol=0, rtol=0)
+    assert load_tokenizer(tmp_path).chat_template == tiny_tokenizer.chat_template
+
+
+def test_load_for_inference_from_output_dir(base, tiny_model_dir, tiny_tokenizer, tmp_path):
+    from peft import PeftModel
+
+    live = apply_method(base, lora_method(["q_proj"]), log=lambda s: None)
+    randomize_lora_b(live)
+    out = tmp_path / "run"
+    save_model_dir(live, tiny_tokenizer, out)
+    quiet = {"cache_dir": tmp_path / "cache", "log": lambda s: None}
+    model, tokenizer = load_for_inference(str(out), None, **quiet)
+    assert isinstance(model, PeftModel) and not model.training
+    assert tokenizer.pad_token == tiny_tokenizer.pad_token
+    torch.testing.assert_close(logits(model), logits(live), atol=1e-6, rtol=0)
+    model2, _ = load_for_inference(str(tiny_model_dir), str(out), **quiet)
+    torch.testing.assert_close(logits(model2), logits(live), atol=1e-6, rtol=0)
+    with pytest.raises(ModelError, match="can't also pass --adapter"):
+        load_for_inference(str(out), str(out), **quiet)
+    with pytest.raises(ModelError, match="no adapter_config.json"):
+        load_for_inference(str(tiny_model_dir), str(tmp_path), **quiet)
+
+
+def test_load_for_inference_plain_dir(tiny_model_dir, tmp_path):
+    model, _ = load_for_inference(str(tiny_model_dir), None, cache_dir=tmp_path, log=lambda s: None)
+    assert not model.training and next(model.parameters()).dtype is torch.float32
