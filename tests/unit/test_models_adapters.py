@@ -49,10 +49,14 @@ def test_full_trains_everything():
 
 def test_freeze_trains_last_layers_and_named_modules():
     model = build_tiny_model(320, layers=3)
-    method = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=1, trainable_modules=["norm"]))
+    method = MethodConfig(
+        type="freeze", freeze=FreezeConfig(trainable_layers=1, trainable_modules=["norm"])
+    )
     logs = []
     model = apply_method(model, method, log=logs.append)
-    expected = {n for n, _ in model.named_parameters() if n.startswith("model.layers.2.")} | {"model.norm.weight"}
+    expected = {n for n, _ in model.named_parameters() if n.startswith("model.layers.2.")} | {
+        "model.norm.weight"
+    }
     assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
     assert any("trainable" in line for line in logs)
     model(IDS, labels=IDS).loss.backward()  # frozen parameters really get no gradient
@@ -61,7 +65,10 @@ def test_freeze_trains_last_layers_and_named_modules():
 
 
 def test_freeze_bad_names_suggest_close_ones():
-    method = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=1, trainable_modules=["lm_haed", "norm"]))
+    method = MethodConfig(
+        type="freeze",
+        freeze=FreezeConfig(trainable_layers=1, trainable_modules=["lm_haed", "norm"]),
+    )
     with pytest.raises(ModelError, match=r"'lm_haed' \(did you mean lm_head"):
         apply_method(build_tiny_model(320), method)
     too_many = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=5))
@@ -83,12 +90,14 @@ def test_lora_counts_match_formula():
 
 def test_lora_all_linear_skips_lm_head():
     peft_model = apply_method(build_tiny_model(320), lora_method(), log=lambda s: None)
-    targets = peft_model.peft_config["default"].target_modules
-    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    short = {t.rsplit(".", 1)[-1] for t in peft_model.peft_config["default"].target_modules}
+    assert short == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
 def test_lora_unknown_target_lists_model_names():
-    with pytest.raises(ModelError, match=r"'q_prj' \(did you mean q_proj.*this model has: .*down_proj"):
+    with pytest.raises(
+        ModelError, match=r"'q_prj' \(did you mean q_proj.*this model has: .*down_proj"
+    ):
         apply_method(build_tiny_model(320), lora_method(["q_prj", "v_proj"]))
 
 
@@ -102,7 +111,9 @@ def test_adapter_save_reload_parity(base, tiny_model_dir, tiny_tokenizer, tmp_pa
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= names
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tiny_model_dir.resolve())
-    reloaded = PeftModel.from_pretrained(load_model(tiny_model_dir, dtype=torch.float32), tmp_path / "out")
+    reloaded = PeftModel.from_pretrained(
+        load_model(tiny_model_dir, dtype=torch.float32), tmp_path / "out"
+    )
     torch.testing.assert_close(logits(reloaded.eval()), logits(live), atol=1e-6, rtol=0)
 
 
@@ -114,7 +125,8 @@ def test_merged_lora_matches_and_live_model_stays_unmerged(base, tiny_tokenizer,
     live = apply_method(base, lora_method(), log=lambda s: None)
     randomize_lora_b(live)
     before = logits(live)
-    assert not torch.allclose(before, logits(live.get_base_model().__class__(live.config)), atol=1e-3)
+    with live.disable_adapter():  # the adapter must really change the output
+        assert not torch.allclose(before, logits(live), atol=1e-3)
     save_model_dir(live, tiny_tokenizer, tmp_path / "merged", merged=True)
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()

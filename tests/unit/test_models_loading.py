@@ -19,7 +19,9 @@ def test_torch_dtype_names():
 
 
 def test_load_tokenizer_falls_back_to_eos_for_pad(tmp_path, tiny_tokenizer):
-    tok = tiny_tokenizer.__class__(tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|im_end|>")
+    tok = tiny_tokenizer.__class__(
+        tokenizer_object=tiny_tokenizer.backend_tokenizer, eos_token="<|im_end|>"
+    )
     assert tok.pad_token is None
     tok.save_pretrained(tmp_path)
     loaded = load_tokenizer(tmp_path)

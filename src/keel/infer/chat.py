@@ -24,7 +24,9 @@ def _writer(output: TextIO) -> Callable[[str], None]:
     return write
 
 
-def chat_once(model, tokenizer, prompt: str, *, system: str | None, output: TextIO | None = None, **gen) -> str:
+def chat_once(
+    model, tokenizer, prompt: str, *, system: str | None, output: TextIO | None = None, **gen
+) -> str:
     """Answer one prompt, streaming the reply to `output` (default stdout); return the reply.
 
     `gen` goes to `generate_reply` (max_new_tokens, temperature, top_p).

@@ -21,7 +21,12 @@ from keel.models.loading import load_model, load_tokenizer
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA can wrap; a target name must match at least one of them.
-_LORA_TYPES: tuple[type, ...] = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+_LORA_TYPES: tuple[type, ...] = (
+    torch.nn.Linear,
+    torch.nn.Embedding,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+)
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -47,7 +52,9 @@ def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print)
     else:
         raise ModelError(f"method.type: unknown method {method.type!r}; use full, freeze or lora")
     trainable, total = count_parameters(model)
-    log(f"method {method.type}: {trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)")
+    log(
+        f"method {method.type}: {trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)"
+    )
     return model
 
 
@@ -114,7 +121,9 @@ def _apply_freeze(model, trainable_layers: int, trainable_modules: list[str], lo
 
 def lora_target_names(model: torch.nn.Module) -> list[str]:
     """Sorted short names of the modules LoRA could wrap (e.g. q_proj, v_proj)."""
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)})
+    return sorted(
+        {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)}
+    )
 
 
 def _apply_lora(model, method: MethodConfig, log: Log):
@@ -140,7 +149,9 @@ def _apply_lora(model, method: MethodConfig, log: Log):
         task_type=TaskType.CAUSAL_LM,
     )
     peft_model = get_peft_model(model, peft_config)
-    log(f"LoRA r={cfg.r} alpha={cfg.alpha} on: {', '.join(sorted(peft_model.peft_config['default'].target_modules))}")
+    # PEFT expands all-linear into every qualified name; short names keep the log one line.
+    wrapped = {t.rsplit(".", 1)[-1] for t in peft_model.peft_config["default"].target_modules}
+    log(f"LoRA r={cfg.r} alpha={cfg.alpha} on: {', '.join(sorted(wrapped))}")
     return peft_model
 
 
@@ -204,7 +215,9 @@ def load_for_inference(
         adapter_dir = model_path
         model = _adapter_base(adapter_dir)
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
-        raise ModelError(f"--adapter {adapter_dir}: no adapter_config.json there; give a PEFT adapter dir")
+        raise ModelError(
+            f"--adapter {adapter_dir}: no adapter_config.json there; give a PEFT adapter dir"
+        )
     base_dir = resolve_model_path(model, cache_dir, log)
     net = load_model(base_dir, dtype=dtype)
     tokenizer_dir = base_dir

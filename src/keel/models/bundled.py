@@ -50,7 +50,9 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 }
 
 
-def resolve_model_path(path: str, cache_dir: str | Path, log: Callable[[str], None] = print) -> Path:
+def resolve_model_path(
+    path: str, cache_dir: str | Path, log: Callable[[str], None] = print
+) -> Path:
     """Turn `model.path` into a local HF model directory.
 
     "bundled:NAME" converts the bundled GGUF once into <cache_dir>/models/NAME and returns

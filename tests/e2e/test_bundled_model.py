@@ -1,0 +1,76 @@
+"""The real bundled SmolLM2-135M-Instruct: convert once from GGUF, reload plainly, chat."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from keel.infer.generate import generate_reply
+from keel.models.adapters import load_for_inference
+from keel.models.bundled import MARKER_FILE, resolve_model_path
+
+pytestmark = pytest.mark.slow
+MODEL = "bundled:smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("keel-cache")
+
+
+@pytest.fixture(scope="module")
+def converted(cache_dir):
+    """Convert once for the module (about 30 s on a 2-core CPU)."""
+    return resolve_model_path(MODEL, cache_dir, log=lambda s: None)
+
+
+def test_conversion_verified(converted, cache_dir):
+    assert converted == cache_dir / "models" / "smollm2-135m-instruct"
+    marker = json.loads((converted / MARKER_FILE).read_text())
+    assert marker["max_abs_diff"] < 1e-4
+    assert (
+        marker["source"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and marker["source_size"] > 0
+    )
+    assert [p.name for p in cache_dir.joinpath("models").iterdir()] == [converted.name]
+
+
+def test_loads_with_plain_transformers(converted):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32)
+    assert getattr(model, "hf_quantizer", None) is None and not getattr(
+        model, "is_quantized", False
+    )
+    assert getattr(model.config, "quantization_config", None) is None
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    cfg = model.config
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (49152, 30, 576)
+    assert cfg.tie_word_embeddings
+    tokenizer = AutoTokenizer.from_pretrained(converted)
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert "SmolLM" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False
+    )
+
+
+def test_generate_who_are_you(converted, cache_dir):
+    model, tokenizer = load_for_inference(MODEL, None, cache_dir=cache_dir, log=lambda s: None)
+    pieces = []
+    reply = generate_reply(
+        model,
+        tokenizer,
+        [{"role": "user", "content": "Who are you?"}],
+        max_new_tokens=32,
+        stream=pieces.append,
+    )
+    assert reply.strip() and "".join(pieces) == reply
+    assert "<|im_end|>" not in reply
+
+
+def test_second_resolve_is_fast(converted, cache_dir):
+    start = time.perf_counter()
+    assert resolve_model_path(MODEL, cache_dir, log=lambda s: None) == converted
+    assert time.perf_counter() - start < 1.0

@@ -1,0 +1,117 @@
+"""Whole runs on a tiny model: outputs, resume parity, atomic checkpoints, output-dir safety."""
+
+import json
+
+import pytest
+
+from keel.config import load_config
+from keel.errors import DataError, KeelError
+from keel.train import checkpoint as ckpt
+from keel.train.run import run_training
+
+QA = [("Who are you?", "I am Keel, a small assistant."), ("What is your name?", "My name is Keel."),
+      ("Add 2 and 3.", "5"), ("Say hello in French.", "Bonjour."),
+      ("Give a healthy tip.", "Sleep enough and move every day."),
+      ("Name a color.", "Blue."), ("What is 3 times 4?", "12"), ("Are you ChatGPT?", "No, I am Keel.")]
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA * 2]))
+    return path
+
+
+def config(model_dir, data_file, out, *overrides, method="lora"):
+    base = {"model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+            "method": {"type": method, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
+            "data": {"datasets": [str(data_file)], "cutoff_len": 128, "val_size": 2},
+            "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
+                      "precision": "fp32", "threads": 1, "warmup_steps": 1},
+            "output": {"dir": str(out), "save_every": 2, "keep_last": 2}}
+    return load_config(None, list(overrides), base=base)
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, method):
+    full = run_training(config(tiny_model_dir, data_file, tmp_path / "a", method=method), log=quiet)
+    assert len(full.losses) == 6
+
+    def crash_at_5(step, _record):
+        if step == 5:
+            raise Crash()
+
+    cfg_b = config(tiny_model_dir, data_file, tmp_path / "b", method=method)
+    with pytest.raises(Crash):
+        run_training(cfg_b, log=quiet, on_step_end=crash_at_5)
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "b")] == \
+        ["step-00000002", "step-00000004"]
+    resumed = run_training(cfg_b, log=quiet)
+    assert len(resumed.losses) == 2  # steps 5 and 6, from the step-4 checkpoint
+    assert resumed.losses == pytest.approx(full.losses[4:], rel=1e-6, abs=1e-7)
+    steps = [r["step"] for r in map(json.loads, (tmp_path / "b/metrics.jsonl").open())
+             if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_outputs_of_a_finished_run(tiny_model_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    result = run_training(config(tiny_model_dir, data_file, out, "output.merge_lora=true",
+                                 "output.loggers=[jsonl, tensorboard]"), log=quiet)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for key in ("step", "loss", "lr", "tokens_per_s", "grad_norm", "rss_mb"):
+        assert key in train[0]
+    assert any("eval_loss" in r and "eval_ppl" in r for r in records)
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert (out / "merged/config.json").is_file()
+    assert (out / "loss.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    summary = json.loads((out / "keel_run.json").read_text())
+    assert summary["steps"] == 6 and summary["real_tokens"] > 0 and summary["peak_rss_mb"] > 0
+    assert result.summary == summary
+    assert len(ckpt.complete_checkpoints(out)) == 2  # keep_last
+
+
+def test_crash_mid_save_never_looks_complete(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+
+    def broken_commit(tmp, final):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "commit_dir", broken_commit)
+    with pytest.raises(OSError):
+        run_training(config(tiny_model_dir, data_file, out), log=quiet)
+    assert ckpt.complete_checkpoints(out) == []
+    assert (out / "checkpoints/.tmp-step-00000002").is_dir()
+    monkeypatch.undo()
+    result = run_training(config(tiny_model_dir, data_file, out), log=quiet)
+    assert len(result.losses) == 6  # started over: the partial save was not a checkpoint
+    assert not (out / "checkpoints/.tmp-step-00000002").exists()
+
+
+def test_bad_data_leaves_no_output_dir(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "hi", "output": "hello"}\n{"instruction": \n')
+    out = tmp_path / "never"
+    with pytest.raises(DataError, match="line 2"):
+        run_training(config(tiny_model_dir, bad, out), log=quiet)
+    assert not out.exists()
+
+
+def test_non_empty_output_dir_is_refused(tiny_model_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    with pytest.raises(KeelError, match="not empty"):
+        run_training(config(tiny_model_dir, data_file, out, "train.resume=never"), log=quiet)
+    assert (out / "precious.txt").read_text() == "keep me"

@@ -1,0 +1,109 @@
+"""The training step: token-level normalisation, packed == unpacked, fast head == HF forward."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from keel.config import DataConfig, DatasetConfig
+from keel.data import collate, prepare_data
+from keel.train.loop import StepPlan, Trainer
+from keel.train.objective import CausalLMObjective
+from keel.train.precision import Precision
+
+ROWS = [
+    {"instruction": "Who are you?", "input": "", "output": "I am Keel."},
+    {"instruction": "Give three tips for staying healthy.", "input": "",
+     "output": "Eat well, sleep enough, and move every day. Drink water."},
+    {"instruction": "Translate to French", "input": "hello world", "output": "Bonjour le monde."},
+    {"instruction": "What is your name?", "input": "", "output": "My name is Keel."},
+    {"instruction": "Add", "input": "2 + 3", "output": "5"},
+]
+
+
+def rows_of(dataset):
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def prepared(tokenizer, tmp_path, *, packing: bool, cutoff_len: int = 256):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(ROWS))
+    cfg = DataConfig(datasets=[DatasetConfig(path=str(path), format="alpaca")],
+                     cutoff_len=cutoff_len, packing=packing)
+    return prepare_data(cfg, tokenizer, stage="sft", cache_dir=tmp_path / "cache",
+                        base_dir=tmp_path, seed=0, log=lambda _m: None)
+
+
+def make_trainer(model, lr=1.0):
+    objective = CausalLMObjective(model, chunk_size=7)
+    optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
+    return Trainer(objective=objective, optimizer=optimizer, scheduler=scheduler,
+                   precision=Precision("fp32", "test"), device=torch.device("cpu"), pad_id=0,
+                   max_grad_norm=0.0)
+
+
+def test_packed_loss_equals_unpacked(tiny_tokenizer, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    objective = CausalLMObjective(model)
+    packed = rows_of(prepared(tiny_tokenizer, tmp_path / "p", packing=True).train)
+    unpacked = rows_of(prepared(tiny_tokenizer, tmp_path / "u", packing=False).train)
+    assert len(packed) < len(unpacked) == len(ROWS)
+    with torch.no_grad():
+        loss_p, n_p = objective(collate(packed, tiny_tokenizer.pad_token_id))
+        loss_u, n_u = objective(collate(unpacked, tiny_tokenizer.pad_token_id))
+    assert int(n_p) == int(n_u) > 0
+    torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_head_matches_hugging_face_forward(tiny_tokenizer, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    batch = collate(rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train),
+                    tiny_tokenizer.pad_token_id)
+    fast = CausalLMObjective(model)
+    assert fast.fast_head
+    slow = CausalLMObjective(model)
+    slow.fast_head = False
+    with torch.no_grad():
+        torch.testing.assert_close(fast(batch)[0], slow(batch)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir, tmp_path):
+    """Two uneven micro-batches must give the update of one batch holding all rows."""
+    from transformers import AutoModelForCausalLM
+
+    rows = rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train)
+    counts = [r["num_targets"] for r in rows]
+    assert len(set(counts)) > 1  # uneven, or the test could not tell the two rules apart
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    one, accum = copy.deepcopy(base), copy.deepcopy(base)
+    r_one = make_trainer(one).train_step([rows])
+    r_acc = make_trainer(accum).train_step([rows[:1], rows[1:]])
+    assert r_one.loss == pytest.approx(r_acc.loss, rel=1e-6)
+    for p1, p2 in zip(one.parameters(), accum.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-7)
+    # A mean of per-micro-batch means would be a different (wrong) update:
+    naive = copy.deepcopy(base)
+    objective = CausalLMObjective(naive)
+    for mb in (rows[:1], rows[1:]):
+        loss, n = objective(collate(mb, 0))
+        (loss / n / 2).backward()
+    grads_naive = [p.grad for p in naive.parameters()]
+    moved = [p0 - p1 for p0, p1 in zip(base.parameters(), one.parameters())]
+    assert any(not torch.allclose(g, m, atol=1e-6) for g, m in zip(grads_naive, moved))
+
+
+def test_step_plan_windows_cover_each_row_once_per_epoch():
+    plan = StepPlan(num_rows=11, micro_batch_size=2, grad_accum=2, seed=3, shuffle=True)
+    assert plan.steps_per_epoch == 3
+    for epoch in range(2):
+        seen = [i for s in range(epoch * 3, epoch * 3 + 3) for mb in plan.window(s) for i in mb]
+        assert sorted(seen) == list(range(11))
+    assert plan.window(0) != plan.window(3)  # reshuffled per epoch
+    assert plan.total_steps(epochs=1.5, max_steps=None) == 5
+    assert plan.total_steps(epochs=1, max_steps=7) == 7
