@@ -27,6 +27,7 @@ def rows_of(dataset):
 
 
 def prepared(tokenizer, tmp_path, *, packing: bool, cutoff_len: int = 256):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "d.json"
     path.write_text(json.dumps(ROWS))
     cfg = DataConfig(datasets=[DatasetConfig(path=str(path), format="alpaca")],

@@ -21,8 +21,8 @@ from keel import __version__
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData, prepare_data
 from keel.errors import CheckpointError, KeelError
-from keel.models import apply_method, count_parameters, load_model, load_tokenizer, \
-    resolve_model_path, save_model_dir, torch_dtype
+from keel.models import apply_method, load_model, load_tokenizer, resolve_model_path, \
+    save_model_dir, torch_dtype
 from keel.train import checkpoint as ckpt
 from keel.train.loop import StepCallback, StepPlan, Trainer
 from keel.train.metrics import METRICS_FILE, MetricsLog, Progress, memory_now, peak_rss_mb, \
@@ -73,7 +73,8 @@ def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
                       max_grad_norm=cfg.train.max_grad_norm)
     start_step = _restore(trainer, model, resume_from, log) if resume_from else 0
 
-    _prepare_output_dir(cfg, out, resume_from)
+    for partial in _prepare_output_dir(cfg, out, resume_from):
+        log(f"removed an interrupted checkpoint save: {partial}")
     (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     log(f"training: {len(data.train)} rows, {plan.steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, starting at step {start_step}")
@@ -95,11 +96,9 @@ def _build_model(cfg: RunConfig, model_dir: Path, device: torch.device, log):
     model = load_model(model_dir, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    model = apply_method(model, cfg.method, log=log)
-    trainable, total = count_parameters(model)
-    log(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
-    return model.to(device)
+    # use_cache stays as saved: the objective passes use_cache=False per call, and writing
+    # False into config.json would slow generation for every tool that loads our output.
+    return apply_method(model, cfg.method, log=log).to(device)
 
 
 def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str) -> Path | None:
@@ -121,8 +120,13 @@ def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str) -> Path | No
     return chosen
 
 
-def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> None:
+def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> list[Path]:
     if out.exists() and any(out.iterdir()) and resume_from is None:
+        # An interrupted keel run that never completed a checkpoint has nothing to lose:
+        # with resume=auto it starts over. Anything else needs an explicit overwrite.
+        unfinished_run = (out / "config.yaml").is_file() and not (out / FINAL_MARKER).exists()
+        if unfinished_run and cfg.train.resume == "auto":
+            return ckpt.clear_partial_checkpoints(out)
         if not cfg.output.overwrite:
             raise KeelError(
                 f"output.dir {out} is not empty and there is no checkpoint to resume from; "
@@ -130,8 +134,7 @@ def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> 
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     removed = ckpt.clear_partial_checkpoints(out)
-    for path in removed:
-        print(f"removed an interrupted checkpoint save: {path}")
+    return removed
 
 
 def _restore(trainer: Trainer, model, checkpoint: Path, log) -> int:

@@ -1,0 +1,119 @@
+"""The prepared-data cache: a fingerprint of every input, and crash-safe save/load.
+
+`<cache_dir>/data/<fingerprint>/` holds `train/` (and `eval/`) written by `save_to_disk`
+plus `report.json`. It is written to a temporary sibling and renamed into place, so a crash
+never leaves a half-written cache, and concurrent writers (several ranks) cannot collide:
+the first rename wins and the others load what it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+from keel.config.schema import DataConfig
+from keel.data.report import DataReport
+from keel.data.sources import Source
+from keel.data.template import ChatTemplate
+
+DATA_FORMAT_VERSION = 1  # bump when the layout or meaning of prepared rows changes
+_HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
+
+
+def file_signature(path: Path) -> dict:
+    """Identity of a source file: its bytes when small, else its size and mtime."""
+    st = path.stat()
+    sig = {"path": str(path.resolve()), "size": st.st_size}
+    if st.st_size < _HASH_CONTENT_BELOW:
+        sig["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    else:
+        sig["mtime_ns"] = st.st_mtime_ns
+    return sig
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What makes two tokenizers encode the same: the backend's JSON (or vocab) and specials."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    else:
+        blob = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return {
+        "class": type(tokenizer).__name__,
+        "sha256": hashlib.sha256(blob.encode()).hexdigest(),
+        "eos": tokenizer.eos_token,
+        "bos": tokenizer.bos_token,
+    }
+
+
+def fingerprint(
+    cfg: DataConfig,
+    sources: list[Source],
+    template: ChatTemplate,
+    tokenizer,
+    stage: str,
+    seed: int,
+) -> str:
+    """sha256 over everything that can change the prepared rows or the report."""
+    payload = {
+        "version": DATA_FORMAT_VERSION,
+        "stage": stage,
+        "seed": seed,
+        "cutoff_len": cfg.cutoff_len,
+        "overlength": cfg.overlength,
+        "on_invalid": cfg.on_invalid,
+        "packing": cfg.packing,
+        "val_size": cfg.val_size,
+        "template": template.text,
+        "tokenizer": tokenizer_identity(tokenizer),
+        "sources": [
+            {
+                "config": asdict(s.config),
+                "entry": s.entry,
+                "format": s.format,
+                "columns": s.columns,
+                "tags": s.tags,
+                "split": s.split,
+                "files": [file_signature(f) for f in s.files],
+            }
+            for s in sources
+        ],
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def load_cached(path: Path):
+    """(train, eval, report) from a complete cache dir, or None when there is none."""
+    from datasets import load_from_disk
+
+    if not (path / "report.json").is_file():
+        return None
+    report = DataReport.from_dict(json.loads((path / "report.json").read_text()))
+    train = load_from_disk(str(path / "train"))
+    eval_ = load_from_disk(str(path / "eval")) if (path / "eval").is_dir() else None
+    return train, eval_, report
+
+
+def save_cache(path: Path, train, eval_, report: DataReport) -> None:
+    """Write the cache to a temporary dir, then rename it to `path` (atomic)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name[:16]}-", dir=path.parent))
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        if eval_ is not None:
+            eval_.save_to_disk(str(tmp / "eval"))
+        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "report.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

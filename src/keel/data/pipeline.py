@@ -1,0 +1,227 @@
+"""`prepare_data`: sources → validated, tokenized, split, packed rows, cached on disk.
+
+The order is fixed so that nothing reaches training unchecked: resolve every source and the
+template (cheap), fingerprint, then either load the cache or load, encode and validate every
+row, report, and only then split, pack and cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from keel.config.schema import DataConfig
+from keel.data.cache import fingerprint, load_cached, save_cache
+from keel.data.encode import KEPT, EncodeSettings, encode_dataset
+from keel.data.formats import FormatSpec, detect_format, make_spec
+from keel.data.packing import make_rows, split_indices
+from keel.data.report import DataReport, FileStats, Rejection, SplitStats, list_capped
+from keel.data.sources import Source, SourceUnit, load_source, resolve_sources
+from keel.data.template import ChatTemplate, resolve_template
+from keel.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+
+@dataclass
+class PreparedData:
+    """Rows ready for `collate`: input_ids, targets (pre-shifted), position_ids, num_targets."""
+
+    train: Dataset
+    eval: Dataset | None  # None when data.val_size == 0
+    report: DataReport
+    fingerprint: str
+    from_cache: bool = False  # True when loaded from <cache_dir>/data/<fingerprint>
+
+
+def prepare_data(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    stage: str,
+    cache_dir: Path,
+    base_dir: Path,
+    seed: int,
+    log: Callable[[str], None] = print,
+) -> PreparedData:
+    """Load, validate, tokenize, split and pack the data of `cfg`, or load it from the cache.
+
+    stage: "sft" (targets on assistant tokens only) or "pt" (every token is a target).
+    Relative paths in `cfg` are resolved against `base_dir`. Every problem with the data is a
+    `DataError` whose message names the file and row; the report is logged once.
+    """
+    _check_tokenizer(tokenizer, stage)
+    base_dir, cache_dir = Path(base_dir), Path(cache_dir)
+    sources = resolve_sources(cfg, base_dir)
+    template, note = resolve_template(cfg.template, tokenizer, base_dir)
+    fp = fingerprint(cfg, sources, template, tokenizer, stage, seed)
+    target = cache_dir / "data" / fp
+    cached = _load_cache(target, log)
+    if cached is not None:
+        train, eval_, report = cached
+        log(f"data: loaded from cache {target}")
+        log(report.format())
+        return PreparedData(train, eval_, report, fp, from_cache=True)
+
+    report = DataReport(
+        stage=stage,
+        template="none",
+        cutoff_len=cfg.cutoff_len,
+        overlength=cfg.overlength,
+        on_invalid=cfg.on_invalid,
+        packing=cfg.packing,
+    )
+    samples, overlong, used_template = _encode_sources(
+        cfg, sources, tokenizer, template, stage, cache_dir, base_dir, report, fp
+    )
+    if used_template:
+        report.template = template.name
+        if note:
+            log(note)
+    _check(cfg, report, overlong)
+    train, eval_ = _split_and_pack(cfg, samples, seed, report)
+    save_cache(target, train, eval_, report)
+    train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns
+    log(f"data: prepared and cached at {target}")
+    log(report.format())
+    return PreparedData(train, eval_, report, fp, from_cache=False)
+
+
+def _check_tokenizer(tokenizer, stage: str) -> None:
+    if stage not in ("sft", "pt"):
+        raise DataError(f"stage '{stage}': data preparation supports train.stage sft or pt")
+    if tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no eos token; set eos_token in its tokenizer_config.json")
+    if stage == "sft" and not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            "SFT masking needs a fast tokenizer (a tokenizer.json) for character offsets; "
+            "convert the tokenizer or use a model directory that ships tokenizer.json"
+        )
+
+
+def _load_cache(target: Path, log: Callable[[str], None]):
+    if not target.exists():
+        return None
+    try:
+        return load_cached(target)
+    except Exception as e:  # a damaged cache is rebuilt, never trusted
+        log(f"data: ignoring unreadable cache {target} ({e}); preparing again")
+        import shutil
+
+        shutil.rmtree(target, ignore_errors=True)
+        return None
+
+
+def _encode_sources(cfg, sources, tokenizer, template, stage, cache_dir, base_dir, report, fp):
+    """Encode every unit of every source; fill `report`. Returns (samples, overlong, used)."""
+    tables, overlong, used_template = [], [], False
+    for i, src in enumerate(sources):
+        units = load_source(src, cache_dir, base_dir)
+        spec = _spec_for(src, units, stage, f"data.datasets[{i}] ({src.config.path})")
+        used_template |= spec.format != "text"
+        settings = EncodeSettings(
+            stage=stage,
+            spec=spec,
+            template=template if spec.format != "text" else None,
+            cutoff_len=cfg.cutoff_len,
+            overlength=cfg.overlength,
+        )
+        for j, unit in enumerate(units):
+            stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections))
+            report.rejections += unit.rejections
+            if unit.dataset is not None and len(unit.dataset):
+                encoded = encode_dataset(unit.dataset, tokenizer, settings, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}")
+                table = encoded.with_format("arrow")[:]
+                tables.append(_tally(table, unit, stats, report, overlong, template))
+            report.files.append(stats)
+    samples = pa.concat_tables(tables) if tables else None
+    return samples, overlong, used_template
+
+
+def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> FormatSpec:
+    fmt = src.format
+    if fmt == "auto":
+        first = next((u.dataset[0] for u in units if u.dataset is not None and len(u.dataset)), None)
+        if first is None:  # nothing readable: every row is already a rejection
+            return make_spec("messages", src.columns, src.tags)
+        fmt = detect_format(first, src.columns, src.tags, f"{where}, file {units[0].file}")
+    if fmt == "text" and stage == "sft":
+        raise DataError(
+            f"{where}: plain text (format text) has no answers to train on in SFT; "
+            f"set train.stage: pt to continue pretraining on it, or give conversations"
+        )
+    return make_spec(fmt, src.columns, src.tags)
+
+
+def _tally(table: pa.Table, unit: SourceUnit, stats: FileStats, report: DataReport,
+           overlong: list[str], template: ChatTemplate) -> pa.Table:
+    """Count statuses into `stats`/`report`; return the kept samples (input_ids, targets)."""
+    status = table.column("status").to_pylist()
+    reasons = table.column("reason").to_pylist()
+    lengths = table.column("length").to_pylist()
+    keep = []
+    for k, st in enumerate(status):
+        if st in KEPT:
+            keep.append(k)
+            stats.kept += 1
+            stats.truncated += st == "truncated"
+            continue
+        row, line = unit.row_of(k)
+        where = Rejection(unit.file, row, "", line).where()
+        if st == "dropped":
+            stats.dropped += 1
+        elif st == "overlength":
+            overlong.append(f"{where}: {lengths[k]} tokens")
+        elif st == "template":
+            raise DataError(
+                f"{where}: data.template ({template.name}): {reasons[k]}, so the assistant "
+                f"tokens cannot be located for masking; set data.template to chatml or to a "
+                f".jinja template that renders earlier turns unchanged"
+            )
+        else:
+            stats.rejected += 1
+            report.rejections.append(Rejection(unit.file, row, reasons[k], line))
+    return table.select(["input_ids", "targets"]).take(keep)
+
+
+def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
+    if report.rejections and cfg.on_invalid == "error":
+        raise DataError(
+            f"{len(report.rejections)} invalid row(s) in the training data\n{report.format()}"
+        )
+    if overlong:
+        lines = "\n".join(list_capped(overlong))
+        raise DataError(
+            f"{len(overlong)} row(s) longer than data.cutoff_len={cfg.cutoff_len} tokens "
+            f"(data.overlength=error):\n{lines}\nraise data.cutoff_len, or set "
+            f"data.overlength: truncate (cut them) or drop (skip them)"
+        )
+    if report.totals().kept == 0:
+        raise DataError(f"no usable samples in the training data\n{report.format()}")
+
+
+def _split_and_pack(cfg: DataConfig, samples: pa.Table, seed: int, report: DataReport):
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    train_idx, eval_idx = split_indices(samples.num_rows, cfg.val_size, seed)
+    train = make_rows(samples.take(train_idx), cfg.packing, cfg.cutoff_len, seed)
+    report.train = _split_stats(len(train_idx), train)
+    eval_ = None
+    if len(eval_idx):
+        eval_ = make_rows(samples.take(eval_idx), cfg.packing, cfg.cutoff_len, seed + 1)
+        report.eval = _split_stats(len(eval_idx), eval_)
+        eval_ = Dataset(InMemoryTable(eval_))
+    return Dataset(InMemoryTable(train)), eval_
+
+
+def _split_stats(samples: int, rows: pa.Table) -> SplitStats:
+    tokens = pc.sum(pc.list_value_length(rows.column("input_ids"))).as_py() or 0
+    targets = pc.sum(rows.column("num_targets")).as_py() or 0
+    return SplitStats(samples=samples, rows=rows.num_rows, tokens=tokens, targets=targets)

@@ -1,0 +1,257 @@
+"""prepare_data end to end: validation and the report, over-length policies, split, packing, cache."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from keel.config.schema import DataConfig, DatasetConfig
+from keel.data import DataReport, PreparedData, prepare_data
+from keel.errors import DataError
+
+
+def conversation(i: int, answer: str | None = None) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": answer if answer is not None else f"answer {i} " * (1 + i % 3)},
+        ]
+    }
+
+
+GOOD = [conversation(i) for i in range(10)]
+
+
+@pytest.fixture
+def run(tiny_tokenizer, tmp_path):
+    """run(rows, **data) writes rows to d.jsonl and prepares them; logs land in run.logs."""
+    logs: list[str] = []
+
+    def prepare(rows=None, *, stage="sft", seed=0, path="d.jsonl", **data) -> PreparedData:
+        if rows is not None:
+            (tmp_path / path).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return prepare_data(
+            DataConfig(datasets=[DatasetConfig(path=path)], **data),
+            tiny_tokenizer,
+            stage=stage,
+            cache_dir=tmp_path / "cache",
+            base_dir=tmp_path,
+            seed=seed,
+            log=logs.append,
+        )
+
+    prepare.logs = logs
+    return prepare
+
+
+def all_rows(ds) -> list[dict]:
+    return [dict(r) for r in ds]
+
+
+# --- validation -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ({"messages": [{"role": "user", "content": "q"}, {"content": "a"}]}, "missing field 'role'"),
+        ({"conversation": []}, "missing field 'messages'"),
+        (
+            {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
+            "wrong role order",
+        ),
+        (conversation(0, answer=""), "empty answer"),
+    ],
+)
+def test_invalid_row_error_names_file_and_row(run, bad, reason):
+    rows = GOOD[:3] + [bad] + GOOD[3:5]
+    with pytest.raises(DataError) as err:
+        run(rows)
+    message = str(err.value)
+    assert f"d.jsonl row 4: {reason}" in message
+    assert "data.on_invalid: skip" in message  # the fix is in the message
+    assert "Traceback" not in message
+
+
+def test_on_invalid_skip_keeps_good_rows_and_reports(run):
+    rows = GOOD[:3] + [conversation(0, answer=""), {"messages": "oops"}] + GOOD[3:5]
+    data = run(rows, on_invalid="skip")
+    assert len(data.train) == 5
+    stats = data.report.files[0]
+    assert (stats.read, stats.kept, stats.rejected) == (7, 5, 2)
+    assert [(r.row, r.file) for r in data.report.rejections] == [(4, "d.jsonl"), (5, "d.jsonl")]
+    text = data.report.format()
+    assert "skipped, data.on_invalid=skip" in text and "d.jsonl row 5" in text
+    assert text in run.logs  # logged once
+    assert sum(line == text for line in run.logs) == 1
+
+
+def test_error_listing_is_capped(run):
+    rows = [conversation(i, answer="") for i in range(60)] + GOOD[:1]
+    with pytest.raises(DataError) as err:
+        run(rows)
+    message = str(err.value)
+    assert "60 invalid row(s)" in message and "row 50:" in message and "row 51:" not in message
+    assert "and 10 more" in message
+
+
+def test_zero_usable_samples(run):
+    with pytest.raises(DataError, match="no usable samples"):
+        run([conversation(0, answer="")], on_invalid="skip")
+
+
+def test_sft_on_plain_text_asks_for_pretraining(run):
+    with pytest.raises(DataError, match="train.stage: pt"):
+        run([{"text": "hello"}])
+
+
+# --- over-length policies -------------------------------------------------------------
+
+
+LONG = conversation(99, answer="long answer " * 40)
+
+
+def test_overlength_drop_counts(run):
+    data = run([*GOOD[:4], LONG], cutoff_len=64)
+    assert len(data.train) == 4
+    assert data.report.files[0].dropped == 1
+    assert max(len(r["input_ids"]) for r in data.train) <= 64
+
+
+def test_overlength_error_lists_rows_with_lengths(run, tiny_tokenizer):
+    with pytest.raises(DataError) as err:
+        run([*GOOD[:2], LONG, LONG], cutoff_len=64, overlength="error")
+    message = str(err.value)
+    assert "2 row(s) longer than data.cutoff_len=64" in message
+    assert "d.jsonl row 3:" in message and "d.jsonl row 4:" in message and " tokens" in message
+    assert "overlength: truncate" in message
+
+
+def test_overlength_truncate_cuts_to_cutoff(run):
+    data = run([*GOOD[:2], LONG], cutoff_len=64, overlength="truncate")
+    assert data.report.files[0].truncated == 1
+    long_row = data.train[2]
+    assert len(long_row["input_ids"]) == 64 and long_row["targets"][-1] == -100
+    assert long_row["num_targets"] == sum(t != -100 for t in long_row["targets"]) > 0
+
+
+def test_all_labels_masked_after_truncation(run):
+    long_question = {
+        "messages": [
+            {"role": "user", "content": "question " * 60},
+            {"role": "assistant", "content": "answer"},
+        ]
+    }
+    with pytest.raises(DataError, match="d.jsonl row 2: all labels masked after truncation"):
+        run([GOOD[0], long_question], cutoff_len=48, overlength="truncate")
+
+
+# --- pretraining ----------------------------------------------------------------------
+
+
+def test_pt_trains_every_token_of_text_and_conversations(run, tiny_tokenizer, tmp_path):
+    data = run([{"text": "The quick brown fox."}], stage="pt")
+    row = data.train[0]
+    assert tiny_tokenizer.decode(row["input_ids"]) == "The quick brown fox.<|im_end|>"
+    assert row["targets"] == row["input_ids"][1:] + [-100]
+    data = run(GOOD[:1], stage="pt", path="c.jsonl")
+    row = data.train[0]
+    assert "question 0" in tiny_tokenizer.decode(row["input_ids"])
+    assert row["num_targets"] == len(row["input_ids"]) - 1
+
+
+# --- split and packing ----------------------------------------------------------------
+
+
+def test_val_split_fraction_count_and_determinism(run):
+    rows = [conversation(i) for i in range(20)]
+    data = run(rows, val_size=0.25)
+    assert (len(data.train), len(data.eval)) == (15, 5)
+    assert (data.report.train.samples, data.report.eval.samples) == (15, 5)
+    data3 = run(rows, val_size=3)
+    assert (len(data3.train), len(data3.eval)) == (17, 3)
+    assert run(rows, val_size=0).eval is None
+    again = run(rows, val_size=0.25, cutoff_len=1000)  # same seed, new cache entry: same split
+    assert all_rows(again.eval) == all_rows(data.eval)
+    other = run(rows, val_size=0.25, seed=1)
+    assert all_rows(other.eval) != all_rows(data.eval)
+    with pytest.raises(DataError, match="leaving none to train on"):
+        run(rows, val_size=20)
+
+
+def _segments(row):
+    """Split a packed row into its samples by position_ids restarting at 0."""
+    starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["position_ids"])]
+    return [(a, b) for a, b in zip(starts, starts[1:])]
+
+
+def test_packing_keeps_every_sample_once_within_cutoff(run):
+    rows = [conversation(i) for i in range(30)]
+    plain = run(rows)
+    packed = run(rows, packing=True, cutoff_len=128)
+    assert len(packed.train) < len(plain.train)
+    samples = []
+    for row in packed.train:
+        assert len(row["input_ids"]) <= 128
+        for a, b in _segments(row):
+            assert row["position_ids"][a:b] == list(range(b - a))
+            assert row["targets"][b - 1] == -100  # never predicts the next sample's first token
+            samples.append((tuple(row["input_ids"][a:b]), tuple(row["targets"][a:b])))
+        assert row["num_targets"] == sum(t != -100 for t in row["targets"])
+    expected = [(tuple(r["input_ids"]), tuple(r["targets"])) for r in plain.train]
+    assert sorted(samples) == sorted(expected)
+    assert packed.report.train.targets == plain.report.train.targets
+    assert packed.report.train.rows == len(packed.train)
+    again = run(rows, packing=True, cutoff_len=128, val_size=0)  # cache hit, same rows
+    assert all_rows(again.train) == all_rows(packed.train)
+
+
+def test_unpacked_rows_have_arange_positions(run):
+    data = run(GOOD[:3])
+    for row in data.train:
+        assert row["position_ids"] == list(range(len(row["input_ids"])))
+
+
+# --- cache ----------------------------------------------------------------------------
+
+
+def test_cache_hit_gives_identical_rows_and_report(run, tmp_path):
+    first = run(GOOD, val_size=2)
+    assert not first.from_cache
+    second = run(GOOD, val_size=2)
+    assert second.from_cache and second.fingerprint == first.fingerprint
+    assert any(line.startswith("data: loaded from cache") for line in run.logs)
+    assert all_rows(second.train) == all_rows(first.train)
+    assert all_rows(second.eval) == all_rows(first.eval)
+    assert isinstance(second.report, DataReport) and second.report == first.report
+    assert [p.name for p in (tmp_path / "cache" / "data").iterdir()] == [first.fingerprint]
+
+
+def test_cache_misses_when_inputs_change(run, tmp_path):
+    first = run(GOOD)
+    assert run(GOOD, cutoff_len=512).fingerprint != first.fingerprint
+    assert run(GOOD, packing=True).fingerprint != first.fingerprint
+    assert run(GOOD, stage="pt").fingerprint != first.fingerprint
+    changed = run(GOOD[:9])  # rewrites the file
+    assert not changed.from_cache and len(changed.train) == 9
+
+
+def test_damaged_cache_is_rebuilt(run):
+    first = run(GOOD)
+    train_dir = run.logs[0].split()[-1] if False else None  # noqa: F841 (kept simple below)
+    cache = next(line for line in run.logs if line.startswith("data: prepared and cached at"))
+    path = cache.rsplit(" ", 1)[-1]
+    for name in os.listdir(os.path.join(path, "train")):
+        if name.endswith(".arrow"):
+            os.remove(os.path.join(path, "train", name))
+    again = run(GOOD)
+    assert not again.from_cache and all_rows(again.train) == all_rows(first.train)
+
+
+def test_num_proc_gives_the_same_rows(run):
+    rows = [conversation(i) for i in range(12)]
+    one = run(rows)
+    two = run(rows, num_proc=2, cutoff_len=1023)
+    assert all_rows(one.train) == all_rows(two.train)
