@@ -51,7 +51,12 @@ def test_sharegpt_with_custom_tags_and_system_column():
         row,
         "sharegpt",
         columns={"messages": "dialog", "system": "sys"},
-        tags={"role_tag": "speaker", "content_tag": "text", "user_tag": "client", "assistant_tag": "bot"},
+        tags={
+            "role_tag": "speaker",
+            "content_tag": "text",
+            "user_tag": "client",
+            "assistant_tag": "bot",
+        },
     )
     assert [m["role"] for m in got] == ["system", "user", "assistant", "user", "assistant"]
     assert got[0]["content"] == "Be polite." and got[-1]["content"] == "goodbye"
@@ -75,7 +80,10 @@ def test_sharegpt_default_tags_with_system_turn():
 def test_openai_messages_including_text_content_parts():
     row = {
         "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "Who "}, {"type": "text", "text": "are you?"}]},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Who "}, {"type": "text", "text": "are you?"}],
+            },
             {"role": "assistant", "content": "Keel."},
         ]
     }
@@ -107,7 +115,10 @@ def test_detect_format(row, expected):
 
 
 def test_detect_format_uses_column_overrides_and_explains_failure():
-    assert detect_format({"q": "x", "a": "y"}, {"prompt": "q", "response": "a"}, {}, "here") == "alpaca"
+    assert (
+        detect_format({"q": "x", "a": "y"}, {"prompt": "q", "response": "a"}, {}, "here")
+        == "alpaca"
+    )
     with pytest.raises(DataError) as err:
         detect_format({"question": "x", "answer": "y"}, {}, {}, "data.datasets[0] (f.jsonl)")
     message = str(err.value)
@@ -150,7 +161,12 @@ def test_detect_format_uses_column_overrides_and_explains_failure():
             "unknown role 'bot'",
         ),
         (
-            {"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}]},
+            {
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "function_call", "value": "{}"},
+                ]
+            },
             "sharegpt",
             "tool-calling data is not supported",
         ),

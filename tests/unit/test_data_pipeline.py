@@ -16,7 +16,10 @@ def conversation(i: int, answer: str | None = None) -> dict:
     return {
         "messages": [
             {"role": "user", "content": f"question {i}"},
-            {"role": "assistant", "content": answer if answer is not None else f"answer {i} " * (1 + i % 3)},
+            {
+                "role": "assistant",
+                "content": answer if answer is not None else f"answer {i} " * (1 + i % 3),
+            },
         ]
     }
 
@@ -56,7 +59,10 @@ def all_rows(ds) -> list[dict]:
 @pytest.mark.parametrize(
     ("bad", "reason"),
     [
-        ({"messages": [{"role": "user", "content": "q"}, {"content": "a"}]}, "missing field 'role'"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"content": "a"}]},
+            "message 2 of 'messages': missing field 'role'",
+        ),
         ({"conversation": []}, "missing field 'messages'"),
         (
             {"messages": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "q"}]},
@@ -240,7 +246,6 @@ def test_cache_misses_when_inputs_change(run, tmp_path):
 
 def test_damaged_cache_is_rebuilt(run):
     first = run(GOOD)
-    train_dir = run.logs[0].split()[-1] if False else None  # noqa: F841 (kept simple below)
     cache = next(line for line in run.logs if line.startswith("data: prepared and cached at"))
     path = cache.rsplit(" ", 1)[-1]
     for name in os.listdir(os.path.join(path, "train")):

@@ -16,7 +16,12 @@ ALPACA = [
     {"instruction": "Give three tips", "input": "", "output": "Eat well, sleep, move."},
 ]
 MESSAGES = [
-    {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+    {
+        "messages": [
+            {"role": "user", "content": f"question {i}"},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    }
     for i in range(4)
 ]
 
@@ -78,9 +83,9 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path, prepare):
 
     Dataset.from_list(ALPACA).save_to_disk(str(tmp_path / "saved"))
     assert len(prepare("saved")[0].train) == 3
-    DatasetDict({"train": Dataset.from_list(ALPACA), "test": Dataset.from_list(ALPACA[:1])}).save_to_disk(
-        str(tmp_path / "dd")
-    )
+    DatasetDict(
+        {"train": Dataset.from_list(ALPACA), "test": Dataset.from_list(ALPACA[:1])}
+    ).save_to_disk(str(tmp_path / "dd"))
     assert len(prepare(DatasetConfig(path="dd", split="test"))[0].train) == 1
     with pytest.raises(DataError, match="no split 'dev'; available: train, test"):
         prepare(DatasetConfig(path="dd", split="dev"))
@@ -127,7 +132,13 @@ def test_missing_file_and_unsupported_type(tmp_path, prepare):
 
 
 def test_malformed_jsonl_lines_are_reported_with_line_numbers(tmp_path, prepare):
-    lines = [json.dumps(ALPACA[0]), "", '{"instruction": "x", "output": "y",}', json.dumps(ALPACA[1]), "{oops"]
+    lines = [
+        json.dumps(ALPACA[0]),
+        "",
+        '{"instruction": "x", "output": "y",}',
+        json.dumps(ALPACA[1]),
+        "{oops",
+    ]
     (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError) as err:
         prepare("bad.jsonl")
@@ -142,10 +153,14 @@ def test_malformed_jsonl_lines_are_reported_with_line_numbers(tmp_path, prepare)
 
 
 def test_malformed_json_array_reports_line_and_column(tmp_path, prepare):
-    (tmp_path / "bad.json").write_text('[\n  {"instruction": "q", "output": "a"},\n  {"instruction": "q" "output": "a"}\n]\n')
+    (tmp_path / "bad.json").write_text(
+        '[\n  {"instruction": "q", "output": "a"},\n  {"instruction": "q" "output": "a"}\n]\n'
+    )
     with pytest.raises(DataError) as err:
         prepare("bad.json")
-    assert "bad.json line 3: malformed JSON: Expecting ',' delimiter at line 3, column 23" in str(err.value)
+    assert "bad.json line 3: malformed JSON: Expecting ',' delimiter at line 3, column 23" in str(
+        err.value
+    )
 
 
 # --- LLaMA-Factory dataset_info.json --------------------------------------------------
@@ -155,7 +170,9 @@ def test_malformed_json_array_reports_line_and_column(tmp_path, prepare):
 def registry(tmp_path):
     lf = tmp_path / "lf"
     lf.mkdir()
-    write_jsonl(lf / "qa.jsonl", [{"q": "Who are you?", "ctx": "", "a": "I am Keel.", "sys": "Be brief."}])
+    write_jsonl(
+        lf / "qa.jsonl", [{"q": "Who are you?", "ctx": "", "a": "I am Keel.", "sys": "Be brief."}]
+    )
     write_jsonl(
         lf / "chat.jsonl",
         [{"dialog": [{"speaker": "client", "text": "hello"}, {"speaker": "bot", "text": "hi"}]}],
@@ -169,9 +186,18 @@ def registry(tmp_path):
             "file_name": "chat.jsonl",
             "formatting": "sharegpt",
             "columns": {"messages": "dialog"},
-            "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "client", "assistant_tag": "bot"},
+            "tags": {
+                "role_tag": "speaker",
+                "content_tag": "text",
+                "user_tag": "client",
+                "assistant_tag": "bot",
+            },
         },
-        "my_dpo": {"file_name": "qa.jsonl", "ranking": True, "columns": {"chosen": "a", "rejected": "a"}},
+        "my_dpo": {
+            "file_name": "qa.jsonl",
+            "ranking": True,
+            "columns": {"chosen": "a", "rejected": "a"},
+        },
         "alpaca_en": {"hf_hub_url": "llamafactory/alpaca_en"},
     }
     (lf / "dataset_info.json").write_text(json.dumps(info))

@@ -46,7 +46,10 @@ def encode(tokenizer, messages, template=None):
 def test_single_turn_trains_on_answer_and_eos_only(tiny_tokenizer):
     ids, targets = encode(
         tiny_tokenizer,
-        [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Keel."}],
+        [
+            {"role": "user", "content": "Who are you?"},
+            {"role": "assistant", "content": "I am Keel."},
+        ],
     )
     assert trained_runs(tiny_tokenizer, ids, targets) == [f"I am Keel.{EOS}"]
     assert targets[-1] == -100
@@ -89,7 +92,10 @@ def test_builtin_chatml_has_no_default_system(tiny_tokenizer):
     template = ChatTemplate("chatml", CHATML_TEMPLATE)
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     ids, targets = encode(tiny_tokenizer, messages, template)
-    assert tiny_tokenizer.decode(ids) == f"<|im_start|>user\nhello{EOS}\n<|im_start|>assistant\nhi{EOS}\n"
+    assert (
+        tiny_tokenizer.decode(ids)
+        == f"<|im_start|>user\nhello{EOS}\n<|im_start|>assistant\nhi{EOS}\n"
+    )
     assert trained_runs(tiny_tokenizer, ids, targets) == [f"hi{EOS}"]
 
 
@@ -111,7 +117,10 @@ def test_resolve_template_variants(tiny_tokenizer, tmp_path):
     )
     assert resolve_template("chatml", tiny_tokenizer, tmp_path)[0].text == CHATML_TEMPLATE
     (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
-    assert resolve_template("t.jinja", tiny_tokenizer, tmp_path)[0].text == "{{ messages[0]['content'] }}"
+    assert (
+        resolve_template("t.jinja", tiny_tokenizer, tmp_path)[0].text
+        == "{{ messages[0]['content'] }}"
+    )
     with pytest.raises(DataError, match="not auto, chatml"):
         resolve_template("llama3", tiny_tokenizer, tmp_path)
     with pytest.raises(DataError, match="not found"):
@@ -165,8 +174,13 @@ def test_jinja_file_template_through_prepare_data(tiny_tokenizer, tmp_path):
     data = _prepare(tmp_path, tiny_tokenizer, [CONVERSATION], template="plain.jinja")
     row = data.train[0]
     # (transformers renders with trim_blocks: the newline right after a block tag is dropped)
-    assert tiny_tokenizer.decode(row["input_ids"]).startswith("### user:\nhello\n### assistant:\nhi")
-    assert trained_runs(tiny_tokenizer, row["input_ids"], row["targets"]) == [f"hi{EOS}", f"I am Keel.{EOS}"]
+    assert tiny_tokenizer.decode(row["input_ids"]).startswith(
+        "### user:\nhello\n### assistant:\nhi"
+    )
+    assert trained_runs(tiny_tokenizer, row["input_ids"], row["targets"]) == [
+        f"hi{EOS}",
+        f"I am Keel.{EOS}",
+    ]
     assert data.report.template == "plain.jinja"
 
 

@@ -85,14 +85,16 @@ def resolve_entry(name: str, info: dict, dataset_dir: Path) -> InfoEntry:
         source = f" ({hub[0]}: {entry[hub[0]]})" if hub else ""
         raise DataError(
             f"{where} has no file_name{source}; keel reads local files only: download the "
-            f"data and add \"file_name\" to the entry, or list the file in data.datasets"
+            f'data and add "file_name" to the entry, or list the file in data.datasets'
         )
     path = dataset_dir / file_name
     if not path.exists():
         raise DataError(f"{where}: file_name '{file_name}' not found ({path})")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in ("alpaca", "sharegpt"):
-        raise DataError(f"{where}: formatting '{formatting}' is unknown; expected alpaca or sharegpt")
+        raise DataError(
+            f"{where}: formatting '{formatting}' is unknown; expected alpaca or sharegpt"
+        )
     return InfoEntry(
         name=name,
         path=path,

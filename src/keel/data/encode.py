@@ -54,10 +54,14 @@ class RowEncoder:
         self.settings = settings
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {k: [] for k in ("input_ids", "targets", "status", "reason", "length")}
+        out: dict[str, list] = {
+            k: [] for k in ("input_ids", "targets", "status", "reason", "length")
+        }
         n = len(next(iter(batch.values()))) if batch else 0
         for i in range(n):
-            status, reason, length, ids, targets = self.encode_row({k: v[i] for k, v in batch.items()})
+            status, reason, length, ids, targets = self.encode_row(
+                {k: v[i] for k, v in batch.items()}
+            )
             out["status"].append(status)
             out["reason"].append(reason)
             out["length"].append(length)

@@ -101,7 +101,10 @@ def detect_format(row: dict, columns: dict, tags: dict, where: str) -> str:
     for col in message_cols:
         if col in present:
             return _chat_flavour(row[col], col, tags)
-    if columns.get("prompt", "instruction") in present and columns.get("response", "output") in present:
+    if (
+        columns.get("prompt", "instruction") in present
+        and columns.get("response", "output") in present
+    ):
         return "alpaca"
     if columns.get("prompt", "text") in present:
         return "text"
@@ -145,7 +148,9 @@ def _refuse_unsupported(row: dict, columns: dict) -> None:
             raise RowError(f"has {key} (column '{col}'); multimodal data is not supported")
     col = columns.get("tools")
     if col and row.get(col) not in (None, "", "[]", []):
-        raise RowError(f"has tool definitions (column '{col}'); tool-calling data is not supported yet")
+        raise RowError(
+            f"has tool definitions (column '{col}'); tool-calling data is not supported yet"
+        )
 
 
 def _required_text(row: dict, col: str, what: str = "field") -> str:
@@ -180,7 +185,10 @@ def _alpaca(row: dict, c: dict) -> list[dict]:
             raise RowError(f"field '{c['history']}': item {i} must be a [user, assistant] pair")
         if not all(isinstance(x, str) for x in pair):
             raise RowError(f"field '{c['history']}': item {i} must hold two strings")
-        messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        messages += [
+            {"role": "user", "content": pair[0]},
+            {"role": "assistant", "content": pair[1]},
+        ]
     user = "\n".join(x for x in (prompt, query) if x)
     messages += [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
     return messages
@@ -192,7 +200,9 @@ def _chat(row: dict, c: dict, t: dict) -> list[dict]:
     if conversation is None:
         raise RowError(f"missing field '{col}'")
     if not isinstance(conversation, list):
-        raise RowError(f"field '{col}' must be a list of messages, got {type(conversation).__name__}")
+        raise RowError(
+            f"field '{col}' must be a list of messages, got {type(conversation).__name__}"
+        )
     roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
     tool_roles = {t["observation_tag"], t["function_tag"]}
     messages = []
@@ -208,7 +218,9 @@ def _chat(row: dict, c: dict, t: dict) -> list[dict]:
                 f"tool-calling data is not supported yet"
             )
         if role not in roles:
-            raise RowError(f"message {i} of '{col}': unknown role '{role}' (expected one of {', '.join(roles)})")
+            raise RowError(
+                f"message {i} of '{col}': unknown role '{role}' (expected one of {', '.join(roles)})"
+            )
         content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
         messages.append({"role": roles[role], "content": content})
     system = _optional_text(row, c.get("system"))
@@ -229,7 +241,9 @@ def _message_content(content, i: int, tag: str, role: str) -> str:
         for part in content:
             if not (isinstance(part, dict) and part.get("type") == "text"):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RowError(f"message {i}: content part of type '{kind}' is not supported (text only)")
+                raise RowError(
+                    f"message {i}: content part of type '{kind}' is not supported (text only)"
+                )
             texts.append(str(part.get("text", "")))
         return "".join(texts)
     raise RowError(f"message {i}: field '{tag}' must be text, got {type(content).__name__}")
@@ -239,7 +253,9 @@ def validate_conversation(messages: list[dict]) -> None:
     """Optional system, then user/assistant alternating from user, ending with assistant."""
     roles = [m["role"] for m in messages]
     shown = ", ".join(roles) if len(roles) <= 12 else ", ".join(roles[:12]) + ", ..."
-    rule = "roles must be: optional system, then user and assistant alternating, ending with assistant"
+    rule = (
+        "roles must be: optional system, then user and assistant alternating, ending with assistant"
+    )
     offset = 1 if roles[:1] == ["system"] else 0
     if len(roles) == offset:
         raise RowError("conversation has no user/assistant messages")
@@ -247,9 +263,13 @@ def validate_conversation(messages: list[dict]) -> None:
         expected = "user" if j % 2 == 0 else "assistant"
         if role != expected:
             pos = j + offset + 1
-            raise RowError(f"wrong role order: message {pos} is {role}, expected {expected}; {rule} (got: {shown})")
+            raise RowError(
+                f"wrong role order: message {pos} is {role}, expected {expected}; {rule} (got: {shown})"
+            )
     if roles[-1] != "assistant":
-        raise RowError(f"wrong role order: the conversation ends with {roles[-1]}; {rule} (got: {shown})")
+        raise RowError(
+            f"wrong role order: the conversation ends with {roles[-1]}; {rule} (got: {shown})"
+        )
     for pos, m in enumerate(messages, 1):
         if m["role"] != "system" and not m["content"].strip():
             if m["role"] == "assistant":

@@ -97,7 +97,9 @@ def _check_tokenizer(tokenizer, stage: str) -> None:
     if stage not in ("sft", "pt"):
         raise DataError(f"stage '{stage}': data preparation supports train.stage sft or pt")
     if tokenizer.eos_token_id is None:
-        raise DataError("the tokenizer has no eos token; set eos_token in its tokenizer_config.json")
+        raise DataError(
+            "the tokenizer has no eos token; set eos_token in its tokenizer_config.json"
+        )
     if stage == "sft" and not getattr(tokenizer, "is_fast", False):
         raise DataError(
             "SFT masking needs a fast tokenizer (a tokenizer.json) for character offsets; "
@@ -136,7 +138,9 @@ def _encode_sources(cfg, sources, tokenizer, template, stage, cache_dir, base_di
             stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections))
             report.rejections += unit.rejections
             if unit.dataset is not None and len(unit.dataset):
-                encoded = encode_dataset(unit.dataset, tokenizer, settings, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}")
+                encoded = encode_dataset(
+                    unit.dataset, tokenizer, settings, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}"
+                )
                 table = encoded.with_format("arrow")[:]
                 tables.append(_tally(table, unit, stats, report, overlong, template))
             report.files.append(stats)
@@ -147,7 +151,9 @@ def _encode_sources(cfg, sources, tokenizer, template, stage, cache_dir, base_di
 def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> FormatSpec:
     fmt = src.format
     if fmt == "auto":
-        first = next((u.dataset[0] for u in units if u.dataset is not None and len(u.dataset)), None)
+        first = next(
+            (u.dataset[0] for u in units if u.dataset is not None and len(u.dataset)), None
+        )
         if first is None:  # nothing readable: every row is already a rejection
             return make_spec("messages", src.columns, src.tags)
         fmt = detect_format(first, src.columns, src.tags, f"{where}, file {units[0].file}")
@@ -159,8 +165,14 @@ def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> F
     return make_spec(fmt, src.columns, src.tags)
 
 
-def _tally(table: pa.Table, unit: SourceUnit, stats: FileStats, report: DataReport,
-           overlong: list[str], template: ChatTemplate) -> pa.Table:
+def _tally(
+    table: pa.Table,
+    unit: SourceUnit,
+    stats: FileStats,
+    report: DataReport,
+    overlong: list[str],
+    template: ChatTemplate,
+) -> pa.Table:
     """Count statuses into `stats`/`report`; return the kept samples (input_ids, targets)."""
     status = table.column("status").to_pylist()
     reasons = table.column("reason").to_pylist()
@@ -187,7 +199,7 @@ def _tally(table: pa.Table, unit: SourceUnit, stats: FileStats, report: DataRepo
         else:
             stats.rejected += 1
             report.rejections.append(Rejection(unit.file, row, reasons[k], line))
-    return table.select(["input_ids", "targets"]).take(keep)
+    return table.select(["input_ids", "targets"]).take(pa.array(keep, type=pa.int64()))
 
 
 def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:

@@ -78,19 +78,31 @@ def resolve_sources(cfg: DataConfig, base_dir: Path) -> list[Source]:
         where = f"data.datasets[{i}] ({dc.path})"
         check_overrides(dc.columns, dc.tags, where)
         if dc.format != "auto" and dc.format not in FORMATS:
-            raise DataError(f"{where}: format '{dc.format}' is unknown; use auto or one of {FORMATS}")
+            raise DataError(
+                f"{where}: format '{dc.format}' is unknown; use auto or one of {FORMATS}"
+            )
         if info is not None and dc.path in info:
             entry = resolve_entry(dc.path, info, dataset_dir)
             path, split = entry.path, entry.split or dc.split
             fmt = dc.format if dc.format != "auto" else entry.formatting
-            columns, tags, raw = {**entry.columns, **dc.columns}, {**entry.tags, **dc.tags}, entry.raw
+            columns, tags, raw = (
+                {**entry.columns, **dc.columns},
+                {**entry.tags, **dc.tags},
+                entry.raw,
+            )
         else:
             path = _absolute(dc.path, base_dir)
             if not path.exists():
                 if info is not None:
                     raise unknown_name_error(dc.path, info, dataset_dir)
                 raise DataError(f"{where}: file not found: {path}")
-            split, fmt, columns, tags, raw = dc.split, dc.format, dict(dc.columns), dict(dc.tags), None
+            split, fmt, columns, tags, raw = (
+                dc.split,
+                dc.format,
+                dict(dc.columns),
+                dict(dc.tags),
+                None,
+            )
         files, saved = _data_files(path, where)
         sources.append(
             Source(dc, _label(path, base_dir), path, files, saved, fmt, columns, tags, split, raw)
@@ -107,7 +119,9 @@ def _data_files(path: Path, where: str) -> tuple[list[Path], bool]:
     supported = ", ".join(LOADERS)
     if path.is_file():
         if path.suffix.lower() not in LOADERS:
-            raise DataError(f"{where}: unsupported file type '{path.suffix}'; supported: {supported}")
+            raise DataError(
+                f"{where}: unsupported file type '{path.suffix}'; supported: {supported}"
+            )
         return [path], False
     if any((path / m).is_file() for m in _SAVED_MARKERS):
         return sorted(p for p in path.rglob("*") if p.is_file()), True
@@ -146,10 +160,14 @@ def _load_saved(src: Source, limit: int | None) -> SourceUnit:
     try:
         ds = load_from_disk(str(src.path))
     except Exception as e:  # a damaged directory: report it, not a traceback
-        raise DataError(f"{src.label}: cannot be loaded with datasets.load_from_disk: {e}") from None
+        raise DataError(
+            f"{src.label}: cannot be loaded with datasets.load_from_disk: {e}"
+        ) from None
     if isinstance(ds, DatasetDict):
         if src.split not in ds:
-            raise DataError(f"{src.label}: no split '{src.split}'; available: {', '.join(ds)} (set split:)")
+            raise DataError(
+                f"{src.label}: no split '{src.split}'; available: {', '.join(ds)} (set split:)"
+            )
         ds = ds[src.split]
     if limit is not None and len(ds) > limit:
         ds = ds.select(range(limit))
@@ -201,7 +219,9 @@ def _rescan_json(path: Path, label: str, limit: int | None, error: Exception) ->
             data = json.loads(text)
         except json.JSONDecodeError as e:
             reason = f"malformed JSON: {e.msg} at line {e.lineno}, column {e.colno}; the whole file is unusable"
-            return SourceUnit(label, None, read=0, rejections=[Rejection(label, None, reason, e.lineno)])
+            return SourceUnit(
+                label, None, read=0, rejections=[Rejection(label, None, reason, e.lineno)]
+            )
         records = [(i + 1, None, rec, None) for i, rec in enumerate(data)]
     else:
         records = list(_jsonl_records(text))

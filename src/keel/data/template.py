@@ -46,7 +46,9 @@ def resolve_template(setting: str, tokenizer, base_dir: Path) -> tuple[ChatTempl
             text = text.get("default")
         if text:
             return ChatTemplate("tokenizer", text), None
-        note = "data.template: the tokenizer has no chat template; using the builtin chatml template"
+        note = (
+            "data.template: the tokenizer has no chat template; using the builtin chatml template"
+        )
         return ChatTemplate("chatml", CHATML_TEMPLATE), note
     if setting == "chatml":
         return ChatTemplate("chatml", CHATML_TEMPLATE), None
@@ -61,7 +63,9 @@ def resolve_template(setting: str, tokenizer, base_dir: Path) -> tuple[ChatTempl
     return ChatTemplate(setting, path.read_text(encoding="utf-8")), None
 
 
-def render(tokenizer, template: ChatTemplate, messages: list[dict], generation: bool = False) -> str:
+def render(
+    tokenizer, template: ChatTemplate, messages: list[dict], generation: bool = False
+) -> str:
     """The conversation as text. Template errors (e.g. raise_exception) are row problems."""
     try:
         return tokenizer.apply_chat_template(
@@ -116,7 +120,9 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
     return mask
 
 
-def encode_sft(tokenizer, template: ChatTemplate, messages: list[dict]) -> tuple[list[int], list[bool]]:
+def encode_sft(
+    tokenizer, template: ChatTemplate, messages: list[dict]
+) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and which of them are assistant tokens."""
     full, spans = assistant_spans(tokenizer, template, messages)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
