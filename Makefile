@@ -31,6 +31,7 @@ demo: install
 	$(BIN)/keel chat --model $(DEMO_OUT) --prompt "Who are you?" --max-new-tokens 60
 
 test: install-dev
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q -ra
 
 lint: install-dev

@@ -21,12 +21,24 @@ from keel import __version__
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData, prepare_data
 from keel.errors import CheckpointError, KeelError
-from keel.models import apply_method, load_model, load_tokenizer, resolve_model_path, \
-    save_model_dir, torch_dtype
+from keel.models import (
+    apply_method,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+    save_model_dir,
+    torch_dtype,
+)
 from keel.train import checkpoint as ckpt
 from keel.train.loop import StepCallback, StepPlan, Trainer
-from keel.train.metrics import METRICS_FILE, MetricsLog, Progress, memory_now, peak_rss_mb, \
-    plot_losses
+from keel.train.metrics import (
+    METRICS_FILE,
+    MetricsLog,
+    Progress,
+    memory_now,
+    peak_rss_mb,
+    plot_losses,
+)
 from keel.train.objective import CausalLMObjective
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.precision import resolve_precision

@@ -1,0 +1,39 @@
+"""Freeze the CLI surface: a flag or subcommand must never disappear by accident."""
+
+import argparse
+
+from keel.cli import build_parser
+
+EXPECTED = {
+    "train": {"config", "overrides"},
+    "validate": {"config", "overrides"},
+    "chat": {"--model", "--adapter", "--prompt", "--system", "--max-new-tokens",
+             "--temperature", "--top-p", "--cache-dir"},
+}
+
+
+def surface(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found = {}
+    for name, child in sub.choices.items():
+        names = set()
+        for action in child._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            names.update(action.option_strings or [action.dest])
+        found[name] = names
+    return found
+
+
+def test_cli_surface_is_frozen():
+    parser = build_parser()
+    assert surface(parser) == EXPECTED
+    assert "--debug" in {s for a in parser._actions for s in a.option_strings}
+
+
+def test_user_errors_exit_2_without_traceback(tmp_path, capsys):
+    from keel.cli import main
+
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and "Traceback" not in err
