@@ -115,3 +115,10 @@ def test_non_empty_output_dir_is_refused(tiny_model_dir, data_file, tmp_path):
     with pytest.raises(KeelError, match="not empty"):
         run_training(config(tiny_model_dir, data_file, out, "train.resume=never"), log=quiet)
     assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_bf16_autocast_training_runs(tiny_model_dir, data_file, tmp_path):
+    result = run_training(config(tiny_model_dir, data_file, tmp_path / "bf16",
+                                 "train.precision=bf16", "train.max_steps=2"), log=quiet)
+    assert result.summary["precision"] == "bf16"
+    assert all(loss == loss and loss < 20 for loss in result.losses)  # finite, sane
