@@ -71,3 +71,13 @@ def test_chat_prompt_after_training(tiny_model_dir, tmp_path):
                  "--max-new-tokens", "5", "--cache-dir", str(tmp_path / "cache"))
     assert reply.returncode == 0, reply.stderr[-2000:]
     assert reply.stdout.strip()
+
+
+def test_validate_reports_data_and_trains_nothing(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    result = keel("validate", "examples/llamafactory_lora.yaml", f"model.path={tiny_model_dir}",
+                  f"model.cache_dir={tmp_path / 'cache'}", f"output.dir={out}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "alpaca_mini.json" in result.stdout and "chat_mini.json" in result.stdout
+    assert "config and data are valid" in result.stdout
+    assert not out.exists()
