@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from keel.errors import CheckpointError
+from keel.train.objective import causal_lm_of
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -157,7 +158,7 @@ def load_trained_weights(model: nn.Module, checkpoint: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
-    target = getattr(model, "get_base_model", lambda: model)()
+    target = causal_lm_of(model)
     missing, unexpected = target.load_state_dict(state, strict=False)
     trainable_missing = [n for n, p in target.named_parameters()
                          if p.requires_grad and n in missing]

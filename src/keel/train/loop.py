@@ -80,7 +80,7 @@ class Trainer:
     device: torch.device
     pad_id: int
     max_grad_norm: float
-    trainable: list[nn.Parameter] = field(default_factory=list)
+    trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
