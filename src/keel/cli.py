@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from keel.errors import KeelError
@@ -81,6 +82,9 @@ COMMANDS = {"train": _train, "validate": _validate, "chat": _chat}
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # peft calls a transformers API that transformers 5 deprecates; users cannot act on it.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated",
+                            category=FutureWarning)
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:
