@@ -51,14 +51,10 @@ def _train(args) -> int:
 
 def _validate(args) -> int:
     from keel.config import load_config
-    from keel.data import prepare_data
-    from keel.models import load_tokenizer, resolve_model_path
+    from keel.train.run import preflight
 
     cfg = load_config(args.config, args.overrides)
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-    prepare_data(cfg.data, load_tokenizer(model_dir), stage=cfg.train.stage,
-                 cache_dir=Path(cfg.model.cache_dir).expanduser(), base_dir=Path.cwd(),
-                 seed=cfg.train.seed)
+    preflight(cfg, base_dir=Path.cwd())
     print(f"{args.config}: config and data are valid")
     return 0
 

@@ -62,11 +62,7 @@ def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
     _set_threads(cfg.train.threads, log)
     torch.manual_seed(cfg.train.seed)
     out = Path(cfg.output.dir).expanduser()
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log)
-    tokenizer = load_tokenizer(model_dir)
-    data = prepare_data(cfg.data, tokenizer, stage=cfg.train.stage,
-                        cache_dir=Path(cfg.model.cache_dir).expanduser(), base_dir=base_dir,
-                        seed=cfg.train.seed, log=log)
+    model_dir, tokenizer, data = preflight(cfg, base_dir=base_dir, log=log)
     resume_from = _resume_point(cfg, out, data.fingerprint)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision = resolve_precision(cfg.train.precision, device)
@@ -94,6 +90,20 @@ def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
     losses, stats = loop.run(start_step, total_steps, data.fingerprint)
     summary = _finish(cfg, out, model, tokenizer, total_steps, stats, precision.name, log)
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
+
+
+def preflight(cfg: RunConfig, *, base_dir: Path,
+              log: Callable[[str], None] = print) -> tuple[Path, object, PreparedData]:
+    """Resolve the model and validate + tokenize all data, touching no output folder.
+
+    Shared by `keel train` and `keel validate`, so both check exactly the same things.
+    """
+    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log)
+    tokenizer = load_tokenizer(model_dir)
+    data = prepare_data(cfg.data, tokenizer, stage=cfg.train.stage,
+                        cache_dir=Path(cfg.model.cache_dir).expanduser(), base_dir=base_dir,
+                        seed=cfg.train.seed, log=log)
+    return model_dir, tokenizer, data
 
 
 def _set_threads(requested: int, log) -> None:
@@ -166,6 +176,8 @@ class _Loop:
                  data: PreparedData, tokenizer, log, on_step_end):
         self.cfg, self.out, self.trainer, self.plan = cfg, out, trainer, plan
         self.data, self.tokenizer, self.log, self.on_step_end = data, tokenizer, log, on_step_end
+        # Materialised once: the eval split does not change during a run.
+        self.eval_rows = [data.eval[i] for i in range(len(data.eval))] if data.eval else []
 
     def run(self, start: int, total: int, fingerprint: str) -> tuple[list[float], dict]:
         out_cfg = self.cfg.output
@@ -209,12 +221,11 @@ class _Loop:
         return losses, stats
 
     def _maybe_eval(self, done: int, total: int, metrics: MetricsLog, progress: Progress):
-        if self.data.eval is None or len(self.data.eval) == 0:
+        if not self.eval_rows:
             return
         every = self.cfg.train.eval_every
         if (every and done % every == 0) or done == total:
-            rows = [self.data.eval[i] for i in range(len(self.data.eval))]
-            result = self.trainer.evaluate(rows, self.cfg.train.micro_batch_size)
+            result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
             metrics.write({"step": done, **result})
             progress.write(f"step {done}: eval_loss {result['eval_loss']:.4f} "
                            f"ppl {result['eval_ppl']:.2f}")
