@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -20,6 +21,18 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a YAML config", epilog=EPILOG)
     train.add_argument("config", help="path to the run's YAML config")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    # Multi-process runs go through torchrun; see keel.distributed.launch.
+    train.add_argument("--nproc", type=int, metavar="N",
+                       help="start N worker processes on this node via torchrun "
+                            "(usually one per GPU); default: one process, no launcher")
+    train.add_argument("--nnodes", type=int, default=1, metavar="N",
+                       help="number of nodes; run the same command on each (default 1)")
+    train.add_argument("--node-rank", type=int, default=0, metavar="R",
+                       help="this node's index, 0..nnodes-1 (default 0)")
+    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="address of node 0, the same on every node; needed with --nnodes > 1")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart all workers up to N times after a failure (default 0)")
 
     check = sub.add_parser("validate", epilog=EPILOG,
                            help="check a config and its data (report only, no training)")
@@ -42,9 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _train(args) -> int:
     from keel.config import load_config
+    from keel.distributed.launch import detect_world, launch, needs_launch
+
+    flags = dict(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                 rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+    must_launch = needs_launch(detect_world(os.environ), **flags)
+    # Loaded in the launcher too, so a bad config fails once, before any worker starts.
+    cfg = load_config(args.config, args.overrides)
+    if must_launch:
+        worker_args = [*(["--debug"] if args.debug else []), "train", args.config,
+                       *args.overrides]
+        # --nnodes 2 without --nproc means one worker per node.
+        return launch(nproc=args.nproc or 1, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
+                      worker_args=worker_args)
     from keel.train.run import run_training
 
-    cfg = load_config(args.config, args.overrides)
     run_training(cfg, base_dir=Path.cwd())
     return 0
 
@@ -76,8 +102,24 @@ def _chat(args) -> int:
 COMMANDS = {"train": _train, "validate": _validate, "chat": _chat}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse keel's command line; `key=value` overrides may also follow the flags.
+
+    argparse alone rejects `keel train cfg.yaml --nproc 8 train.lr=1e-4`: it fills the
+    `overrides` positional before it sees the flags. Leftover words are overrides.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "overrides", None) is not None \
+            and not any(word.startswith("-") for word in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     # peft calls a transformers API that transformers 5 deprecates; users cannot act on it.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated",
                             category=FutureWarning)

@@ -5,7 +5,8 @@ import argparse
 from keel.cli import build_parser
 
 EXPECTED = {
-    "train": {"config", "overrides"},
+    "train": {"config", "overrides", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint",
+              "--max-restarts"},
     "validate": {"config", "overrides"},
     "chat": {"--model", "--adapter", "--prompt", "--system", "--max-new-tokens",
              "--temperature", "--top-p", "--cache-dir"},

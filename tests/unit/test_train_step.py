@@ -100,11 +100,25 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
 
 
 def test_step_plan_windows_cover_each_row_once_per_epoch():
-    plan = StepPlan(num_rows=11, micro_batch_size=2, grad_accum=2, seed=3, shuffle=True)
+    plan = StepPlan(num_rows=11, global_batch=4, micro_batch_size=2, seed=3, shuffle=True)
     assert plan.steps_per_epoch == 3
     for epoch in range(2):
-        seen = [i for s in range(epoch * 3, epoch * 3 + 3) for mb in plan.window(s) for i in mb]
+        seen = [i for s in range(epoch * 3, epoch * 3 + 3) for i in plan.window(s)]
         assert sorted(seen) == list(range(11))
     assert plan.window(0) != plan.window(3)  # reshuffled per epoch
     assert plan.total_steps(epochs=1.5, max_steps=None) == 5
     assert plan.total_steps(epochs=1, max_steps=7) == 7
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_rank_runs_the_same_number_of_micro_batches(world_size):
+    """An uneven remainder is padded with empty (filler) micro-batches, never left to chance."""
+    plan = StepPlan(num_rows=11, global_batch=5, micro_batch_size=2, seed=0, shuffle=True)
+    for step in range(plan.steps_per_epoch):  # windows of 5, 5 and 1 rows
+        per_rank = [plan.micro_batches(step, r, world_size) for r in range(world_size)]
+        assert len({len(mbs) for mbs in per_rank}) == 1
+        rows = [i for mbs in per_rank for mb in mbs for i in mb]
+        assert sorted(rows) == sorted(plan.window(step))  # each row once, on one rank
+        assert all(len(mb) <= 2 for mbs in per_rank for mb in mbs)
+    # The last window holds one row: every other rank runs one filler micro-batch.
+    assert [plan.micro_batches(2, r, 4) for r in range(4)][1:] == [[[]], [[]], [[]]]

@@ -4,7 +4,9 @@ from keel.config.load import apply_override, config_to_dict, load_config
 from keel.config.schema import (
     DataConfig,
     DatasetConfig,
+    DistributedConfig,
     FreezeConfig,
+    FsdpConfig,
     LoraConfig,
     MethodConfig,
     ModelConfig,
@@ -14,7 +16,7 @@ from keel.config.schema import (
 )
 
 __all__ = [
-    "DataConfig", "DatasetConfig", "FreezeConfig", "LoraConfig", "MethodConfig", "ModelConfig",
+    "DataConfig", "DatasetConfig", "DistributedConfig", "FreezeConfig", "FsdpConfig", "LoraConfig", "MethodConfig", "ModelConfig",
     "OutputConfig", "RunConfig", "TrainConfig", "apply_override", "config_to_dict",
     "load_config",
 ]

@@ -72,8 +72,12 @@ class TrainConfig:
     stage: Literal["pt", "sft"] = "sft"
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs when set
-    micro_batch_size: int = 1
-    grad_accum: int = 1
+    micro_batch_size: int = 1  # rows per forward pass on one device
+    grad_accum: int = 1  # micro-batches per step (used when global_batch_size is not set)
+    # Rows per optimizer step over all processes; default micro_batch_size * grad_accum.
+    # Independent of the number of processes: more processes make a step faster, never
+    # change what it computes.
+    global_batch_size: int | None = None
     lr: float = 2e-4
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
@@ -103,9 +107,26 @@ class OutputConfig:
 
 
 @dataclass(kw_only=True)
+class FsdpConfig:
+    reshard_after_forward: bool = True  # false: keep layers gathered until backward (faster, more memory)
+    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)
+
+
+@dataclass(kw_only=True)
+class DistributedConfig:
+    # auto: one process -> no wrapper; several -> fsdp when a full replica would not fit a
+    # device, else ddp
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    timeout_s: float = 600.0  # a collective waiting longer than this fails the run
+    preprocess_timeout_s: float = 86400.0  # how long other ranks wait for rank 0 to tokenize
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     model: ModelConfig
     data: DataConfig
     output: OutputConfig
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)

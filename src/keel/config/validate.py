@@ -11,7 +11,7 @@ from keel.config.schema import BUNDLED_PREFIX, RunConfig
 def check_config(cfg: RunConfig) -> list[str]:
     """Every problem with a well-typed config, each naming its key, value and fix."""
     return [*_check_model(cfg), *_check_method(cfg), *_check_data(cfg), *_check_train(cfg),
-            *_check_output(cfg)]
+            *_check_output(cfg), *_check_distributed(cfg)]
 
 
 def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
@@ -72,6 +72,12 @@ def _check_train(cfg: RunConfig) -> list[str]:
     t = cfg.train
     problems = _positive(t.micro_batch_size, "train.micro_batch_size")
     problems += _positive(t.grad_accum, "train.grad_accum")
+    if t.global_batch_size is not None:
+        problems += _positive(t.global_batch_size, "train.global_batch_size")
+        if t.grad_accum != 1:
+            problems.append(f"train.grad_accum = {t.grad_accum} and train.global_batch_size = "
+                            f"{t.global_batch_size} both set the batch; set only one (with "
+                            f"global_batch_size, keel derives the accumulation per process)")
     problems += _positive(t.lr, "train.lr")
     problems += _positive(t.loss_chunk_size, "train.loss_chunk_size")
     problems += _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
@@ -101,4 +107,15 @@ def _check_output(cfg: RunConfig) -> list[str]:
     if "tensorboard" in out.loggers and importlib.util.find_spec("tensorboard") is None:
         problems.append("output.loggers includes tensorboard, which is not installed; "
                         "pip install tensorboard (or keel[tensorboard]), or drop it")
+    return problems
+
+
+def _check_distributed(cfg: RunConfig) -> list[str]:
+    d = cfg.distributed
+    problems = _positive(d.timeout_s, "distributed.timeout_s")
+    problems += _positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
+    if d.strategy == "fsdp" and cfg.train.precision == "fp16":
+        problems.append("train.precision = fp16 with distributed.strategy = fsdp is not "
+                        "supported (fp16 loss scaling needs every shard's overflow check); "
+                        "use bf16, or strategy ddp")
     return problems

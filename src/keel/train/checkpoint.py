@@ -1,11 +1,15 @@
 """Atomic checkpoints: write into a temporary folder, fsync, rename.
 
 Layout of `<output.dir>/checkpoints/step-00000012/`:
-  model/              PEFT adapter or full HF model (safetensors), loadable by other tools
-  trainer_state.pt    optimizer, scheduler, RNG states, step (= data position)
+  state/              trainable weights + optimizer state, sharded (torch.distributed.checkpoint);
+                      loads into any number of processes
+  trainer.pt          step (= data position), scheduler, global batch size
+  rng/rank-00000.pt   each process's RNG states
   meta.json           written last; a folder without it is not a checkpoint
-A crash mid-save leaves only `.tmp-step-*`, which is never mistaken for a checkpoint and is
-cleared on the next start.
+Every process writes its part into `.tmp-step-*`; rank 0 then makes it durable and renames
+it. A crash mid-save leaves only `.tmp-step-*`, which is never mistaken for a checkpoint
+and is cleared on the next start. The user-facing model (PEFT adapter / HF model) is
+written once, at the end of the run.
 """
 
 from __future__ import annotations
@@ -19,26 +23,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
+from keel.distributed.checkpoint import load_sharded, save_sharded
+from keel.distributed.process_group import DistContext
 from keel.errors import CheckpointError
-from keel.train.objective import causal_lm_of
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "meta.json"
-STATE = "trainer_state.pt"
+STATE_DIR = "state"
+RNG_DIR = "rng"
+TRAINER = "trainer.pt"
 
 
 @dataclass(frozen=True)
 class TrainState:
-    """What, beyond the weights, a resumed run needs to continue exactly."""
+    """What, beyond weights and optimizer, a resumed run needs to continue exactly."""
 
     step: int  # optimizer steps done; also the data position (windows are derived from it)
-    optimizer: dict
     scheduler: dict
-    rng: dict
+    rng: dict | None  # None when this rank has no saved RNG (resumed on more processes)
 
 
 def capture_rng() -> dict:
@@ -79,24 +84,42 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def save_checkpoint(output_dir: Path, state: TrainState, write_model, meta: dict,
-                    keep_last: int) -> Path:
-    """Write a complete checkpoint for `state.step`; `write_model(dir)` saves the weights."""
+def save_checkpoint(output_dir: Path, step: int, *, module: nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: dict, meta: dict,
+                    keep_last: int, dist: DistContext) -> Path:
+    """Write a complete checkpoint for `step` (every process calls this together)."""
     root = output_dir / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{state.step:08d}"
-    tmp = root / f".tmp-step-{state.step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    write_model(tmp / "model")
-    torch.save({"step": state.step, "optimizer": state.optimizer,
-                "scheduler": state.scheduler, "rng": state.rng}, tmp / STATE)
-    (tmp / META).write_text(json.dumps({**meta, "step": state.step}, indent=2))
-    if final.exists():  # a previous run died after this step's save; ours is as good
-        shutil.rmtree(final)
-    commit_dir(tmp, final)
-    prune_checkpoints(output_dir, keep_last)
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / RNG_DIR).mkdir(parents=True)
+    dist.barrier()
+    save_sharded(tmp / STATE_DIR, module, optimizer)
+    torch.save(capture_rng(), tmp / RNG_DIR / f"rank-{dist.rank:05d}.pt")
+    dist.barrier()
+    if dist.is_main:
+        torch.save({"step": step, "scheduler": scheduler}, tmp / TRAINER)
+        (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=2))
+        if final.exists():  # a previous run died after this step's save; ours is as good
+            shutil.rmtree(final)
+        commit_dir(tmp, final)
+        prune_checkpoints(output_dir, keep_last)
+    dist.barrier()
     return final
+
+
+def load_checkpoint(checkpoint: Path, *, module: nn.Module, optimizer: torch.optim.Optimizer,
+                    dist: DistContext) -> TrainState:
+    """Load weights and optimizer state (resharded to this run's processes) and the rest."""
+    if not (checkpoint / STATE_DIR).is_dir():
+        raise CheckpointError(f"{checkpoint} has no {STATE_DIR}/ folder: it was written by an "
+                              f"older keel or is damaged; set train.resume=never to start over")
+    load_sharded(checkpoint / STATE_DIR, module, optimizer)
+    raw = torch.load(checkpoint / TRAINER, map_location="cpu", weights_only=False)
+    rng_file = checkpoint / RNG_DIR / f"rank-{dist.rank:05d}.pt"
+    rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    return TrainState(step=raw["step"], scheduler=raw["scheduler"], rng=rng)
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -131,37 +154,3 @@ def read_meta(checkpoint: Path) -> dict:
         raise CheckpointError(f"{checkpoint} is not a complete keel checkpoint (no {META}); "
                               f"point train.resume at a checkpoints/step-* folder")
     return json.loads(meta_path.read_text())
-
-
-def load_train_state(checkpoint: Path) -> TrainState:
-    raw = torch.load(checkpoint / STATE, map_location="cpu", weights_only=False)
-    return TrainState(step=raw["step"], optimizer=raw["optimizer"], scheduler=raw["scheduler"],
-                      rng=raw["rng"])
-
-
-def load_trained_weights(model: nn.Module, checkpoint: Path) -> None:
-    """Copy the checkpoint's trained weights into the live model (adapter or full)."""
-    model_dir = checkpoint / "model"
-    adapter = model_dir / "adapter_model.safetensors"
-    if adapter.is_file():
-        from peft import set_peft_model_state_dict
-
-        result = set_peft_model_state_dict(model, load_file(adapter))
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise CheckpointError(f"{adapter} does not match this run's LoRA config "
-                                  f"(unexpected keys such as {unexpected[:3]})")
-        return
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{model_dir} holds no safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        state.update(load_file(file))
-    target = causal_lm_of(model)
-    missing, unexpected = target.load_state_dict(state, strict=False)
-    trainable_missing = [n for n, p in target.named_parameters()
-                         if p.requires_grad and n in missing]
-    if unexpected or trainable_missing:
-        raise CheckpointError(f"{model_dir} does not match this model: missing "
-                              f"{trainable_missing[:3]}, unexpected {unexpected[:3]}")

@@ -99,6 +99,7 @@ class Progress:
     def __init__(self, total: int, initial: int, enabled: bool = True):
         from tqdm.auto import tqdm
 
+        self.enabled = enabled
         self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
                          file=sys.stderr, disable=not enabled, dynamic_ncols=True)
 
@@ -108,7 +109,8 @@ class Progress:
         self._bar.update(1)
 
     def write(self, text: str) -> None:
-        self._bar.write(text, file=sys.stderr)
+        if self.enabled:
+            self._bar.write(text, file=sys.stderr)
 
     def close(self) -> None:
         self._bar.close()

@@ -6,44 +6,36 @@ output folder is touched, so bad input never leaves a half-written output direct
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
 import torch
 import yaml
 
 from keel import __version__
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData, prepare_data
-from keel.errors import CheckpointError, KeelError
-from keel.models import (
-    apply_method,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-    save_model_dir,
-    torch_dtype,
+from keel.distributed.launch import detect_world, slurm_rendezvous_env
+from keel.distributed.process_group import (
+    DistContext,
+    init_distributed,
+    main_rank_first,
+    on_main,
+    shutdown,
 )
+from keel.errors import CheckpointError, KeelError
+from keel.models import load_tokenizer, resolve_model_path
 from keel.train import checkpoint as ckpt
 from keel.train.loop import StepCallback, StepPlan, Trainer
-from keel.train.metrics import (
-    METRICS_FILE,
-    MetricsLog,
-    Progress,
-    memory_now,
-    peak_rss_mb,
-    plot_losses,
-)
-from keel.train.objective import CausalLMObjective
+from keel.train.metrics import MetricsLog, Progress, memory_now
+from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.outputs import FINAL_MARKER, write_final_outputs
 from keel.train.precision import resolve_precision
-
-FINAL_MARKER = "keel_run.json"
 
 
 @dataclass
@@ -57,38 +49,71 @@ class RunResult:
 def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
                  log: Callable[[str], None] = print,
                  on_step_end: StepCallback | None = None) -> RunResult:
-    """Train as `cfg` says. Raises KeelError subclasses for anything the user can fix."""
-    base_dir = base_dir or Path.cwd()
-    _set_threads(cfg.train.threads, log)
-    torch.manual_seed(cfg.train.seed)
+    """Train as `cfg` says, in this process or as one rank of a torchrun/srun job.
+
+    Raises KeelError subclasses for anything the user can fix.
+    """
+    world = detect_world(os.environ)
+    if world.launcher == "single":
+        return _train(cfg, base_dir or Path.cwd(), DistContext(), log, on_step_end)
+    if world.launcher == "slurm":
+        os.environ.update(slurm_rendezvous_env(os.environ))
+    dist = init_distributed(rank=world.rank, world_size=world.world_size,
+                            local_rank=world.local_rank,
+                            local_world_size=world.local_world_size,
+                            timeout_s=cfg.distributed.timeout_s,
+                            preprocess_timeout_s=cfg.distributed.preprocess_timeout_s, log=log)
+    try:
+        # Only rank 0 talks; the others would repeat every line world_size times.
+        return _train(cfg, base_dir or Path.cwd(), dist, log if dist.is_main else _quiet,
+                      on_step_end)
+    finally:
+        shutdown(dist)
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+def _train(cfg: RunConfig, base_dir: Path, dist: DistContext, log,
+           on_step_end: StepCallback | None) -> RunResult:
+    _set_threads(cfg.train.threads, dist.local_world_size, log)
+    torch.manual_seed(cfg.train.seed + dist.rank)  # dropout differs per rank, as it should
     out = Path(cfg.output.dir).expanduser()
-    model_dir, tokenizer, data = preflight(cfg, base_dir=base_dir, log=log)
-    resume_from = _resume_point(cfg, out, data.fingerprint)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision = resolve_precision(cfg.train.precision, device)
+    global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * cfg.train.grad_accum
+    with main_rank_first(dist):  # rank 0 converts and tokenizes; the others read its cache
+        model_dir, tokenizer, data = preflight(cfg, base_dir=base_dir, log=log)
+    resume_from = on_main(dist, lambda: _resume_point(cfg, out, data.fingerprint, global_batch))
+    precision = on_main(dist, lambda: resolve_precision(cfg.train.precision, dist.device))
     log(f"precision: {precision.name} ({precision.reason})")
 
-    model = _build_model(cfg, model_dir, device, log)
-    plan = StepPlan(num_rows=len(data.train), micro_batch_size=cfg.train.micro_batch_size,
-                    grad_accum=cfg.train.grad_accum, seed=cfg.train.seed,
+    built = build_training_model(cfg, model_dir, dist, precision, log)
+    plan = StepPlan(num_rows=len(data.train), global_batch=global_batch,
+                    micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
                     shuffle=cfg.data.shuffle)
     total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
-    objective = CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size).to(device)
-    optimizer = build_optimizer(objective, cfg.train)
-    trainer = Trainer(objective=objective, optimizer=optimizer,
+    optimizer = build_optimizer(built.objective, cfg.train)
+    trainer = Trainer(objective=built.objective, optimizer=optimizer,
                       scheduler=build_scheduler(optimizer, cfg.train, total_steps),
-                      precision=precision, device=device, pad_id=tokenizer.pad_token_id,
-                      max_grad_norm=cfg.train.max_grad_norm)
-    start_step = _restore(trainer, model, resume_from, log) if resume_from else 0
+                      precision=precision, device=dist.device, pad_id=tokenizer.pad_token_id,
+                      max_grad_norm=cfg.train.max_grad_norm, dist=dist)
+    start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
 
-    for partial in _prepare_output_dir(cfg, out, resume_from):
+    def prepare() -> list[Path]:
+        removed = _prepare_output_dir(cfg, out, resume_from)
+        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        return removed
+
+    for partial in on_main(dist, prepare):
         log(f"removed an interrupted checkpoint save: {partial}")
-    (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    log(f"training: {len(data.train)} rows, {plan.steps_per_epoch} steps/epoch, "
+    log(f"training: {len(data.train)} rows, global batch {global_batch} rows over "
+        f"{dist.world_size} process(es), {plan.steps_per_epoch} steps/epoch, "
         f"{total_steps} steps, starting at step {start_step}")
-    loop = _Loop(cfg, out, trainer, plan, data, tokenizer, log, on_step_end)
-    losses, stats = loop.run(start_step, total_steps, data.fingerprint)
-    summary = _finish(cfg, out, model, tokenizer, total_steps, stats, precision.name, log)
+    loop = _Loop(cfg, out, trainer, plan, data, dist, log, on_step_end)
+    losses, stats = loop.run(start_step, total_steps, {"data_fingerprint": data.fingerprint,
+                                                        "global_batch": global_batch})
+    summary = write_final_outputs(cfg, out, built, tokenizer, model_dir, dist, log,
+                                  steps=total_steps, stats=stats, precision=precision.name)
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
 
 
@@ -106,24 +131,16 @@ def preflight(cfg: RunConfig, *, base_dir: Path,
     return model_dir, tokenizer, data
 
 
-def _set_threads(requested: int, log) -> None:
-    # torchrun sets OMP_NUM_THREADS=1 unless told otherwise; choose deliberately instead.
-    threads = requested or len(os.sched_getaffinity(0))
+def _set_threads(requested: int, local_processes: int, log) -> None:
+    # torchrun sets OMP_NUM_THREADS=1 unless told otherwise; choose deliberately instead:
+    # this process's share of the cores it may run on.
+    threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_processes, 1))
     torch.set_num_threads(threads)
-    log(f"threads: {threads}")
+    log(f"threads: {threads} per process")
 
 
-def _build_model(cfg: RunConfig, model_dir: Path, device: torch.device, log):
-    dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
-    model = load_model(model_dir, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
-    if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # use_cache stays as saved: the objective passes use_cache=False per call, and writing
-    # False into config.json would slow generation for every tool that loads our output.
-    return apply_method(model, cfg.method, log=log).to(device)
-
-
-def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str) -> Path | None:
+def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str,
+                  global_batch: int) -> Path | None:
     if cfg.train.resume == "never":
         return None
     if cfg.train.resume != "auto":
@@ -139,6 +156,12 @@ def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str) -> Path | No
             f"{chosen} was trained on different data (or data settings) than this config "
             f"gives; resuming would not continue the same run. Set train.resume=never and "
             f"a new output.dir to start over, or restore the original data/config")
+    saved_batch = meta.get("global_batch", global_batch)
+    if saved_batch != global_batch:
+        raise CheckpointError(
+            f"{chosen} was trained with a global batch of {saved_batch} rows, this config "
+            f"gives {global_batch}; set train.global_batch_size={saved_batch} to continue it "
+            f"(any number of processes works)")
     return chosen
 
 
@@ -159,38 +182,43 @@ def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> 
     return removed
 
 
-def _restore(trainer: Trainer, model, checkpoint: Path, log) -> int:
-    state = ckpt.load_train_state(checkpoint)
-    ckpt.load_trained_weights(model, checkpoint)
-    trainer.optimizer.load_state_dict(state.optimizer)
+def _restore(trainer: Trainer, checkpoint: Path, dist: DistContext, log) -> int:
+    state = ckpt.load_checkpoint(checkpoint, module=trainer.objective,
+                                 optimizer=trainer.optimizer, dist=dist)
     trainer.scheduler.load_state_dict(state.scheduler)
-    ckpt.restore_rng(state.rng)
+    if state.rng is not None:
+        ckpt.restore_rng(state.rng)
     log(f"resumed from {checkpoint} at step {state.step}")
     return state.step
 
 
 class _Loop:
-    """Steps, logging, evaluation and periodic checkpoints for one run."""
+    """Steps, logging, evaluation and periodic checkpoints for one run (every process)."""
 
     def __init__(self, cfg: RunConfig, out: Path, trainer: Trainer, plan: StepPlan,
-                 data: PreparedData, tokenizer, log, on_step_end):
+                 data: PreparedData, dist: DistContext, log, on_step_end):
         self.cfg, self.out, self.trainer, self.plan = cfg, out, trainer, plan
-        self.data, self.tokenizer, self.log, self.on_step_end = data, tokenizer, log, on_step_end
+        self.data, self.dist, self.log, self.on_step_end = data, dist, log, on_step_end
+        # Every process knows every row's size, so the global batch's target count needs
+        # no communication.
+        table = data.train.with_format("arrow")
+        self.row_targets = table["num_targets"].to_pylist()
+        self.row_tokens = pc.list_value_length(table["input_ids"]).to_pylist()
         # Materialised once: the eval split does not change during a run.
         self.eval_rows = [data.eval[i] for i in range(len(data.eval))] if data.eval else []
 
-    def run(self, start: int, total: int, fingerprint: str) -> tuple[list[float], dict]:
+    def run(self, start: int, total: int, meta: dict) -> tuple[list[float], dict]:
         out_cfg = self.cfg.output
+        main = self.dist.is_main
         metrics = MetricsLog(self.out, resume_step=start,
-                             tensorboard="tensorboard" in out_cfg.loggers)
-        progress = Progress(total=total, initial=start)
+                             tensorboard="tensorboard" in out_cfg.loggers) if main else None
+        progress = Progress(total=total, initial=start, enabled=main)
         losses: list[float] = []
         stats = {"real_tokens": 0, "target_tokens": 0, "train_seconds": 0.0, "loss": None}
         window = {"real": 0, "seconds": 0.0}
         try:
             for step in range(start, total):
-                rows = [[self.data.train[i] for i in mb] for mb in self.plan.window(step)]
-                result = self.trainer.train_step(rows)
+                result = self._step(step)
                 losses.append(result.loss)
                 for key, value in (("real_tokens", result.real_tokens),
                                    ("target_tokens", result.target_tokens),
@@ -209,63 +237,43 @@ class _Loop:
                               "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
                               "target_tokens": result.target_tokens, **memory_now()}
                     window = {"real": 0, "seconds": 0.0}
-                    metrics.write(record)
+                    if metrics is not None:
+                        metrics.write(record)
                 self._maybe_eval(done, total, metrics, progress)
                 if (out_cfg.save_every and done % out_cfg.save_every == 0) or done == total:
-                    self._save(done, fingerprint)
+                    self._save(done, meta)
                 if self.on_step_end is not None:
                     self.on_step_end(done, record or {"step": done, "loss": result.loss})
         finally:
             progress.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
         return losses, stats
 
-    def _maybe_eval(self, done: int, total: int, metrics: MetricsLog, progress: Progress):
+    def _step(self, step: int):
+        window = self.plan.window(step)
+        micro = self.plan.micro_batches(step, self.dist.rank, self.dist.world_size)
+        rows = [[self.data.train[i] for i in mb] for mb in micro]
+        return self.trainer.train_step(
+            rows, window_targets=sum(self.row_targets[i] for i in window),
+            window_tokens=sum(self.row_tokens[i] for i in window))
+
+    def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None,
+                    progress: Progress):
         if not self.eval_rows:
             return
         every = self.cfg.train.eval_every
         if (every and done % every == 0) or done == total:
             result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
-            metrics.write({"step": done, **result})
+            if metrics is not None:
+                metrics.write({"step": done, **result})
             progress.write(f"step {done}: eval_loss {result['eval_loss']:.4f} "
                            f"ppl {result['eval_ppl']:.2f}")
 
-    def _save(self, step: int, fingerprint: str) -> None:
-        model = self.trainer.objective.model
-        state = ckpt.TrainState(step=step, optimizer=self.trainer.optimizer.state_dict(),
-                                scheduler=self.trainer.scheduler.state_dict(),
-                                rng=ckpt.capture_rng())
-        ckpt.save_checkpoint(self.out, state,
-                             lambda d: save_model_dir(model, self.tokenizer, d),
-                             {"data_fingerprint": fingerprint, "keel_version": __version__},
-                             keep_last=self.cfg.output.keep_last)
-
-
-def _finish(cfg: RunConfig, out: Path, model, tokenizer, steps: int, stats: dict,
-            precision: str, log) -> dict:
-    """Write the user-facing model (atomically, file by file), plot and summary."""
-    tmp = out / ".tmp-final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model_dir(model, tokenizer, tmp)
-    if cfg.output.merge_lora:
-        save_model_dir(model, tokenizer, tmp / "merged", merged=True)
-    ckpt.fsync_tree(tmp)
-    for entry in tmp.iterdir():
-        target = out / entry.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    tmp.rmdir()
-    plot_losses(out / METRICS_FILE, out / "loss.png")
-    seconds = stats["train_seconds"]
-    summary = {"steps": steps, "final_loss": stats["loss"], "precision": precision,
-               "real_tokens": stats["real_tokens"], "target_tokens": stats["target_tokens"],
-               "train_seconds": round(seconds, 2),
-               "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
-               "peak_rss_mb": round(peak_rss_mb(), 1), "keel_version": __version__,
-               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    (out / FINAL_MARKER).write_text(json.dumps(summary, indent=2))
-    log(f"done: {steps} steps, {summary['real_tokens']} tokens in {seconds:.1f}s "
-        f"({summary['tokens_per_s']} tokens/s), final loss {stats['loss']}, "
-        f"peak RSS {summary['peak_rss_mb']:.0f} MB -> {out}")
-    return summary
+    def _save(self, step: int, meta: dict) -> None:
+        ckpt.save_checkpoint(self.out, step, module=self.trainer.objective,
+                             optimizer=self.trainer.optimizer,
+                             scheduler=self.trainer.scheduler.state_dict(),
+                             meta={**meta, "keel_version": __version__,
+                                   "world_size": self.dist.world_size},
+                             keep_last=self.cfg.output.keep_last, dist=self.dist)

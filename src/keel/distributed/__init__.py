@@ -1,0 +1,5 @@
+"""Process groups, launching, data/fully-sharded parallelism and distributed checkpoints.
+
+Nothing here imports keel.train, keel.data or keel.cli: the training loop calls into this
+package, never the other way round. Import the submodules directly.
+"""

@@ -1,0 +1,210 @@
+"""One place that decides the device and sets up (and tears down) the process group.
+
+Every group gets a CPU backend beside the accelerator's (`cpu:gloo,cuda:nccl` on GPUs,
+`gloo` on CPU): object collectives and CPU tensors then always have a backend, instead of
+failing with "No backend type associated with device type cpu" deep inside a run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from keel.errors import KeelError
+
+Log = Callable[[str], None]
+
+
+def backend_for(device_type: str, accelerator_backend: str = "nccl") -> str:
+    """The backend string for `init_process_group`: always a CPU backend, plus the device's."""
+    if device_type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device_type}:{accelerator_backend}"
+
+
+def choose_device(local_rank: int) -> torch.device:
+    """cuda:<local_rank> when this node has enough GPUs for its local processes, else CPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise KeelError(
+                f"local rank {local_rank} has no GPU: this node has {count}; launch at most "
+                f"{count} processes per node (--nproc {count})")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclass
+class DistContext:
+    """Who this process is, where it computes, and the collectives the loop needs.
+
+    With world_size 1 no process group exists and every collective is the identity, so the
+    training loop has one code path for one and for many processes.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # A gloo group with a long timeout for waits that are not stuck collectives (rank 0
+    # tokenizing a large dataset while the others wait).
+    slow_group: object | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum a few Python numbers over all ranks (in float64 on the CPU backend)."""
+        if not self.distributed:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def broadcast_object(self, obj, *, src: int = 0, slow: bool = False):
+        """Rank `src`'s `obj` on every rank (any picklable object)."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.slow_group if slow else None)
+        return box[0]
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
+                     timeout_s: float, preprocess_timeout_s: float,
+                     log: Log = print) -> DistContext:
+    """Join the process group described by torchrun's (or SLURM-derived) env:// variables.
+
+    The device is decided here, before the first collective, and checked by one: every
+    rank reports its host and device so a mixed or oversubscribed job fails at start-up.
+    """
+    device = choose_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = backend_for(device.type)
+    try:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    except (RuntimeError, ValueError, dist.DistStoreError) as exc:
+        raise KeelError(explain_startup_error(exc, world_size)) from exc
+    slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=preprocess_timeout_s))
+    ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
+                      local_world_size=local_world_size, device=device, slow_group=slow)
+    _check_placement(ctx)
+    if ctx.is_main:
+        log(f"process group: {world_size} processes, backend {backend}, device {device.type}, "
+            f"collective timeout {timeout_s:.0f}s")
+    return ctx
+
+
+def _check_placement(ctx: DistContext) -> None:
+    """All ranks on the same device type, and no two ranks of a host on one GPU."""
+    mine = (socket.gethostname(), ctx.device.type, ctx.device.index)
+    everyone = ctx.gather_objects(mine)
+    types = {d for _, d, _ in everyone}
+    if len(types) > 1:
+        raise KeelError(f"ranks disagree on the device type ({sorted(types)}): some nodes see "
+                        f"a GPU and some do not; run every node on the same kind of machine")
+    if "cuda" in types:
+        seen: dict[tuple, int] = {}
+        for r, (host, _, index) in enumerate(everyone):
+            if (host, index) in seen:
+                raise KeelError(f"ranks {seen[(host, index)]} and {r} both use cuda:{index} on "
+                                f"{host}; use one process per GPU")
+            seen[(host, index)] = r
+
+
+def explain_startup_error(exc: BaseException, world_size: int) -> str:
+    """Turn the usual rendezvous failures into what happened and what to do."""
+    text = str(exc)
+    lowered = text.lower()
+    addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    if "address already in use" in lowered or "eaddrinuse" in lowered:
+        hint = (f"the rendezvous port {addr} is already in use (another job, or a previous run "
+                f"that did not exit); pick another port in --rdzv-endpoint or stop that process")
+    elif "timed out" in lowered or "timeout" in lowered:
+        hint = (f"not all {world_size} processes joined the rendezvous at {addr} in time; "
+                f"check every node runs the same command with the same --nnodes/--nproc and "
+                f"can reach {addr}")
+    elif "world_size" in lowered or "world size" in lowered or "rank" in lowered:
+        hint = (f"the processes disagree on the world size ({world_size} expected here); "
+                f"launch every node with the same --nnodes and --nproc")
+    else:
+        hint = "could not set up the process group"
+    return f"{hint} (torch.distributed said: {text.splitlines()[0] if text else type(exc)})"
+
+
+def shutdown(ctx: DistContext) -> None:
+    if ctx.distributed:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def main_rank_first(ctx: DistContext):
+    """Rank 0 runs the body first; the others wait for it (on the slow group), then run it.
+
+    If rank 0 fails, the others get its error message instead of waiting forever.
+    """
+    if not ctx.distributed:
+        yield
+        return
+    if ctx.is_main:
+        try:
+            yield
+        except BaseException as exc:
+            ctx.broadcast_object(f"{type(exc).__name__}: {exc}", slow=True)
+            raise
+        ctx.broadcast_object(None, slow=True)
+    else:
+        failure = ctx.broadcast_object(None, slow=True)
+        if failure is not None:
+            raise KeelError(f"rank 0 failed while preparing: {failure}")
+        yield
+
+
+def on_main(ctx: DistContext, fn):
+    """Run `fn()` on rank 0 only and return its result on every rank.
+
+    A failure on rank 0 is re-raised there and becomes a KeelError with its message on the
+    others, so a refused output folder stops every process instead of leaving them waiting.
+    """
+    if not ctx.distributed:
+        return fn()
+    if ctx.is_main:
+        try:
+            result = fn()
+        except BaseException as exc:
+            ctx.broadcast_object(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        ctx.broadcast_object(("ok", result))
+        return result
+    status, value = ctx.broadcast_object(None)
+    if status == "error":
+        raise KeelError(f"rank 0 failed: {value}")
+    return value

@@ -1,0 +1,176 @@
+"""Build a model with no memory behind it, then fill it tensor by tensor from safetensors.
+
+Training builds every model this way: on the meta device first (so sharding can be
+applied before any weight exists), then each process allocates what it holds and copies
+in only its part of each checkpoint tensor. A sharded process therefore never holds more
+than its shards plus one full tensor, and one and many processes load identical weights.
+
+New parameters that are not in the checkpoint (LoRA adapters) are initialised from
+(seed, parameter name), so their values do not depend on the number of processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from keel.errors import ModelError
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def build_empty_model(model_dir: Path, *, dtype: torch.dtype, attn_implementation: str = "sdpa",
+                      trust_remote_code: bool = False) -> nn.Module:
+    """An `AutoModelForCausalLM` with the architecture of `model_dir`, on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = str(Path(model_dir).expanduser().resolve())
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelError(f"cannot build a causal-LM model from {source}: {e}") from e
+    # PEFT copies name_or_path into adapter_config.json as the base model: keep it absolute.
+    model.name_or_path = source
+    model.config._name_or_path = source
+    _load_generation_config(model, Path(source))
+    return model
+
+
+def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
+    if (model_dir / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
+
+
+class CheckpointReader:
+    """Lazy access to the tensors of a safetensors model directory, one at a time."""
+
+    def __init__(self, model_dir: Path):
+        from safetensors import safe_open
+
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
+        if not files:
+            raise ModelError(f"{model_dir} holds no *.safetensors weights; keel trains from "
+                             f"safetensors (convert with save_pretrained(safe_serialization=True))")
+        self._stack = ExitStack()
+        self._where: dict[str, object] = {}
+        for name in files:
+            handle = self._stack.enter_context(safe_open(str(model_dir / name), framework="pt"))
+            self._where.update({key: handle for key in handle.keys()})
+        self.model_dir = model_dir
+
+    def get(self, key: str) -> torch.Tensor | None:
+        handle = self._where.get(key)
+        return None if handle is None else handle.get_tensor(key)
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def checkpoint_key(param_name: str) -> str:
+    """The name a (possibly PEFT-wrapped, possibly prefixed) parameter has in the HF files."""
+    return param_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """Deterministic fp32 initial value of a new (adapter) parameter, as PEFT initialises it.
+
+    lora_A: kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
+    lora_B: zeros (so training starts from the base model exactly); for embeddings the
+    roles swap (A zeros, B standard normal).
+    """
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    if ".lora_embedding_A." in name:
+        return torch.zeros(shape)
+    if ".lora_embedding_B." in name:
+        return torch.randn(shape, generator=generator)
+    if ".lora_A." in name:
+        bound = 1 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+    if ".lora_B." in name:
+        return torch.zeros(shape)
+    raise ModelError(f"parameter {name} is neither in the checkpoint nor a LoRA adapter "
+                     f"weight; keel does not know how to initialise it")
+
+
+def materialized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter and persistent buffer, shared tensors once."""
+    seen: set[int] = set()
+    for name, tensor in [*model.named_parameters(), *_persistent_buffers(model)]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`, keeping tied parameters (embeddings = output layer) tied.
+
+    to_empty gives every module its own new tensor, which would silently untie them.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for shared in owners.values():
+        first_module, first_name = shared[0]
+        for module, name in shared[1:]:
+            setattr(module, name, getattr(first_module, first_name))
+
+
+def init_computed_buffers(lm: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary frequencies) that `to_empty` left garbage."""
+    for module in lm.modules():
+        if module._non_persistent_buffers_set:
+            lm._init_weights(module)
+
+
+def fill_weights(model: nn.Module, model_dir: Path, *, seed: int,
+                 shard_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 local: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+    """Copy each checkpoint tensor's local part into the allocated model; init new adapters.
+
+    `shard_of(param, full)` gives the part of `full` this process holds for `param`, and
+    `local(param)` the tensor it writes into (identity without sharding). Returns the names
+    of parameters that were initialised rather than loaded.
+    """
+    reader = CheckpointReader(Path(model_dir))
+    initialised: list[str] = []
+    try:
+        with torch.no_grad():
+            for name, tensor in materialized_tensors(model):
+                full = reader.get(checkpoint_key(name))
+                if full is None:
+                    full = initial_value(name, tensor.shape, seed)
+                    initialised.append(name)
+                if tuple(full.shape) != tuple(tensor.shape):
+                    raise ModelError(f"{name}: checkpoint shape {tuple(full.shape)} differs from "
+                                     f"the model's {tuple(tensor.shape)} in {model_dir}")
+                local(tensor).copy_(shard_of(tensor, full))
+    finally:
+        reader.close()
+    return initialised

@@ -1,0 +1,91 @@
+"""Build the model a run trains: meta device -> method -> parallelism -> allocate -> load.
+
+The order is what keeps memory flat: sharding is decided while the model has no storage,
+so under FSDP each process allocates and loads only its own shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from keel.config import RunConfig
+from keel.distributed.parallelize import (
+    apply_ddp,
+    apply_fsdp,
+    choose_strategy,
+    device_memory_bytes,
+    local_shard_of,
+    local_tensor,
+)
+from keel.distributed.process_group import DistContext
+from keel.models import apply_method, torch_dtype
+from keel.models.adapters import decoder_layers
+from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.train.objective import CausalLMObjective, causal_lm_of
+from keel.train.precision import Precision
+
+
+@dataclass
+class TrainingModel:
+    model: nn.Module  # the HF or PEFT model (FSDP2-sharded in place under fsdp)
+    objective: nn.Module  # what the trainer calls; DDP-wrapped under ddp
+    strategy: str  # none | ddp | fsdp
+
+
+def replica_bytes(model: nn.Module) -> int:
+    """Weights + gradients + AdamW state (two fp32 moments) of one full copy."""
+    params = {id(p): p for p in model.parameters()}.values()
+    weights = sum(p.numel() * p.element_size() for p in params)
+    trainable = [p for p in params if p.requires_grad]
+    return weights + sum(p.numel() * (p.element_size() + 8) for p in trainable)
+
+
+def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
+                         precision: Precision, log) -> TrainingModel:
+    """The model to train, placed on `dist.device`, sharded or replicated as configured."""
+    dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
+    model = build_empty_model(model_dir, dtype=dtype,
+                              attn_implementation=cfg.model.attn_implementation,
+                              trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = apply_method(model, cfg.method, log=log)
+    strategy, why = choose_strategy(cfg.distributed.strategy, dist.world_size,
+                                    replica_bytes(model), device_memory_bytes(dist))
+    log(f"strategy: {strategy} ({why})")
+    objective = CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size)
+    init_device = dist.device
+    if strategy == "fsdp":
+        # The objective is the root unit: its forward is what runs (it calls the decoder and
+        # output layer directly), so its hooks are the ones that gather the root's weights.
+        init_device = _shard(objective, model, cfg, dist, precision, log)
+    allocate(objective, init_device)
+    lm = causal_lm_of(model)
+    init_computed_buffers(lm)
+    for module in lm.modules():  # computed buffers live where the compute is
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.device != dist.device:
+                module._buffers[name] = buf.to(dist.device)
+    fill_weights(model, model_dir, seed=cfg.train.seed, shard_of=local_shard_of,
+                 local=local_tensor)
+    if strategy == "ddp":
+        objective = apply_ddp(objective, dist)
+    return TrainingModel(model=model, objective=objective, strategy=strategy)
+
+
+def _shard(root: nn.Module, model: nn.Module, cfg: RunConfig, dist: DistContext,
+           precision: Precision, log) -> torch.device:
+    fsdp = cfg.distributed.fsdp
+    cpu_offload = fsdp.cpu_offload and dist.device.type == "cuda"
+    if fsdp.cpu_offload and not cpu_offload:
+        log("distributed.fsdp.cpu_offload: ignored, parameters are already in CPU memory")
+    low = precision.autocast_dtype
+    apply_fsdp(root, decoder_layers(causal_lm_of(model)), dist,
+               param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
+               reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=cpu_offload)
+    # Offloaded shards live in CPU memory; FSDP2 moves each layer to the GPU when it runs.
+    return torch.device("cpu") if cpu_offload else dist.device

@@ -1,0 +1,92 @@
+"""The user-facing results of a run: model (PEFT adapter or HF model), plot and summary.
+
+Written once, by rank 0, from gathered state: under FSDP the shards are gathered to full
+CPU tensors first, so the output is an ordinary directory any tool loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from keel import __version__
+from keel.config import RunConfig
+from keel.distributed.checkpoint import gather_full_state
+from keel.distributed.process_group import DistContext
+from keel.models import load_for_inference, save_model_dir
+from keel.train import checkpoint as ckpt
+from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
+
+FINAL_MARKER = "keel_run.json"
+
+
+def write_final_outputs(cfg: RunConfig, out: Path, built, tokenizer, model_dir: Path,
+                        dist: DistContext, log, *, steps: int, stats: dict,
+                        precision: str) -> dict:
+    """Write the final model atomically (file by file), the loss plot and keel_run.json."""
+    full_state = gather_full_state(built.model) if built.strategy == "fsdp" else None
+    summary = _summary(steps, stats, precision, dist)
+    if dist.is_main:
+        tmp = out / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
+        ckpt.fsync_tree(tmp)
+        for entry in tmp.iterdir():
+            target = out / entry.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+        tmp.rmdir()
+        plot_losses(out / METRICS_FILE, out / "loss.png")
+        (out / FINAL_MARKER).write_text(json.dumps(summary, indent=2))
+        log(f"done: {steps} steps, {summary['real_tokens']} tokens in "
+            f"{summary['train_seconds']:.1f}s ({summary['tokens_per_s']} tokens/s), final loss "
+            f"{stats['loss']}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
+            f"-> {out}")
+    dist.barrier()
+    return summary
+
+
+def _save_model(cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path,
+                full_state: dict | None, log) -> None:
+    if full_state is None:  # one process or DDP: the live module holds full tensors
+        save_model_dir(model, tokenizer, tmp)
+        if cfg.output.merge_lora:
+            save_model_dir(model, tokenizer, tmp / "merged", merged=True)
+        return
+    model.save_pretrained(str(tmp), state_dict=_without_tied_copies(model, full_state))
+    tokenizer.save_pretrained(str(tmp))
+    if cfg.output.merge_lora:
+        # The sharded live model cannot be merged in place: rebuild base + adapter on CPU.
+        merged, _ = load_for_inference(str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir,
+                                       log=log)
+        merged.merge_and_unload().save_pretrained(str(tmp / "merged"))
+        tokenizer.save_pretrained(str(tmp / "merged"))
+
+
+def _without_tied_copies(model, state: dict) -> dict:
+    """Drop the second name of tied weights (lm_head = embeddings), as save_pretrained does
+    for a live model, so the file matches a single-process run's key for key."""
+    first_name: dict[int, str] = {}
+    duplicates = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            duplicates.add(name)
+        else:
+            first_name[id(param)] = name
+    return {k: v for k, v in state.items() if k not in duplicates}
+
+
+def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict:
+    seconds = stats["train_seconds"]
+    peak = max(dist.gather_objects(peak_rss_mb()))
+    return {"steps": steps, "final_loss": stats["loss"], "precision": precision,
+            "processes": dist.world_size,
+            "real_tokens": stats["real_tokens"], "target_tokens": stats["target_tokens"],
+            "train_seconds": round(seconds, 2),
+            "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
+            "peak_rss_mb": round(peak, 1), "keel_version": __version__,
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
