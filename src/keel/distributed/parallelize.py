@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 
 from keel.distributed.process_group import DistContext
@@ -63,13 +64,16 @@ def gradient_sync(module: nn.Module, enabled: bool):
     return nullcontext()
 
 
-def local_shard_of(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """The part of the full tensor `full` that this rank holds for `param`."""
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank slices its own copy; no communication.
-        return distribute_tensor(full, param.device_mesh, param.placements,
-                                 src_data_rank=None).to_local()
-    return full
+def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """Which part of the full tensor this rank holds for `param` (None: all of it).
+
+    Lets a loader read just those rows from disk, so a rank never touches the rest.
+    """
+    if not isinstance(param, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

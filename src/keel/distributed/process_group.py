@@ -107,9 +107,15 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend_for(device.type)
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend=backend, init_method="env://", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s),
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                           timeout=timeout))
+        # After an elastic restart the workers reuse torchrun's store, which still holds
+        # the dead attempt's gloo addresses: a per-attempt prefix keeps them apart.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"keel/{attempt}", store),
+                                rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise KeelError(explain_startup_error(exc, world_size)) from exc

@@ -75,9 +75,16 @@ class CheckpointReader:
             self._where.update({key: handle for key in handle.keys()})
         self.model_dir = model_dir
 
-    def get(self, key: str) -> torch.Tensor | None:
+    def shape(self, key: str) -> tuple[int, ...] | None:
         handle = self._where.get(key)
-        return None if handle is None else handle.get_tensor(key)
+        return None if handle is None else tuple(handle.get_slice(key).get_shape())
+
+    def get(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """The tensor `key`, or only `region` of it (read from disk without the rest)."""
+        handle = self._where[key]
+        if region is None:
+            return handle.get_tensor(key)
+        return handle.get_slice(key)[region]
 
     def close(self) -> None:
         self._stack.close()
@@ -150,27 +157,33 @@ def init_computed_buffers(lm: nn.Module) -> None:
 
 
 def fill_weights(model: nn.Module, model_dir: Path, *, seed: int,
-                 shard_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 region_of: Callable[[torch.Tensor], tuple[slice, ...] | None],
                  local: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
-    """Copy each checkpoint tensor's local part into the allocated model; init new adapters.
+    """Copy this process's part of each checkpoint tensor into the allocated model.
 
-    `shard_of(param, full)` gives the part of `full` this process holds for `param`, and
-    `local(param)` the tensor it writes into (identity without sharding). Returns the names
-    of parameters that were initialised rather than loaded.
+    `region_of(param)` says which part of the full tensor this process holds (None: all)
+    and `local(param)` gives the tensor to write into. Only that region is read from disk.
+    Parameters missing from the checkpoint are initialised by `initial_value` (LoRA);
+    returns their names.
     """
     reader = CheckpointReader(Path(model_dir))
     initialised: list[str] = []
     try:
         with torch.no_grad():
             for name, tensor in materialized_tensors(model):
-                full = reader.get(checkpoint_key(name))
-                if full is None:
-                    full = initial_value(name, tensor.shape, seed)
+                key = checkpoint_key(name)
+                region = region_of(tensor)
+                stored = reader.shape(key)
+                if stored is None:
+                    value = initial_value(name, tensor.shape, seed)
+                    value = value if region is None else value[region]
                     initialised.append(name)
-                if tuple(full.shape) != tuple(tensor.shape):
-                    raise ModelError(f"{name}: checkpoint shape {tuple(full.shape)} differs from "
-                                     f"the model's {tuple(tensor.shape)} in {model_dir}")
-                local(tensor).copy_(shard_of(tensor, full))
+                elif stored != tuple(tensor.shape):
+                    raise ModelError(f"{name}: checkpoint shape {stored} differs from the "
+                                     f"model's {tuple(tensor.shape)} in {model_dir}")
+                else:
+                    value = reader.get(key, region)
+                local(tensor).copy_(value)
     finally:
         reader.close()
     return initialised

@@ -18,7 +18,7 @@ from keel.distributed.parallelize import (
     apply_fsdp,
     choose_strategy,
     device_memory_bytes,
-    local_shard_of,
+    local_region,
     local_tensor,
 )
 from keel.distributed.process_group import DistContext
@@ -70,7 +70,7 @@ def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.device != dist.device:
                 module._buffers[name] = buf.to(dist.device)
-    fill_weights(model, model_dir, seed=cfg.train.seed, shard_of=local_shard_of,
+    fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region,
                  local=local_tensor)
     if strategy == "ddp":
         objective = apply_ddp(objective, dist)

@@ -28,7 +28,7 @@ def write_final_outputs(cfg: RunConfig, out: Path, built, tokenizer, model_dir: 
                         precision: str) -> dict:
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
     full_state = gather_full_state(built.model) if built.strategy == "fsdp" else None
-    summary = _summary(steps, stats, precision, dist)
+    summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy}
     if dist.is_main:
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,11 +82,14 @@ def _without_tied_copies(model, state: dict) -> dict:
 
 def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict:
     seconds = stats["train_seconds"]
-    peak = max(dist.gather_objects(peak_rss_mb()))
+    # Per process: memory is the point of sharding, and the maximum alone hides imbalance.
+    per_rank = dist.gather_objects({"peak_rss_mb": round(peak_rss_mb(), 1),
+                                    "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1)})
+    peak = max(r["peak_rss_mb"] for r in per_rank)
     return {"steps": steps, "final_loss": stats["loss"], "precision": precision,
             "processes": dist.world_size,
             "real_tokens": stats["real_tokens"], "target_tokens": stats["target_tokens"],
             "train_seconds": round(seconds, 2),
             "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
-            "peak_rss_mb": round(peak, 1), "keel_version": __version__,
+            "peak_rss_mb": round(peak, 1), "per_rank": per_rank, "keel_version": __version__,
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -31,7 +31,7 @@ from keel.errors import CheckpointError, KeelError
 from keel.models import load_tokenizer, resolve_model_path
 from keel.train import checkpoint as ckpt
 from keel.train.loop import StepCallback, StepPlan, Trainer
-from keel.train.metrics import MetricsLog, Progress, memory_now
+from keel.train.metrics import MetricsLog, Progress, memory_now, peak_rss_mb
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.outputs import FINAL_MARKER, write_final_outputs
@@ -88,6 +88,8 @@ def _train(cfg: RunConfig, base_dir: Path, dist: DistContext, log,
     log(f"precision: {precision.name} ({precision.reason})")
 
     built = build_training_model(cfg, model_dir, dist, precision, log)
+    loaded_peak_mb = peak_rss_mb()  # the loading high-water mark, before any training
+    log(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
     plan = StepPlan(num_rows=len(data.train), global_batch=global_batch,
                     micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
                     shuffle=cfg.data.shuffle)
@@ -112,6 +114,7 @@ def _train(cfg: RunConfig, base_dir: Path, dist: DistContext, log,
     loop = _Loop(cfg, out, trainer, plan, data, dist, log, on_step_end)
     losses, stats = loop.run(start_step, total_steps, {"data_fingerprint": data.fingerprint,
                                                         "global_batch": global_batch})
+    stats["load_peak_rss_mb"] = loaded_peak_mb
     summary = write_final_outputs(cfg, out, built, tokenizer, model_dir, dist, log,
                                   steps=total_steps, stats=stats, precision=precision.name)
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)

@@ -1,0 +1,86 @@
+"""Multi-process runs, launched the way users launch them: `keel train cfg.yaml --nproc 2`.
+
+Every run uses the same tiny model, an 11-row dataset and a global batch of 5 rows, so the
+last step of an epoch holds one row: with 2 processes, one of them runs filler micro-batches
+(the uneven remainder that hangs other tools).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+QA = [("Who are you?", "I am Keel, a small assistant."), ("What is your name?", "My name is Keel."),
+      ("Add 2 and 3.", "5"), ("Say hello in French.", "Bonjour."),
+      ("Give a healthy tip.", "Sleep enough and move every day."),
+      ("Name a color.", "Blue."), ("What is 3 times 4?", "12"), ("Are you ChatGPT?", "No, I am Keel.")]
+ROWS = 12  # 11 train rows after holding one out for eval
+
+RUN_TIMEOUT_S = 240  # a hang fails the test instead of the CI job
+
+
+def base_config(model_dir: Path, data: Path, cache: Path) -> dict:
+    return {
+        "model": {"path": str(model_dir), "cache_dir": str(cache)},
+        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+        "data": {"datasets": [str(data)], "cutoff_len": 128, "val_size": 1},
+        "train": {"max_steps": 6, "micro_batch_size": 2, "global_batch_size": 5, "lr": 1e-2,
+                  "scheduler": "constant", "precision": "fp32", "threads": 1},
+        "output": {"dir": "unused", "save_every": 2, "keep_last": 3},
+    }
+
+
+class Workspace:
+    """A model, a dataset and a config on disk, and a way to run keel on them."""
+
+    def __init__(self, root: Path, model_dir: Path):
+        self.root = root
+        data = root / "qa.json"
+        rows = [{"instruction": q, "input": "", "output": a} for q, a in QA * 2][:ROWS]
+        data.write_text(json.dumps(rows))
+        self.config = root / "run.yaml"
+        self.config.write_text(yaml.safe_dump(base_config(model_dir, data, root / "cache")))
+
+    def train(self, out: str, *overrides: str, nproc: int | None = None,
+              extra_flags: tuple[str, ...] = ()) -> Path:
+        """Run `keel train` to completion; returns output.dir."""
+        args = [sys.executable, "-m", "keel", "train", str(self.config),
+                f"output.dir={self.root / out}", *overrides, *extra_flags]
+        if nproc is not None:
+            args += ["--nproc", str(nproc)]
+        done = subprocess.run(args, cwd=self.root, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S, env=_env())
+        assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
+        return self.root / out
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """step -> training loss from metrics.jsonl (a resumed run's file reads as one run)."""
+    losses = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def eval_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["eval_loss"] for r in map(json.loads,
+            (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r}
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)

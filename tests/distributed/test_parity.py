@@ -1,0 +1,132 @@
+"""N processes compute what one process computes: step by step, fp32, 1e-5 relative.
+
+Each case runs `keel train --nproc 2` and compares training loss, eval loss and the final
+weights with a single-process run of the same config. The data gives an uneven last
+window (1 row for 2 processes), so the filler path runs in every case.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import RUN_TIMEOUT_S, eval_losses, train_losses
+from safetensors.torch import load_file
+
+REL = 1e-5
+PACK_AND_CHECKPOINT = ("data.packing=true", "train.gradient_checkpointing=true")
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert got.keys() == want.keys()
+    for step in want:
+        assert abs(got[step] - want[step]) <= REL * abs(want[step]), (step, got[step], want[step])
+
+
+def assert_same_weights(got_dir, want_dir) -> None:
+    name = "adapter_model.safetensors" if (want_dir / "adapter_model.safetensors").is_file() \
+        else "model.safetensors"
+    got, want = load_file(got_dir / name), load_file(want_dir / name)
+    assert got.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.fixture(scope="session")
+def reference(workspace):
+    """Single-process runs, one per distinct config, shared by the tests that need them."""
+    runs = {}
+
+    def run(*overrides: str):
+        if overrides not in runs:
+            runs[overrides] = workspace.train(f"single-{len(runs)}", *overrides)
+        return runs[overrides]
+
+    return run
+
+
+@pytest.mark.parametrize("strategy,method,extra", [
+    ("ddp", "lora", ()),
+    ("fsdp", "full", ()),
+    ("fsdp", "lora", ()),
+    ("ddp", "full", PACK_AND_CHECKPOINT),
+    ("fsdp", "lora", PACK_AND_CHECKPOINT),
+], ids=["ddp-lora", "fsdp-full", "fsdp-lora", "ddp-full-packed-ckpt", "fsdp-lora-packed-ckpt"])
+def test_two_processes_match_one(workspace, reference, strategy, method, extra):
+    overrides = (f"method.type={method}", *extra)
+    want = reference(*overrides)
+    got = workspace.train(f"{strategy}-{method}-{len(extra)}", *overrides,
+                          f"distributed.strategy={strategy}", nproc=2)
+    summary = json.loads((got / "keel_run.json").read_text())
+    assert summary["processes"] == 2 and summary["strategy"] == strategy
+    assert len(summary["per_rank"]) == 2
+    assert_same_losses(train_losses(got), train_losses(want))
+    assert_same_losses(eval_losses(got), eval_losses(want))
+    assert_same_weights(got, want)
+
+
+@pytest.mark.parametrize("first,then,method", [(2, 1, "full"), (1, 2, "lora")],
+                         ids=["2-to-1-full", "1-to-2-lora"])
+def test_resume_with_another_number_of_processes(workspace, reference, first, then, method):
+    """Stop after 4 of 6 steps on `first` processes, finish on `then`: same as uninterrupted."""
+    out = f"resume-{first}-{then}"
+    nproc = {1: None, 2: 2}
+    workspace.train(out, f"method.type={method}", "train.max_steps=4",
+                    "distributed.strategy=fsdp", nproc=nproc[first])
+    resumed = workspace.train(out, f"method.type={method}", "distributed.strategy=fsdp",
+                              nproc=nproc[then])
+    want = reference(f"method.type={method}")
+    assert_same_losses(train_losses(resumed), train_losses(want))
+    assert_same_weights(resumed, want)
+
+
+def _workers(launcher: psutil.Process) -> list[psutil.Process]:
+    found = []
+    for child in launcher.children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "keel" in cmd and "torch.distributed.run" not in cmd:
+            found.append(child)
+    return found
+
+
+def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace):
+    """A worker SIGKILLed mid-run under --max-restarts 1: torchrun restarts the job, keel
+    resumes from the newest complete checkpoint, and every loss matches a clean run.
+
+    The clean run has 2 processes too: 45 steps are enough for float rounding to drift
+    past 1e-5 between 1 and 2 processes, while resuming must reproduce the run exactly."""
+    overrides = ("train.max_steps=45", "output.save_every=9", "distributed.strategy=ddp")
+    out = workspace.root / "killed"
+    args = [sys.executable, "-m", "keel", "train", str(workspace.config), f"output.dir={out}",
+            *overrides, "--nproc", "2", "--max-restarts", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.Popen(args, cwd=workspace.root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        checkpoint = out / "checkpoints/step-00000009/meta.json"
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not checkpoint.exists():
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        assert not (out / "keel_run.json").exists(), "finished before it could be killed"
+        victim = _workers(psutil.Process(proc.pid))[-1]
+        victim.send_signal(signal.SIGKILL)
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert "resumed from" in output
+    want = workspace.train("not-killed", *overrides, nproc=2)
+    assert_same_losses(train_losses(out), train_losses(want))
+    final = [json.loads((d / "keel_run.json").read_text())["final_loss"] for d in (out, want)]
+    assert final[0] == pytest.approx(final[1], rel=1e-6)
