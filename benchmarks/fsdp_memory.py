@@ -84,7 +84,11 @@ def write_config(work: Path, strategy: str, method: str, name: str) -> Path:
 
 
 class RssSampler:
-    """Polls /proc/<pid>/status of a process tree's keel workers; keeps each field's max."""
+    """Polls /proc/<pid>/status of a process tree's keel workers; keeps each field's max.
+
+    Sampling misses short spikes, so these maxima sit below the kernel's peak RSS; they say
+    how much of a process's memory is anonymous (tensors) and how much file-backed.
+    """
 
     def __init__(self, root_pid: int, interval: float = 0.25):
         self.root, self.interval = root_pid, interval
@@ -96,7 +100,8 @@ class RssSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                procs = psutil.Process(self.root).children(recursive=True)
+                root = psutil.Process(self.root)
+                procs = [root, *root.children(recursive=True)]
             except psutil.Error:
                 procs = []
             for proc in procs:

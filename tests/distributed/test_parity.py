@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 REL = 1e-5
 PACK_AND_CHECKPOINT = ("data.packing=true", "train.gradient_checkpointing=true")
+MERGED = ("output.merge_lora=true",)
 
 
 def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
@@ -55,8 +56,9 @@ def reference(workspace):
     ("fsdp", "full", ()),
     ("fsdp", "lora", ()),
     ("ddp", "full", PACK_AND_CHECKPOINT),
-    ("fsdp", "lora", PACK_AND_CHECKPOINT),
-], ids=["ddp-lora", "fsdp-full", "fsdp-lora", "ddp-full-packed-ckpt", "fsdp-lora-packed-ckpt"])
+    ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
+], ids=["ddp-lora", "fsdp-full", "fsdp-lora", "ddp-full-packed-ckpt",
+        "fsdp-lora-packed-ckpt-merged"])
 def test_two_processes_match_one(workspace, reference, strategy, method, extra):
     overrides = (f"method.type={method}", *extra)
     want = reference(*overrides)
@@ -68,6 +70,8 @@ def test_two_processes_match_one(workspace, reference, strategy, method, extra):
     assert_same_losses(train_losses(got), train_losses(want))
     assert_same_losses(eval_losses(got), eval_losses(want))
     assert_same_weights(got, want)
+    if "output.merge_lora=true" in extra:  # merged from gathered shards on rank 0
+        assert_same_weights(got / "merged", want / "merged")
 
 
 @pytest.mark.parametrize("first,then,method", [(2, 1, "full"), (1, 2, "lora")],

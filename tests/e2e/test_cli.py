@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL_EXAMPLES = ["sharegpt_full.yaml", "messages_freeze.yaml", "pretrain_text.yaml",
-                  "llamafactory_lora.yaml", "identity_lora.yaml"]
+                  "llamafactory_lora.yaml", "identity_lora.yaml", "fsdp_full.yaml"]
 
 
 def keel(*args, cwd=ROOT):

@@ -1,0 +1,112 @@
+"""Single-process pieces of keel.distributed and the meta-device loader."""
+
+import pytest
+import torch
+from torch import nn
+
+from keel.distributed.parallelize import choose_strategy
+from keel.distributed.process_group import (
+    DistContext,
+    backend_for,
+    explain_startup_error,
+    main_rank_first,
+    on_main,
+)
+from keel.models.materialize import (
+    allocate,
+    build_empty_model,
+    checkpoint_key,
+    fill_weights,
+    init_computed_buffers,
+    initial_value,
+)
+
+GIB = 2**30
+
+
+def test_backend_always_has_a_cpu_backend():
+    assert backend_for("cpu") == "gloo"
+    assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
+
+
+@pytest.mark.parametrize("replica,device,want", [
+    (10 * GIB, 80 * GIB, "ddp"),  # fits: replicate
+    (70 * GIB, 80 * GIB, "fsdp"),  # more than 80%: shard
+])
+def test_auto_strategy_shards_only_what_does_not_fit(replica, device, want):
+    strategy, why = choose_strategy("auto", 2, replica, device)
+    assert strategy == want and "GiB" in why
+    assert choose_strategy("auto", 1, replica, device)[0] == "none"
+    assert choose_strategy("ddp", 2, 70 * GIB, 80 * GIB)[0] == "ddp"  # explicit wins
+
+
+@pytest.mark.parametrize("message,expected", [
+    ("The server socket has failed to listen on any local network address. "
+     "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+     "already in use"),
+    ("Timed out after 301 seconds waiting for clients. 1/2 clients joined.",
+     "not all 2 processes joined"),
+    ("Invalid rank 3, rank should be in the interval [0, 1]", "disagree on the world size"),
+])
+def test_startup_errors_are_explained(message, expected):
+    text = explain_startup_error(RuntimeError(message), world_size=2)
+    assert expected in text and "torch.distributed said" in text
+
+
+def test_single_process_context_is_the_identity():
+    ctx = DistContext()
+    assert ctx.all_reduce_sum([1.5, 2]) == [1.5, 2]
+    assert ctx.broadcast_object({"a": 1}) == {"a": 1}
+    assert ctx.gather_objects(3) == [3]
+    with main_rank_first(ctx):
+        pass
+    assert on_main(ctx, lambda: 7) == 7
+
+
+def test_checkpoint_keys_of_peft_parameters():
+    assert checkpoint_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") \
+        == "model.layers.0.self_attn.q_proj.weight"
+    assert checkpoint_key("model.norm.weight") == "model.norm.weight"
+
+
+def test_adapter_init_depends_on_seed_and_name_only():
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    a = initial_value(name, torch.Size([4, 32]), seed=1)
+    assert torch.equal(a, initial_value(name, torch.Size([4, 32]), seed=1))
+    assert not torch.equal(a, initial_value(name, torch.Size([4, 32]), seed=2))
+    assert a.abs().max() <= 1 / 32**0.5  # kaiming-uniform(a=sqrt(5)) bound
+    assert initial_value(name.replace("lora_A", "lora_B"), torch.Size([32, 4]), 1).eq(0).all()
+
+
+def test_meta_built_model_equals_from_pretrained(tiny_model_dir):
+    """Build on meta, allocate, load: same logits as from_pretrained, ties kept."""
+    from keel.models import load_model
+
+    reference = load_model(tiny_model_dir, dtype=torch.float32)
+    model = build_empty_model(tiny_model_dir, dtype=torch.float32)
+    allocate(model, torch.device("cpu"))
+    init_computed_buffers(model)
+    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: None, local=lambda p: p)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+
+
+def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
+    """What a rank of 2 would read: the second half of every weight's rows."""
+    from keel.models import load_model
+
+    reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
+    model = build_empty_model(tiny_model_dir, dtype=torch.float32)
+    halves = {name: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:])
+              for name, p in model.named_parameters()}
+    regions = {id(p): (slice(p.shape[0] - (p.shape[0] + 1) // 2, p.shape[0]),)
+               for p in model.parameters()}
+    by_id = {id(p): halves[n] for n, p in model.named_parameters()}
+    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: regions[id(p)],
+                 local=lambda p: by_id[id(p)])
+    for name, half in halves.items():
+        torch.testing.assert_close(half, reference[name][-half.shape[0]:])
+    assert isinstance(model.lm_head, nn.Linear)
