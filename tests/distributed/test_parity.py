@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import RUN_TIMEOUT_S, eval_losses, train_losses
+from multiproc import RUN_TIMEOUT_S, Workspace, eval_losses, train_losses
 from safetensors.torch import load_file
 
 REL = 1e-5
@@ -38,7 +38,12 @@ def assert_same_weights(got_dir, want_dir) -> None:
         torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
+    return Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
 def reference(workspace):
     """Single-process runs, one per distinct config, shared by the tests that need them."""
     runs = {}

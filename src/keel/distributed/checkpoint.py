@@ -54,7 +54,12 @@ def _strip_wrapper(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def gather_full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight of `module` as full CPU tensors on rank 0 ({} elsewhere; collective)."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def gather_full_state(module: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The weights of `module` as full CPU tensors on rank 0 ({} elsewhere; collective).
+
+    trainable_only: skip frozen weights (an adapter save needs only the adapter, and
+    gathering a frozen base would put a whole model in rank 0's memory for nothing).
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                               ignore_frozen_params=trainable_only)
     return get_model_state_dict(module, options=options)

@@ -24,8 +24,11 @@ def apply_ddp(module: nn.Module, ctx: DistContext) -> nn.Module:
     """Wrap `module` in DDP. Its parameters are broadcast from rank 0 at construction."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     # Frozen parameters (LoRA, freeze) never get gradients; DDP skips them on its own since
-    # it only registers hooks for parameters that require grad.
-    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+    # it only registers hooks for parameters that require grad. Gradients as views into the
+    # all-reduce buckets: otherwise DDP holds a second full copy of them (measured +1.5 GB
+    # per rank on a 0.4B model).
+    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False,
+                                   gradient_as_bucket_view=True)
 
 
 def apply_fsdp(model: nn.Module, layers: Iterable[nn.Module], ctx: DistContext, *,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -54,12 +55,23 @@ def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
 class CheckpointReader:
-    """Lazy access to the tensors of a safetensors model directory, one at a time."""
+    """Reads tensors, or row ranges of them, from a safetensors model directory.
+
+    Plain positioned reads rather than a memory map: mapped file pages count in a process's
+    resident memory, so reading through a map would make every rank look as if it held the
+    whole checkpoint. The format is a little-endian u64 header length, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the row-major tensor bytes.
+    """
 
     def __init__(self, model_dir: Path):
-        from safetensors import safe_open
-
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -69,22 +81,40 @@ class CheckpointReader:
             raise ModelError(f"{model_dir} holds no *.safetensors weights; keel trains from "
                              f"safetensors (convert with save_pretrained(safe_serialization=True))")
         self._stack = ExitStack()
-        self._where: dict[str, object] = {}
+        self._where: dict[str, tuple[object, int, dict]] = {}
         for name in files:
-            handle = self._stack.enter_context(safe_open(str(model_dir / name), framework="pt"))
-            self._where.update({key: handle for key in handle.keys()})
+            handle = self._stack.enter_context(open(model_dir / name, "rb"))
+            header_len = struct.unpack("<Q", handle.read(8))[0]
+            header = json.loads(handle.read(header_len))
+            header.pop("__metadata__", None)
+            for key, info in header.items():
+                if info["dtype"] not in _SAFETENSORS_DTYPES:
+                    raise ModelError(f"{model_dir / name}: tensor {key} has dtype "
+                                     f"{info['dtype']}, which keel cannot train from")
+                self._where[key] = (handle, 8 + header_len, info)
         self.model_dir = model_dir
 
     def shape(self, key: str) -> tuple[int, ...] | None:
-        handle = self._where.get(key)
-        return None if handle is None else tuple(handle.get_slice(key).get_shape())
+        found = self._where.get(key)
+        return None if found is None else tuple(found[2]["shape"])
 
     def get(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor `key`, or only `region` of it (read from disk without the rest)."""
-        handle = self._where[key]
-        if region is None:
-            return handle.get_tensor(key)
-        return handle.get_slice(key)[region]
+        """The tensor `key`, or only `region` of it (rows read from disk without the rest)."""
+        handle, data_start, info = self._where[key]
+        shape, dtype = list(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        rows = slice(0, shape[0] if shape else 1)
+        if region is not None and shape and all(r == slice(0, n) for r, n in
+                                                zip(region[1:], shape[1:])):
+            rows, region = region[0], None  # a range of rows is one contiguous byte range
+        row_bytes = (end - begin) // max(shape[0], 1) if shape else end - begin
+        count = rows.stop - rows.start
+        buffer = bytearray(count * row_bytes)
+        handle.seek(data_start + begin + rows.start * row_bytes)
+        handle.readinto(buffer)
+        flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+        tensor = flat.reshape([count, *shape[1:]] if shape else [])
+        return tensor if region is None else tensor[region]
 
     def close(self) -> None:
         self._stack.close()

@@ -84,7 +84,15 @@ def _shard(root: nn.Module, model: nn.Module, cfg: RunConfig, dist: DistContext,
     if fsdp.cpu_offload and not cpu_offload:
         log("distributed.fsdp.cpu_offload: ignored, parameters are already in CPU memory")
     low = precision.autocast_dtype
-    apply_fsdp(root, decoder_layers(causal_lm_of(model)), dist,
+    lm = causal_lm_of(model)
+    units = list(decoder_layers(lm))
+    embeddings = lm.get_input_embeddings()
+    if embeddings.weight is not lm.get_output_embeddings().weight:
+        # Untied input embeddings are their own unit, so the root (output layer + final
+        # norm) is not gathered together with a second vocabulary-sized matrix. Tied ones
+        # must stay in the root with the output layer that shares them.
+        units.insert(0, embeddings)
+    apply_fsdp(root, units, dist,
                param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
                reshard_after_forward=fsdp.reshard_after_forward, cpu_offload=cpu_offload)
     # Offloaded shards live in CPU memory; FSDP2 moves each layer to the GPU when it runs.

@@ -27,7 +27,9 @@ def write_final_outputs(cfg: RunConfig, out: Path, built, tokenizer, model_dir: 
                         dist: DistContext, log, *, steps: int, stats: dict,
                         precision: str) -> dict:
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
-    full_state = gather_full_state(built.model) if built.strategy == "fsdp" else None
+    full_state = None
+    if built.strategy == "fsdp":
+        full_state = gather_full_state(built.model, trainable_only=cfg.method.type == "lora")
     summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy}
     if dist.is_main:
         tmp = out / ".tmp-final"

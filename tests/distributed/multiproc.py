@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 QA = [("Who are you?", "I am Keel, a small assistant."), ("What is your name?", "My name is Keel."),
@@ -79,8 +78,3 @@ def train_losses(out: Path) -> dict[int, float]:
 def eval_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["eval_loss"] for r in map(json.loads,
             (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r}
-
-
-@pytest.fixture(scope="session")
-def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)
