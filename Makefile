@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT := outputs/identity-lora
 
-.PHONY: install install-dev demo test lint bench clean
+.PHONY: install install-dev demo test lint bench bench-fsdp clean
 
 $(VENV)/.base-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ lint: install-dev
 bench: install-dev
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python benchmarks/sft_vs_trl.py --steps 6 --rounds 2 --systems keel,trl-padded,trl-packed
+
+bench-fsdp: install-dev
+	$(BIN)/python benchmarks/fsdp_memory.py
 
 clean:
 	rm -rf $(VENV) outputs
