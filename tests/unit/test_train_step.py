@@ -99,6 +99,22 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
     assert any(not torch.allclose(g, m, atol=1e-6) for g, m in zip(grads_naive, moved))
 
 
+def test_a_process_without_rows_runs_a_zero_weight_filler(tiny_tokenizer, tiny_model_dir,
+                                                           tmp_path):
+    """The filler micro-batch of a process whose share of a window is empty (even on its
+    very first step) runs forward and backward but changes nothing."""
+    from transformers import AutoModelForCausalLM
+
+    rows = rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    before = copy.deepcopy(model.state_dict())
+    result = make_trainer(model).train_step([[]], window_targets=12, window_tokens=40,
+                                            filler=rows[0])
+    assert result.loss == 0.0 and result.target_tokens == 12
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+
+
 def test_step_plan_windows_cover_each_row_once_per_epoch():
     plan = StepPlan(num_rows=11, global_batch=4, micro_batch_size=2, seed=3, shuffle=True)
     assert plan.steps_per_epoch == 3

@@ -100,7 +100,6 @@ class Trainer:
     max_grad_norm: float
     dist: DistContext = field(default_factory=DistContext)
     trainable: list[nn.Parameter] = field(init=False)
-    _filler_row: dict | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
@@ -112,14 +111,16 @@ class Trainer:
                 for k, v in collate(rows, self.pad_id).items()}
 
     def train_step(self, micro_batches: list[list[dict]], *, window_targets: int | None = None,
-                   window_tokens: int | None = None) -> StepResult:
+                   window_tokens: int | None = None,
+                   filler: dict | None = None) -> StepResult:
         """One optimizer update from this process's micro-batches.
 
         The loss is normalised by the target tokens of the whole global batch (all
         micro-batches of all processes), so each token weighs the same wherever it is.
         Without `window_targets`/`window_tokens` this process's micro-batches are the
         whole batch. An empty micro-batch is filler: it runs forward and backward on a
-        real row with weight zero, so every process makes the same collective calls.
+        real row (`filler`, default this process's first row) with weight zero, so every
+        process makes the same collective calls.
         """
         start = time.perf_counter()
         self.objective.train()
@@ -128,8 +129,8 @@ class Trainer:
             window_targets = sum(row["num_targets"] for row in local)
         if window_tokens is None:
             window_tokens = sum(len(row["input_ids"]) for row in local)
-        filler = local[:1] or [self._filler_row]
-        self._filler_row = filler[0]
+        filler = filler or (local[0] if local else None)
+        assert filler is not None, "a process without rows needs a filler row"
         scale = self.dist.world_size / max(window_targets, 1)
         loss_sum = 0.0
         for index, rows in enumerate(micro_batches):
@@ -137,7 +138,7 @@ class Trainer:
             last = index == len(micro_batches) - 1
             with gradient_sync(self.objective, last):
                 with self.precision.autocast(self.device):
-                    micro_loss, _ = self.objective(self._batch(rows or filler))
+                    micro_loss, _ = self.objective(self._batch(rows or [filler]))
                 self.scaler.scale(micro_loss * weight).backward()
             if rows:
                 loss_sum += micro_loss.item()

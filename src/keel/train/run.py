@@ -259,7 +259,8 @@ class _Loop:
         rows = [[self.data.train[i] for i in mb] for mb in micro]
         return self.trainer.train_step(
             rows, window_targets=sum(self.row_targets[i] for i in window),
-            window_tokens=sum(self.row_tokens[i] for i in window))
+            window_tokens=sum(self.row_tokens[i] for i in window),
+            filler=self.data.train[window[0]])
 
     def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None,
                     progress: Progress):
