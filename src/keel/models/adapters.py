@@ -161,32 +161,49 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def save_model_dir(model, tokenizer, out_dir: Path, *, merged: bool = False) -> None:
+def save_model_dir(model, tokenizer, out_dir: Path, *, merged: bool = False,
+                   state_dict: dict | None = None) -> None:
     """Write `model` and `tokenizer` to `out_dir` in formats other tools load directly.
 
     A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors);
     with merged=True a copy is merged instead and written as a full HF model, leaving the live
     model untouched. A plain model is written as a full HF model in safetensors. Pass the
-    underlying module, not a DDP/FSDP wrapper.
+    underlying module, not a DDP/FSDP wrapper. `state_dict` replaces the module's own
+    tensors (e.g. full tensors gathered from shards); not with merged=True.
     """
+    assert not (merged and state_dict is not None), "merge a model, not a state dict"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if state_dict is not None:
+        state_dict = _without_tied_copies(model, state_dict)
     if _is_peft(model) and merged:
         # merge_and_unload rewrites the base weights in place; the live model keeps training,
         # so merge a copy (costs one extra model in memory for the duration of the save).
         merged_model = copy.deepcopy(model).merge_and_unload()
         merged_model.save_pretrained(str(out_dir))
         del merged_model
-    elif _is_peft(model):
-        for cfg in model.peft_config.values():
-            base = cfg.base_model_name_or_path
-            # Relative base paths break `keel chat --model <out_dir>` from another directory.
-            if base and Path(base).is_dir():
-                cfg.base_model_name_or_path = str(Path(base).resolve())
-        model.save_pretrained(str(out_dir))
     else:
-        model.save_pretrained(str(out_dir))
+        if _is_peft(model):
+            for cfg in model.peft_config.values():
+                base = cfg.base_model_name_or_path
+                # Relative base paths break `keel chat --model <out_dir>` from elsewhere.
+                if base and Path(base).is_dir():
+                    cfg.base_model_name_or_path = str(Path(base).resolve())
+        model.save_pretrained(str(out_dir), state_dict=state_dict)
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _without_tied_copies(model, state: dict) -> dict:
+    """Drop the second name of tied weights (lm_head = embeddings), as save_pretrained does
+    for a live model; an explicit state dict would otherwise store both."""
+    first_name: dict[int, str] = {}
+    duplicates = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            duplicates.add(name)
+        else:
+            first_name[id(param)] = name
+    return {k: v for k, v in state.items() if k not in duplicates}
 
 
 def load_for_inference(

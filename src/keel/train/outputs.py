@@ -59,27 +59,12 @@ def _save_model(cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path,
         if cfg.output.merge_lora:
             save_model_dir(model, tokenizer, tmp / "merged", merged=True)
         return
-    model.save_pretrained(str(tmp), state_dict=_without_tied_copies(model, full_state))
-    tokenizer.save_pretrained(str(tmp))
+    save_model_dir(model, tokenizer, tmp, state_dict=full_state)
     if cfg.output.merge_lora:
         # The sharded live model cannot be merged in place: rebuild base + adapter on CPU.
-        merged, _ = load_for_inference(str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir,
-                                       log=log)
-        merged.merge_and_unload().save_pretrained(str(tmp / "merged"))
-        tokenizer.save_pretrained(str(tmp / "merged"))
-
-
-def _without_tied_copies(model, state: dict) -> dict:
-    """Drop the second name of tied weights (lm_head = embeddings), as save_pretrained does
-    for a live model, so the file matches a single-process run's key for key."""
-    first_name: dict[int, str] = {}
-    duplicates = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first_name:
-            duplicates.add(name)
-        else:
-            first_name[id(param)] = name
-    return {k: v for k, v in state.items() if k not in duplicates}
+        rebuilt, _ = load_for_inference(str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir,
+                                        log=log)
+        save_model_dir(rebuilt.merge_and_unload(), tokenizer, tmp / "merged")
 
 
 def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict:
