@@ -8,6 +8,8 @@ stays adapter-sized.
 
 from __future__ import annotations
 
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,15 +28,17 @@ _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 def save_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write the trainable weights and optimizer state of `module` under `path` (collective)."""
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path),
-             no_dist=not _distributed())
+    with _single_process_is_intended():
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path),
+                 no_dist=not _distributed())
 
 
 def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load what `save_sharded` wrote into `module` and `optimizer`, resharding as needed."""
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+    with _single_process_is_intended():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
     # Not strict: frozen parameters are absent by design. A trainable one must not be.
     result = set_state_dict(module, optimizer, model_state_dict=state["model"],
                             optim_state_dict=state["optimizer"],
@@ -44,6 +48,15 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     if missing or result.unexpected_keys:
         raise ValueError(f"checkpoint {path} does not match this model: missing trainable "
                          f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+@contextmanager
+def _single_process_is_intended():
+    """DCP warns on every single-process save/load, even when asked for one (no_dist)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                category=UserWarning)
+        yield
 
 
 def _distributed() -> bool:
