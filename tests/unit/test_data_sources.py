@@ -231,3 +231,55 @@ def test_dataset_dir_without_registry(tmp_path, prepare):
     (tmp_path / "lf").mkdir()
     with pytest.raises(DataError, match="has no dataset_info.json"):
         prepare("x", dataset_dir="lf")
+
+
+# --- encodings and splits ----------------------------------------------------------------
+
+BOM = b"\xef\xbb\xbf"
+
+
+def test_utf8_bom_is_accepted_in_every_text_format(tmp_path, prepare):
+    import csv
+    import io
+
+    (tmp_path / "a.json").write_bytes(BOM + json.dumps(ALPACA[:1]).encode())
+    (tmp_path / "b.jsonl").write_bytes(BOM + (json.dumps(ALPACA[1]) + "\n").encode())
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=["instruction", "input", "output"])
+    writer.writeheader()
+    writer.writerow(ALPACA[2])
+    (tmp_path / "c.csv").write_bytes(BOM + out.getvalue().encode())
+    _, texts = prepare("a.json", "b.jsonl", "c.csv")
+    assert [t.count("\ufeff") for t in texts] == [0, 0, 0]
+    assert "I am Keel." in texts[0] and "Bonjour" in texts[1] and "Eat well" in texts[2]
+    (tmp_path / "d.txt").write_bytes(BOM + b"The quick brown fox.\n")
+    _, texts = prepare("d.txt", stage="pt")  # datasets' text loader alone would keep the BOM
+    assert texts == ["The quick brown fox.<|im_end|>"]
+
+
+def test_non_utf8_file_in_a_folder_is_named_with_its_line(tmp_path, prepare):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ALPACA[:2])
+    (folder / "b.jsonl").write_bytes(
+        b'{"instruction": "ok", "output": "ok"}\n{"output": "caf\xe9"}\n'
+    )
+    with pytest.raises(DataError) as err:
+        prepare("folder")
+    assert str(err.value).startswith("data file folder/b.jsonl is not UTF-8: line 2, column 16 ")
+
+
+def test_split_of_a_file_is_train_or_a_slice(tmp_path, prepare):
+    write_jsonl(tmp_path / "d.jsonl", ALPACA)
+    _, texts = prepare(DatasetConfig(path="d.jsonl", split="train[1:]"))
+    assert len(texts) == 2 and "Bonjour" in texts[0]
+    with pytest.raises(DataError, match="split 'test' cannot be used.*one split"):
+        prepare(DatasetConfig(path="d.jsonl", split="test"))
+
+
+def test_split_slice_of_a_saved_dataset_dict(tmp_path, prepare):
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"train": Dataset.from_list(ALPACA)}).save_to_disk(str(tmp_path / "dd"))
+    _, texts = prepare(DatasetConfig(path="dd", split="train[:1]+train[-1:]"))
+    assert len(texts) == 2 and "I am Keel." in texts[0] and "Eat well" in texts[1]

@@ -21,7 +21,7 @@ from keel.data.report import DataReport
 from keel.data.sources import Source
 from keel.data.template import ChatTemplate
 
-DATA_FORMAT_VERSION = 1  # bump when the layout or meaning of prepared rows changes
+DATA_FORMAT_VERSION = 2  # bump when the layout or meaning of prepared rows changes
 _HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
 
 
@@ -79,6 +79,7 @@ def fingerprint(
                 "columns": s.columns,
                 "tags": s.tags,
                 "split": s.split,
+                "num_samples": s.num_samples,
                 "files": [file_signature(f) for f in s.files],
             }
             for s in sources

@@ -1,13 +1,17 @@
 """Dataset formats: turn one row into a conversation (a list of {role, content}) or a text.
 
-Column and tag names use LLaMA-Factory's vocabulary, so a `dataset_info.json` entry and a
-`DatasetConfig.columns`/`tags` override mean the same thing:
+Column and tag names use LLaMA-Factory's vocabulary. A `DatasetConfig.columns`/`tags`
+override renames these defaults:
 
 - alpaca: prompt=instruction, query=input, response=output, system, history
   (history: [user, assistant] pairs before the current turn; query joins prompt with "\\n")
 - sharegpt: messages=conversations, system; tags from/value, human/gpt/system
 - messages (OpenAI): messages=messages; tags role/content, user/assistant/system
-- text: prompt=text (pretraining only)
+- text: prompt=text (pretraining only); with a query column too, prompt and query joined
+  by "\\n" (how LLaMA-Factory pretrains on an alpaca entry)
+
+A column or tag mapped to None is not read: a LLaMA-Factory entry that names its columns
+or tags replaces the defaults (keel.data.dataset_info), as it does in LLaMA-Factory.
 
 Problems with a row raise `RowError`; the pipeline turns them into report rejections.
 """
@@ -131,7 +135,7 @@ def _chat_flavour(conversation, col: str, tags: dict) -> str:
 def row_to_example(row: dict, spec: FormatSpec) -> list[dict] | str:
     """A validated conversation, or the text for the text format. Raises RowError."""
     if spec.format == "text":
-        return _required_text(row, spec.columns["prompt"], what="text")
+        return _text(row, spec.columns)
     _refuse_unsupported(row, spec.columns)
     if spec.format == "alpaca":
         messages = _alpaca(row, spec.columns)
@@ -162,6 +166,18 @@ def _required_text(row: dict, col: str, what: str = "field") -> str:
     if what == "text" and not value.strip():
         raise RowError(f"empty text (field '{col}')")
     return value
+
+
+def _text(row: dict, c: dict) -> str:
+    prompt, query = c["prompt"], c.get("query")
+    if query is None:
+        return _required_text(row, prompt, what="text")
+    if row.get(prompt) is None and row.get(query) is None:
+        raise RowError(f"missing field '{prompt}'")
+    text = "\n".join(x for x in (_optional_text(row, prompt), _optional_text(row, query)) if x)
+    if not text.strip():
+        raise RowError(f"empty text (fields '{prompt}' and '{query}')")
+    return text
 
 
 def _optional_text(row: dict, col: str | None) -> str:
@@ -204,7 +220,8 @@ def _chat(row: dict, c: dict, t: dict) -> list[dict]:
             f"field '{col}' must be a list of messages, got {type(conversation).__name__}"
         )
     roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
-    tool_roles = {t["observation_tag"], t["function_tag"]}
+    roles.pop(None, None)  # a tag mapped to None: that role is not expected
+    tool_roles = {t["observation_tag"], t["function_tag"]} - {None}
     messages = []
     for i, m in enumerate(conversation, 1):
         if not isinstance(m, dict):
@@ -218,8 +235,15 @@ def _chat(row: dict, c: dict, t: dict) -> list[dict]:
                 f"tool-calling data is not supported yet"
             )
         if role not in roles:
+            hint = ""
+            if role == "system" and t["system_tag"] is None:
+                hint = (
+                    "; the dataset's tags name no system_tag, so a system message is not "
+                    'expected (LLaMA-Factory skips such rows): add "system_tag": "system"'
+                )
             raise RowError(
-                f"message {i} of '{col}': unknown role '{role}' (expected one of {', '.join(roles)})"
+                f"message {i} of '{col}': unknown role '{role}' "
+                f"(expected one of {', '.join(roles)}){hint}"
             )
         content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
         messages.append({"role": roles[role], "content": content})

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -58,7 +60,9 @@ def prepare_data(
     """
     _check_tokenizer(tokenizer, stage)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
-    sources = resolve_sources(cfg, base_dir)
+    sources = resolve_sources(cfg, base_dir, stage=stage)
+    for note in (n for src in sources for n in src.notes):
+        log(f"note: {note}")
     template, note = resolve_template(cfg.template, tokenizer, base_dir)
     fp = fingerprint(cfg, sources, template, tokenizer, stage, seed)
     target = cache_dir / "data" / fp
@@ -77,8 +81,17 @@ def prepare_data(
         on_invalid=cfg.on_invalid,
         packing=cfg.packing,
     )
+    # One generator for every source, in order: LLaMA-Factory's num_samples draws from
+    # numpy's global generator, seeded with the run's seed, dataset after dataset.
+    load = partial(
+        load_source,
+        cache_dir=cache_dir,
+        base_dir=base_dir,
+        rng=np.random.RandomState(seed),
+        log=log,
+    )
     samples, overlong, used_template = _encode_sources(
-        cfg, sources, tokenizer, template, stage, cache_dir, base_dir, report, fp
+        cfg, sources, tokenizer, template, stage, load, report, fp
     )
     if used_template:
         report.template = template.name
@@ -120,11 +133,13 @@ def _load_cache(target: Path, log: Callable[[str], None]):
         return None
 
 
-def _encode_sources(cfg, sources, tokenizer, template, stage, cache_dir, base_dir, report, fp):
-    """Encode every unit of every source; fill `report`. Returns (samples, overlong, used)."""
+def _encode_sources(cfg, sources, tokenizer, template, stage, load, report, fp):
+    """Encode every unit of every source; fill `report`. Returns (samples, overlong, used).
+
+    load: Source -> list[SourceUnit] (`load_source` with the paths and generator bound)."""
     tables, overlong, used_template = [], [], False
     for i, src in enumerate(sources):
-        units = load_source(src, cache_dir, base_dir)
+        units = load(src)
         spec = _spec_for(src, units, stage, f"data.datasets[{i}] ({src.config.path})")
         used_template |= spec.format != "text"
         settings = EncodeSettings(

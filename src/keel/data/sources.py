@@ -3,13 +3,16 @@
 A source is a JSON (array) / JSONL / CSV / Parquet / .txt file, a folder of such files, a
 directory written by `Dataset.save_to_disk`, or a name in LLaMA-Factory's
 `dataset_info.json`. Each file becomes one `SourceUnit` so the report can name the file and
-row of every problem. When `datasets` cannot parse a JSON file, Python's json re-reads it to
-report each bad line (or, for a JSON array, the line and column of the syntax error).
+row of every problem. Text files must be UTF-8 (checked before `datasets` reads them, so the
+error names the line and column of the first bad byte). When `datasets` cannot parse a JSON
+file, Python's json re-reads it to report each bad line (or, for a JSON array, the line and
+column of the syntax error).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,9 +23,19 @@ from keel.config.schema import DataConfig, DatasetConfig
 from keel.data.dataset_info import load_dataset_info, resolve_entry, unknown_name_error
 from keel.data.formats import FORMATS, check_overrides
 from keel.data.report import Rejection
+from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
 from keel.errors import DataError
+from keel.files import check_utf8, read_text
 
-LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+LOADERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".txt": "text",
+}
+_BINARY = ("parquet", "arrow")  # formats that hold no text to check for UTF-8
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")  # written by save_to_disk
 
 
@@ -38,8 +51,10 @@ class Source:
     format: str  # auto or one of FORMATS
     columns: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
-    split: str = "train"
+    split: str = "train"  # a name, optionally sliced: train[:1000]
     entry: dict | None = None  # the dataset_info.json entry, as written
+    num_samples: int | None = None  # LLaMA-Factory's: draw N rows with the run's seed
+    notes: list[str] = field(default_factory=list)  # logged once when the data is prepared
 
 
 @dataclass
@@ -65,49 +80,49 @@ def _label(path: Path, base_dir: Path) -> str:
         return str(path)
 
 
-def resolve_sources(cfg: DataConfig, base_dir: Path) -> list[Source]:
-    """Resolve every `data.datasets` entry; all problems are DataErrors naming the entry."""
+def resolve_sources(cfg: DataConfig, base_dir: Path, *, stage: str | None = None) -> list[Source]:
+    """Resolve every `data.datasets` entry; all problems are DataErrors naming the entry.
+
+    stage (sft or pt) completes the checks that depend on it: a LLaMA-Factory entry means
+    different text in pretraining and in SFT. None leaves them to a later call.
+    """
     if not cfg.datasets:
         raise DataError("data.datasets is empty; list at least one dataset file")
     dataset_dir = info = None
     if cfg.dataset_dir:
         dataset_dir = _absolute(cfg.dataset_dir, base_dir)
         info = load_dataset_info(dataset_dir)
-    sources = []
-    for i, dc in enumerate(cfg.datasets):
-        where = f"data.datasets[{i}] ({dc.path})"
-        check_overrides(dc.columns, dc.tags, where)
-        if dc.format != "auto" and dc.format not in FORMATS:
-            raise DataError(
-                f"{where}: format '{dc.format}' is unknown; use auto or one of {FORMATS}"
-            )
-        if info is not None and dc.path in info:
-            entry = resolve_entry(dc.path, info, dataset_dir)
-            path, split = entry.path, entry.split or dc.split
-            fmt = dc.format if dc.format != "auto" else entry.formatting
-            columns, tags, raw = (
-                {**entry.columns, **dc.columns},
-                {**entry.tags, **dc.tags},
-                entry.raw,
-            )
-        else:
-            path = _absolute(dc.path, base_dir)
-            if not path.exists():
-                if info is not None:
-                    raise unknown_name_error(dc.path, info, dataset_dir)
-                raise DataError(f"{where}: file not found: {path}")
-            split, fmt, columns, tags, raw = (
-                dc.split,
-                dc.format,
-                dict(dc.columns),
-                dict(dc.tags),
-                None,
-            )
-        files, saved = _data_files(path, where)
-        sources.append(
-            Source(dc, _label(path, base_dir), path, files, saved, fmt, columns, tags, split, raw)
-        )
-    return sources
+    return [
+        _resolve(i, dc, base_dir, dataset_dir, info, stage) for i, dc in enumerate(cfg.datasets)
+    ]
+
+
+def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> Source:
+    where = f"data.datasets[{i}] ({dc.path})"
+    check_overrides(dc.columns, dc.tags, where)
+    if dc.format != "auto" and dc.format not in FORMATS:
+        raise DataError(f"{where}: format '{dc.format}' is unknown; use auto or one of {FORMATS}")
+    num_samples = dc.num_samples
+    if info is not None and dc.path in info:
+        entry = resolve_entry(dc.path, info, dataset_dir, stage=stage, config_format=dc.format)
+        path, fmt, raw, notes = entry.path, entry.formatting, entry.raw, entry.notes
+        # the config's own split or num_samples, when set, wins over the entry's
+        split = dc.split if dc.split != "train" else entry.split or "train"
+        columns, tags = {**entry.columns, **dc.columns}, {**entry.tags, **dc.tags}
+        num_samples = entry.num_samples if num_samples is None else num_samples
+    else:
+        path = _absolute(dc.path, base_dir)
+        if not path.exists():
+            if info is not None:
+                raise unknown_name_error(dc.path, info, dataset_dir)
+            raise DataError(f"{where}: file not found: {path}")
+        fmt, split, raw, notes = dc.format, dc.split, None, []
+        columns, tags = dict(dc.columns), dict(dc.tags)
+    files, saved = _data_files(path, where)
+    if not saved:  # a saved DatasetDict's split names are checked when it is loaded
+        check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
+    label = _label(path, base_dir)
+    return Source(dc, label, path, files, saved, fmt, columns, tags, split, raw, num_samples, notes)
 
 
 def _absolute(path: str, base_dir: Path) -> Path:
@@ -138,24 +153,68 @@ def _data_files(path: Path, where: str) -> tuple[list[Path], bool]:
     return files, False
 
 
-def load_source(src: Source, cache_dir: Path, base_dir: Path) -> list[SourceUnit]:
-    """Load a source as one unit per file, reading at most `max_samples` rows in total."""
+def load_source(
+    src: Source,
+    cache_dir: Path,
+    base_dir: Path,
+    rng: np.random.RandomState | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[SourceUnit]:
+    """Load a source as one unit per file and keep the rows its split, `num_samples` and
+    `max_samples` select, in that order (see keel.data.sampling).
+
+    rng draws `num_samples` rows (default: a generator seeded with 0).
+    """
     limit = src.config.max_samples
+    whole = src.num_samples is not None or src.split not in FILE_SPLITS
     if src.saved:
-        return [_load_saved(src, limit)]
-    units = []
-    for f in src.files:
-        if limit is not None and limit <= 0:
-            break
-        unit = _load_file(f, _label(f, base_dir), cache_dir, limit)
-        units.append(unit)
-        if limit is not None:
-            limit -= unit.read
+        units = [_load_saved(src)]
+    else:  # without sampling or slicing, stop reading once max_samples rows are read
+        units, left = [], None if whole else limit
+        for f in src.files:
+            if left is not None and left <= 0:
+                break
+            units.append(_load_file(f, _label(f, base_dir), cache_dir, left))
+            left = left - units[-1].read if left is not None else None
+        if src.split not in FILE_SPLITS:
+            units = select_rows(units, split_indices(src.split, _count(units), src.label))
+    if src.num_samples is not None:
+        available = _count(units)
+        rng = np.random.RandomState(0) if rng is None else rng
+        units = select_rows(units, sample_indices(available, src.num_samples, rng))
+        if log is not None:
+            repeated = max(0, src.num_samples - available) if available else 0
+            again = f", {repeated} of them drawn again" if repeated else ""
+            log(f"data: {src.label}: num_samples {src.num_samples} of {available} rows{again}")
+    if limit is not None and _count(units) > limit:
+        units = select_rows(units, np.arange(limit))
     return units
 
 
-def _load_saved(src: Source, limit: int | None) -> SourceUnit:
-    from datasets import DatasetDict, load_from_disk
+def _count(units: list[SourceUnit]) -> int:
+    return sum(len(u.dataset) for u in units if u.dataset is not None)
+
+
+def select_rows(units: list[SourceUnit], indices: np.ndarray) -> list[SourceUnit]:
+    """Keep the rows at `indices` (positions in all units' rows laid end to end; repeats
+    allowed), in the given order within each unit. Rejections and `read` stay as they are."""
+    out, start = [], 0
+    indices = np.asarray(indices, dtype=np.int64)
+    for u in units:
+        n = len(u.dataset) if u.dataset is not None else 0
+        local = indices[(indices >= start) & (indices < start + n)] - start
+        start += n
+        if u.dataset is None:
+            out.append(u)
+            continue
+        rows = (np.asarray(u.rows)[local] if u.rows is not None else local + 1).tolist()
+        lines = np.asarray(u.lines)[local].tolist() if u.lines is not None else None
+        out.append(SourceUnit(u.file, u.dataset.select(local), u.read, rows, lines, u.rejections))
+    return out
+
+
+def _load_saved(src: Source) -> SourceUnit:
+    from datasets import DatasetDict, concatenate_datasets, load_from_disk
 
     try:
         ds = load_from_disk(str(src.path))
@@ -164,13 +223,21 @@ def _load_saved(src: Source, limit: int | None) -> SourceUnit:
             f"{src.label}: cannot be loaded with datasets.load_from_disk: {e}"
         ) from None
     if isinstance(ds, DatasetDict):
-        if src.split not in ds:
+        if src.split in ds:
+            return SourceUnit(src.label, ds[src.split], read=len(ds[src.split]))
+        if "[" not in src.split and "+" not in src.split:
             raise DataError(
                 f"{src.label}: no split '{src.split}'; available: {', '.join(ds)} (set split:)"
             )
-        ds = ds[src.split]
-    if limit is not None and len(ds) > limit:
-        ds = ds.select(range(limit))
+        sizes = {name: len(part) for name, part in ds.items()}
+        parts = [
+            ds[name].select(range(a, b)) for name, a, b in split_ranges(src.split, sizes, src.label)
+        ]
+        ds = concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    elif src.split not in FILE_SPLITS:  # one saved Dataset: train, or the split it came from
+        sizes = {"train": len(ds), **({str(ds.split): len(ds)} if ds.split else {})}
+        ranges = split_ranges(src.split, sizes, src.label)
+        ds = ds.select(np.concatenate([np.arange(a, b) for _, a, b in ranges]))
     return SourceUnit(src.label, ds, read=len(ds))
 
 
@@ -178,10 +245,18 @@ def _load_file(path: Path, label: str, cache_dir: Path, limit: int | None) -> So
     from datasets import load_dataset
 
     kind = LOADERS[path.suffix.lower()]
-    extra = {"parse_agent_traces": False} if kind == "json" else {}
+    if kind not in _BINARY:  # streamed: a multi-GB corpus is not read into memory for this
+        check_utf8(path, what="data file", error=DataError, shown=label)
+    # A UTF-8 BOM is valid: the json and csv loaders drop it; the text loader would keep it
+    # in the first line, so it reads with utf-8-sig (which is utf-8 without a BOM).
+    extra = {"json": {"parse_agent_traces": False}, "text": {"encoding": "utf-8-sig"}}
     try:
         ds = load_dataset(
-            kind, data_files=str(path), split="train", cache_dir=str(cache_dir / "hf"), **extra
+            kind,
+            data_files=str(path),
+            split="train",
+            cache_dir=str(cache_dir / "hf"),
+            **extra.get(kind, {}),
         )
     except Exception as e:  # user data the library cannot parse: explain it, no traceback
         if kind == "json":
@@ -208,10 +283,7 @@ def _rescan_json(path: Path, label: str, limit: int | None, error: Exception) ->
     """Re-read a JSON/JSONL file that `datasets` refused, finding every malformed row."""
     from datasets import Dataset
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{label}: not UTF-8 text ({e})") from None
+    text = read_text(path, what="data file", error=DataError, shown=label)
     if not text.strip():
         return SourceUnit(label, None, read=0)
     if text.lstrip().startswith("["):

@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 
 from keel.data.formats import RowError
 from keel.errors import DataError
+from keel.files import read_text
 
 # Plain ChatML, no default system prompt.
 CHATML_TEMPLATE = (
@@ -60,7 +61,8 @@ def resolve_template(setting: str, tokenizer, base_dir: Path) -> tuple[ChatTempl
         )
     if not path.is_file():
         raise DataError(f"data.template: template file not found: {path}")
-    return ChatTemplate(setting, path.read_text(encoding="utf-8")), None
+    text = read_text(path, what="chat template (data.template)", error=DataError)
+    return ChatTemplate(setting, text), None
 
 
 def render(
