@@ -36,8 +36,16 @@ def prepared(tokenizer, tmp_path, *, packing: bool, cutoff_len: int = 256):
                         base_dir=tmp_path, seed=0, log=lambda _m: None)
 
 
+def checked(objective: CausalLMObjective) -> CausalLMObjective:
+    """The objective with its fast head on, as training sets it up (after the probe)."""
+    ok, why = objective.check_fast_head()
+    assert ok, why
+    objective.fast_head = True
+    return objective
+
+
 def make_trainer(model, lr=1.0):
-    objective = CausalLMObjective(model, chunk_size=7)
+    objective = checked(CausalLMObjective(model, chunk_size=7))
     optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
     return Trainer(objective=objective, optimizer=optimizer, scheduler=scheduler,
@@ -45,11 +53,14 @@ def make_trainer(model, lr=1.0):
                    max_grad_norm=0.0)
 
 
-def test_packed_loss_equals_unpacked(tiny_tokenizer, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("fast_head", [True, False], ids=["fast-head", "full-forward"])
+def test_packed_loss_equals_unpacked(tiny_tokenizer, tiny_model_dir, tmp_path, fast_head):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     objective = CausalLMObjective(model)
+    if fast_head:
+        objective = checked(objective)
     packed = rows_of(prepared(tiny_tokenizer, tmp_path / "p", packing=True).train)
     unpacked = rows_of(prepared(tiny_tokenizer, tmp_path / "u", packing=False).train)
     assert len(packed) < len(unpacked) == len(ROWS)
@@ -60,16 +71,36 @@ def test_packed_loss_equals_unpacked(tiny_tokenizer, tiny_model_dir, tmp_path):
     torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-5)
 
 
+def test_unpacked_batches_need_no_position_ids(tiny_tokenizer, tiny_model_dir, tmp_path):
+    """The trainer drops position ids when no row holds two samples (so transformers need
+    not check for packing, a host sync per forward); the loss is the same, and a packed
+    batch keeps them."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    trainer = make_trainer(model)
+    unpacked = rows_of(prepared(tiny_tokenizer, tmp_path / "u", packing=False).train)
+    packed = rows_of(prepared(tiny_tokenizer, tmp_path / "p", packing=True).train)
+    assert trainer._batch(unpacked)["position_ids"] is None
+    assert trainer._batch(packed)["position_ids"] is not None
+    with torch.no_grad():
+        without, _ = trainer.objective(trainer._batch(unpacked))
+        with_ids, _ = trainer.objective(collate(unpacked, 0))
+    torch.testing.assert_close(without, with_ids, rtol=1e-6, atol=1e-6)
+
+
 def test_fast_head_matches_hugging_face_forward(tiny_tokenizer, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     batch = collate(rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train),
                     tiny_tokenizer.pad_token_id)
-    fast = CausalLMObjective(model)
-    assert fast.fast_head
     slow = CausalLMObjective(model)
-    slow.fast_head = False
+    assert not slow.fast_head  # off until the probe has passed: the full HF forward
+    fast = CausalLMObjective(model, chunk_size=7)  # several chunks
+    ok, why = fast.check_fast_head()
+    assert ok, why
+    fast.fast_head = True
     with torch.no_grad():
         torch.testing.assert_close(fast(batch)[0], slow(batch)[0], rtol=1e-5, atol=1e-5)
 
@@ -83,9 +114,11 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
     assert len(set(counts)) > 1  # uneven, or the test could not tell the two rules apart
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     one, accum = copy.deepcopy(base), copy.deepcopy(base)
-    r_one = make_trainer(one).train_step([rows])
-    r_acc = make_trainer(accum).train_step([rows[:1], rows[1:]])
-    assert r_one.loss == pytest.approx(r_acc.loss, rel=1e-6)
+    whole = dict(window_targets=sum(r["num_targets"] for r in rows),
+                 window_tokens=sum(len(r["input_ids"]) for r in rows), filler=rows[0])
+    r_one = make_trainer(one).train_step([rows], **whole)
+    r_acc = make_trainer(accum).train_step([rows[:1], rows[1:]], **whole)
+    assert float(r_one.loss_sum) == pytest.approx(float(r_acc.loss_sum), rel=1e-6)
     for p1, p2 in zip(one.parameters(), accum.parameters()):
         torch.testing.assert_close(p1, p2, rtol=1e-5, atol=1e-7)
     # A mean of per-micro-batch means would be a different (wrong) update:
@@ -110,7 +143,8 @@ def test_a_process_without_rows_runs_a_zero_weight_filler(tiny_tokenizer, tiny_m
     before = copy.deepcopy(model.state_dict())
     result = make_trainer(model).train_step([[]], window_targets=12, window_tokens=40,
                                             filler=rows[0])
-    assert result.loss == 0.0 and result.target_tokens == 12
+    assert float(result.loss_sum) == 0.0 and result.target_tokens == 12
+    assert result.rows == 0 and result.filler_micro_batches == 1
     for name, value in model.state_dict().items():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
 

@@ -40,12 +40,47 @@ def build_empty_model(model_dir: Path, *, dtype: torch.dtype, attn_implementatio
                 config, dtype=dtype, attn_implementation=attn_implementation,
                 trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
-        raise ModelError(f"cannot build a causal-LM model from {source}: {e}") from e
+        hint = ""
+        if "does not support an attention implementation" in str(e):
+            hint = " (set model.attn_implementation: eager for this architecture)"
+        raise ModelError(f"cannot build a causal-LM model from {source}{hint}: {e}") from e
     # PEFT copies name_or_path into adapter_config.json as the base model: keep it absolute.
     model.name_or_path = source
     model.config._name_or_path = source
+    _check_checkpoint_names(model, Path(source))
     _load_generation_config(model, Path(source))
     return model
+
+
+def _check_checkpoint_names(model: nn.Module, model_dir: Path) -> None:
+    """Refuse, before anything is allocated, a checkpoint keel cannot copy tensor by tensor.
+
+    fill_weights reads each tensor under the model's own parameter name. transformers
+    renames or fuses some families' tensors while loading (e.g. per-expert MoE weights
+    into one [experts, ...] tensor); keel's sharded loader does not, so those families
+    are refused here with the reason rather than failing on the first missing name.
+    """
+    reader = CheckpointReader(model_dir)
+    try:
+        missing = [name for name, _ in materialized_tensors(model)
+                   if reader.shape(checkpoint_key(name)) is None]
+    finally:
+        reader.close()
+    if not missing:
+        return
+    model_type = getattr(model.config, "model_type", "?")
+    try:  # transformers' own list of the renames/fusions it applies to this model
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        converted = bool(get_model_conversion_mapping(model, add_legacy=False))
+    except (ImportError, TypeError):
+        converted = False
+    why = (f"transformers converts {model_type} checkpoints while loading them (renamed or "
+           f"fused tensors, e.g. per-expert MoE weights), a conversion keel's loader does "
+           f"not do: keel cannot train model_type {model_type} yet" if converted else
+           "the checkpoint does not match the architecture in its config.json")
+    raise ModelError(f"{model_dir}: {len(missing)} of the model's tensors are not in the "
+                     f"checkpoint (e.g. {', '.join(missing[:3])}); {why}")
 
 
 def _load_generation_config(model: nn.Module, model_dir: Path) -> None:

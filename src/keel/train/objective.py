@@ -3,6 +3,13 @@
 `CausalLMObjective` is an nn.Module so that a data-parallel wrapper can wrap it whole: the
 forward it runs (decoder -> selected hidden states -> chunked output layer + CE) is the one
 that gets synchronised, not the Hugging Face forward we bypass.
+
+That bypass ("fast head") is only valid when the model's logits are exactly
+output_embeddings(decoder(...).last_hidden_state). Some families post-process logits in
+their *ForCausalLM forward (Granite divides by `logits_scaling`, Gemma 2 soft-caps, Cohere
+multiplies by `logit_scale`), and new ones may do anything. So instead of a list of config
+names, `check_fast_head` compares the fast head with the model's own forward, once, at
+set-up; the objective uses the fast head only when they agree.
 """
 
 from __future__ import annotations
@@ -12,6 +19,17 @@ from torch import nn
 
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
 
+# Logit magnitude of the probe's synthetic hidden states. A random or freshly initialised
+# model has |logit| ~ 0.1, where cap * tanh(x / cap) equals x to ~1e-7; trained models
+# reach tens, so the probe looks there.
+PROBE_LOGIT_MAGNITUDE = 50.0
+PROBE_TOKENS = 8
+# Largest |fast - forward| / max|forward logit| accepted, by the dtype the decoder computes
+# in: fp32 round-off, or about two units in the last place at the probe magnitude for bf16
+# (2^-7 relative) and fp16 (2^-10). Both sides run the same matmul, so agreeing models
+# usually differ by exactly 0; a post-processed head differs by tens of percent.
+PROBE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The Hugging Face *ForCausalLM module inside a PEFT wrapper (or the model itself)."""
@@ -19,44 +37,141 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _head_is_plain(lm: nn.Module) -> bool:
-    """True when logits are exactly output_embeddings(hidden): no soft-capping or scaling."""
-    config = getattr(lm, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale"):
-        if getattr(config, attr, None) not in (None, 1.0):
-            return False
-    return isinstance(lm.get_output_embeddings(), nn.Module) and hasattr(lm, "get_decoder")
-
-
 class CausalLMObjective(nn.Module):
     """Next-token cross-entropy summed over target tokens (pt and sft).
 
-    forward(batch) -> (loss_sum, num_targets). Logits are only computed at positions that
-    have a target (prompt and padding positions are skipped) and in chunks, so the
-    [B, T, V] logits tensor never exists. Models whose head is not a plain projection fall
-    back to the full Hugging Face forward.
+    forward(batch) -> (loss_sum, num_targets). With `fast_head`, logits are only computed
+    at positions that have a target (prompt and padding positions are skipped) and in
+    chunks, so the [B, T, V] logits tensor never exists. Without it, the loss comes from
+    the full Hugging Face forward. `fast_head` is off until the caller has run
+    `check_fast_head` and it passed: a wrong fast head trains on a different loss than
+    the one the model is evaluated and served with.
     """
 
-    def __init__(self, model: nn.Module, *, chunk_size: int = 1024):
+    def __init__(self, model: nn.Module, *, chunk_size: int = 1024, fast_head: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
-        self.fast_head = _head_is_plain(causal_lm_of(model))
+        self.fast_head = fast_head
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        targets = batch["targets"]  # [B, T], pre-shifted
-        mask = targets != IGNORE_INDEX  # [B, T]
+    def forward(
+        self, batch: dict[str, torch.Tensor], *, probe: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor] | dict:
+        """(loss_sum, num_targets); with `probe`, what `check_fast_head` compares.
+
+        The probe goes through this forward so that, when the objective is the FSDP root
+        unit, FSDP's root hooks gather the output layer and final norm for it.
+        """
         # No attention mask and no cache: right padding is invisible to real tokens under
         # causal attention, and packed samples are separated by their restarting position ids.
-        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                      use_cache=False)
+        inputs = dict(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+        if probe:
+            return self._probe_logits(inputs)
+        targets = batch["targets"]  # [B, T], pre-shifted
+        mask = targets != IGNORE_INDEX  # [B, T]
         num_targets = mask.sum()
-        lm = causal_lm_of(self.model)
         if not self.fast_head:
             logits = self.model(**inputs).logits  # [B, T, V]
             return cross_entropy_sum(logits, targets), num_targets
+        lm = causal_lm_of(self.model)
         hidden = lm.get_decoder()(**inputs).last_hidden_state  # [B, T, H]
         selected = hidden[mask]  # [N, H]
-        loss = chunked_cross_entropy(selected, targets[mask], lm.get_output_embeddings(),
-                                     chunk_size=self.chunk_size)
+        loss = chunked_cross_entropy(
+            selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
+        )
         return loss, num_targets
+
+    def check_fast_head(self, device: torch.device | None = None) -> tuple[bool, str]:
+        """(ok, why): does the fast head give the model's own logits? Does not set fast_head.
+
+        Two checks on PROBE_TOKENS random tokens, in eval mode, without autocast or grad:
+        (a) the model's forward vs output_embeddings(decoder(...).last_hidden_state) on
+        real weights (catches a forward that does more than call the decoder); (b) the
+        model's forward with the decoder's last_hidden_state replaced by a synthetic one
+        scaled to logits of magnitude PROBE_LOGIT_MAGNITUDE vs output_embeddings of it
+        (catches scaling, soft-capping or any post-processing, at magnitudes a trained
+        model reaches). Tolerance: PROBE_RTOL of the decoder's compute dtype. Under FSDP
+        every rank must call it together.
+        """
+        if device is None:
+            device = next(self.parameters()).device
+        vocab = _vocab_size(causal_lm_of(self.model))
+        generator = torch.Generator().manual_seed(0)
+        input_ids = torch.randint(vocab, (1, PROBE_TOKENS), generator=generator)  # [1, T]
+        positions = torch.arange(PROBE_TOKENS, device=device)[None]  # [1, T]
+        batch = {"input_ids": input_ids.to(device), "position_ids": positions}
+        modes = [(m, m.training) for m in self.modules()]
+        self.eval()  # no dropout, no gradient checkpointing, no router noise
+        try:
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                found = self(batch, probe=True)
+        finally:
+            for module, training in modes:
+                module.training = training
+        return _judge(found)
+
+    def _probe_logits(self, inputs: dict) -> dict:
+        """{"dtype": compute dtype, "checks": {name: (forward logits, fast-head logits)}}, or
+        {"error": why} when the model has no decoder/output layer the fast head can use."""
+        lm = causal_lm_of(self.model)
+        decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+        if not isinstance(head, nn.Module):
+            return {"error": f"{type(lm).__name__} has no output embeddings module"}
+        logits = self.model(**inputs).logits  # [1, T, V]
+        hidden = getattr(decoder(**inputs), "last_hidden_state", None)  # [1, T, H]
+        if hidden is None:
+            return {
+                "error": f"{type(decoder).__name__} (get_decoder()) returns no last_hidden_state"
+            }
+        noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1))
+        noise = noise.to(hidden)  # [1, T, H]
+        magnitude = head(noise).float().abs().amax(-1, keepdim=True)  # [1, T, 1]
+        synthetic = noise * (PROBE_LOGIT_MAGNITUDE / magnitude.clamp_min(1e-12)).to(noise)
+
+        def replace_hidden(_module, _args, output):
+            if isinstance(output, tuple):
+                return (synthetic, *output[1:])
+            output.last_hidden_state = synthetic  # ModelOutput: also sets output[0]
+            return output
+
+        handle = decoder.register_forward_hook(replace_hidden)
+        try:
+            logits_synthetic = self.model(**inputs).logits  # [1, T, V]
+        finally:
+            handle.remove()
+        checks = {
+            "real tokens": (logits, head(hidden)),
+            f"logits ~{PROBE_LOGIT_MAGNITUDE:g}": (logits_synthetic, head(synthetic)),
+        }
+        return {"dtype": hidden.dtype, "checks": checks}
+
+
+def _vocab_size(lm: nn.Module) -> int:
+    embeddings = lm.get_input_embeddings()
+    return getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
+
+
+def _judge(found: dict) -> tuple[bool, str]:
+    """(ok, why) from what `_probe_logits` found."""
+    if "error" in found:
+        return False, found["error"]
+    dtype = found["dtype"]
+    rtol = PROBE_RTOL.get(dtype, PROBE_RTOL[torch.bfloat16])
+    seen, failed = [], []
+    for name, (want, got) in found["checks"].items():
+        want, got = want.float(), got.float()  # [1, T, V]
+        diff = (want - got).abs().amax().item()
+        rel = diff / max(want.abs().amax().item(), 1e-30)
+        seen.append(f"{name}: max abs diff {diff:.3g}, rel {rel:.3g}")
+        if not rel <= rtol:  # also catches NaN
+            failed.append(name)
+    report = f"{'; '.join(seen)}; tolerance rel {rtol:g} ({str(dtype).removeprefix('torch.')})"
+    if failed:
+        return False, (
+            f"the model's forward is not output_embeddings(decoder hidden state) "
+            f"at {' and '.join(failed)}: it post-processes its logits or runs more "
+            f"than the decoder; {report}"
+        )
+    return True, report
