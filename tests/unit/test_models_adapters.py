@@ -10,7 +10,13 @@ from conftest import build_tiny_model
 
 from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
 from keel.errors import ModelError
-from keel.models.adapters import apply_method, count_parameters, load_for_inference, save_model_dir
+from keel.models.adapters import (
+    apply_method,
+    count_parameters,
+    load_for_inference,
+    method_problems,
+    save_model_dir,
+)
 from keel.models.loading import load_model, load_tokenizer
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8]])  # [1, T]
@@ -74,6 +80,40 @@ def test_freeze_bad_names_suggest_close_ones():
     too_many = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=5))
     with pytest.raises(ModelError, match="outside 0..2"):
         apply_method(build_tiny_model(320), too_many)
+
+
+def test_method_problems_lists_everything_and_changes_nothing():
+    model = build_tiny_model(320)
+    model.requires_grad_(False)
+    method = MethodConfig(
+        type="freeze", freeze=FreezeConfig(trainable_layers=3, trainable_modules=["lm_haed"])
+    )
+    problems = method_problems(model, method)
+    assert [p.split(" ", 1)[0] for p in problems] == [
+        "method.freeze.trainable_layers",
+        "method.freeze.trainable_modules:",
+    ]
+    assert count_parameters(model)[0] == 0  # checking marked nothing trainable
+    with pytest.raises(
+        ModelError,
+        match=r"(?s)cannot be applied:\n  - method.freeze.trainable_layers.*\n  - method.freeze.trainable_modules",
+    ):
+        apply_method(model, method)
+    assert method_problems(model, lora_method(["q_proj"])) == []
+    assert method_problems(model, MethodConfig(type="full")) == []
+
+
+def test_freeze_refuses_modules_without_weights():
+    method = MethodConfig(
+        type="freeze", freeze=FreezeConfig(trainable_layers=0, trainable_modules=["act_fn"])
+    )
+    with pytest.raises(ModelError, match="nothing would train"):
+        apply_method(build_tiny_model(320), method)
+
+
+def test_lora_empty_targets_refused():
+    with pytest.raises(ModelError, match="method.lora.targets is empty"):
+        apply_method(build_tiny_model(320), lora_method([]))
 
 
 def test_lora_counts_match_formula():

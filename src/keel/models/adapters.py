@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from keel.config.schema import BUNDLED_PREFIX, MethodConfig
+from keel.config.schema import BUNDLED_PREFIX, FreezeConfig, LoraConfig, MethodConfig
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
 from keel.models.loading import load_model, load_tokenizer
@@ -41,16 +41,23 @@ def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print)
 
     full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
     modules named in `trainable_modules`. lora: a PEFT LoRA wrapper (a new PeftModel
-    around `model`). Unknown module names raise ModelError with the names that exist.
+    around `model`). Anything `method_problems` finds raises one ModelError listing it all.
     """
+    problems = method_problems(model, method)
+    if problems:
+        if len(problems) == 1:
+            raise ModelError(problems[0])
+        raise ModelError(
+            "\n".join(
+                [f"method.type = {method.type} cannot be applied:", *(f"  - {p}" for p in problems)]
+            )
+        )
     if method.type == "full":
         model.requires_grad_(True)
     elif method.type == "freeze":
-        _apply_freeze(model, method.freeze.trainable_layers, method.freeze.trainable_modules, log)
-    elif method.type == "lora":
-        model = _apply_lora(model, method, log)
+        _apply_freeze(model, method.freeze, log)
     else:
-        raise ModelError(f"method.type: unknown method {method.type!r}; use full, freeze or lora")
+        model = _apply_lora(model, method.lora, log)
     trainable, total = count_parameters(model)
     log(
         f"method {method.type}: {trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)"
@@ -58,16 +65,38 @@ def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print)
     return model
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's list of transformer blocks, in order."""
+def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
+    """Every reason `apply_method(model, method)` would refuse, each naming its config key,
+    value and fix; [] when it applies. The model is not changed, so a caller can collect
+    these with other problems and report them all at once."""
+    if method.type == "full":
+        return []
+    if method.type == "freeze":
+        return _freeze_problems(model, method.freeze)
+    if method.type == "lora":
+        return _lora_problems(model, method.lora)
+    return [f"method.type = {method.type!r} is not one of full, freeze, lora"]
+
+
+_WHERE_LAYERS = "looked at model.get_decoder().layers and model.model.layers"
+
+
+def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's list of transformer blocks, in order, or None where keel finds none."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is None:
         layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+    return layers if isinstance(layers, torch.nn.ModuleList) else None
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of transformer blocks, in order; ModelError where keel finds none."""
+    layers = find_decoder_layers(model)
+    if layers is None:
         raise ModelError(
-            f"cannot find the decoder layers of {type(model).__name__} "
-            "(looked at model.get_decoder().layers and model.model.layers); use method.type full or lora"
+            f"cannot find the decoder layers of {type(model).__name__} ({_WHERE_LAYERS}); "
+            "use method.type full or lora"
         )
     return layers
 
@@ -89,32 +118,61 @@ def _unknown_names(entries: list[str], names: list[str]) -> list[str]:
     return problems
 
 
-def _apply_freeze(model, trainable_layers: int, trainable_modules: list[str], log: Log) -> None:
-    layers = decoder_layers(model)
-    if not 0 <= trainable_layers <= len(layers):
-        raise ModelError(
-            f"method.freeze.trainable_layers: {trainable_layers} is outside 0..{len(layers)} "
-            f"(the model has {len(layers)} decoder layers)"
+def _short_names(names: list[str]) -> str:
+    # Layer indices ("0", "1", ...) are not names anyone types on their own.
+    short = {n.rsplit(".", 1)[-1] for n in names}
+    return ", ".join(sorted(s for s in short if not s.isdigit()))
+
+
+def _freeze_problems(model, freeze: FreezeConfig) -> list[str]:
+    problems = []
+    layers = find_decoder_layers(model)
+    if layers is None:
+        problems.append(
+            f"method.type = freeze trains the last decoder layers, but keel cannot find those "
+            f"of {type(model).__name__} ({_WHERE_LAYERS}); use method.type full or lora"
+        )
+    elif not 0 <= freeze.trainable_layers <= len(layers):
+        problems.append(
+            f"method.freeze.trainable_layers = {freeze.trainable_layers} is outside "
+            f"0..{len(layers)} (the model has {len(layers)} decoder layers); set it to at most "
+            f"{len(layers)}, or use method.type full to train every layer"
         )
     names = [n for n, _ in model.named_modules() if n]
-    unknown = _unknown_names(trainable_modules, names)
+    unknown = _unknown_names(freeze.trainable_modules, names)
     if unknown:
-        raise ModelError(
+        problems.append(
             f"method.freeze.trainable_modules: no module named {'; '.join(unknown)} in "
-            f"{type(model).__name__}"
+            f"{type(model).__name__}; this model has: {_short_names(names)}"
         )
+    if not problems and not any(
+        True for m in _freeze_trainable(model, freeze) for _ in m.parameters()
+    ):
+        problems.append(
+            f"method.freeze: nothing would train (trainable_layers = "
+            f"{freeze.trainable_layers}, trainable_modules = {freeze.trainable_modules} hold no "
+            f"parameters); set trainable_layers > 0 or list modules with weights"
+        )
+    return problems
+
+
+def _freeze_trainable(model, freeze: FreezeConfig) -> list[torch.nn.Module]:
+    """The modules that train under `freeze` (checked by `_freeze_problems` first)."""
+    layers = list(decoder_layers(model))
+    chosen = layers[len(layers) - freeze.trainable_layers :]
+    return chosen + [
+        m
+        for name, m in model.named_modules()
+        if any(_matches(name, entry) for entry in freeze.trainable_modules)
+    ]
+
+
+def _apply_freeze(model, freeze: FreezeConfig, log: Log) -> None:
     model.requires_grad_(False)
-    for layer in layers[len(layers) - trainable_layers :]:
-        layer.requires_grad_(True)
-    for name, module in model.named_modules():
-        if any(_matches(name, entry) for entry in trainable_modules):
-            module.requires_grad_(True)
-    if count_parameters(model)[0] == 0:
-        raise ModelError(
-            "method.freeze: nothing would train; set trainable_layers > 0 or list trainable_modules"
-        )
+    for module in _freeze_trainable(model, freeze):
+        module.requires_grad_(True)
     if getattr(model.config, "tie_word_embeddings", False) and any(
-        _matches("lm_head", e) or e.endswith("embed_tokens") for e in trainable_modules
+        _matches("lm_head", e) or e.endswith("embed_tokens") for e in freeze.trainable_modules
     ):
         log("note: lm_head and the input embeddings share one weight here, so both train")
 
@@ -126,32 +184,46 @@ def lora_target_names(model: torch.nn.Module) -> list[str]:
     )
 
 
-def _apply_lora(model, method: MethodConfig, log: Log):
-    from peft import LoraConfig, TaskType, get_peft_model
+def _lora_targets(lora: LoraConfig) -> str | list[str]:
+    # A single name is a list of one; PEFT would read a bare string as a regular expression.
+    targets = lora.targets
+    return [targets] if isinstance(targets, str) and targets != "all-linear" else targets
 
-    cfg = method.lora
-    targets = cfg.targets
-    if isinstance(targets, str) and targets != "all-linear":
-        targets = [targets]
-    if isinstance(targets, list):
-        wrappable = [n for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)]
-        unknown = _unknown_names(targets, wrappable)
-        if unknown:
-            raise ModelError(
-                f"method.lora.targets: no linear module named {'; '.join(unknown)}; this model has: "
-                f"{', '.join(lora_target_names(model))} (or use all-linear)"
-            )
-    peft_config = LoraConfig(
-        r=cfg.r,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=targets,
+
+def _lora_problems(model, lora: LoraConfig) -> list[str]:
+    targets = _lora_targets(lora)
+    if targets == "all-linear":
+        return []
+    if not targets:
+        return [
+            "method.lora.targets is empty; list module names (e.g. [q_proj, v_proj]) "
+            "or use all-linear"
+        ]
+    wrappable = [n for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)]
+    unknown = _unknown_names(targets, wrappable)
+    if not unknown:
+        return []
+    return [
+        f"method.lora.targets = {lora.targets}: no linear module named {'; '.join(unknown)}; "
+        f"this model has: {', '.join(lora_target_names(model))} (or use all-linear)"
+    ]
+
+
+def _apply_lora(model, lora: LoraConfig, log: Log):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=_lora_targets(lora),
         task_type=TaskType.CAUSAL_LM,
     )
     peft_model = get_peft_model(model, peft_config)
     # PEFT expands all-linear into every qualified name; short names keep the log one line.
     wrapped = {t.rsplit(".", 1)[-1] for t in peft_model.peft_config["default"].target_modules}
-    log(f"LoRA r={cfg.r} alpha={cfg.alpha} on: {', '.join(sorted(wrapped))}")
+    log(f"LoRA r={lora.r} alpha={lora.alpha} on: {', '.join(sorted(wrapped))}")
     return peft_model
 
 
@@ -161,8 +233,9 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def save_model_dir(model, tokenizer, out_dir: Path, *, merged: bool = False,
-                   state_dict: dict | None = None) -> None:
+def save_model_dir(
+    model, tokenizer, out_dir: Path, *, merged: bool = False, state_dict: dict | None = None
+) -> None:
     """Write `model` and `tokenizer` to `out_dir` in formats other tools load directly.
 
     A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors);

@@ -77,3 +77,17 @@ def load_model(
         )
     except (OSError, ValueError, ImportError) as e:
         raise ModelError(f"cannot load a causal-LM model from {source}: {e}") from e
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpointing).
+
+    transformers 5.x renamed `gradient_checkpointing_enable` (now a deprecated alias) to
+    `activation_checkpointing_enable`; use the new name where it exists. Raises the
+    model's ValueError when the architecture cannot do it.
+    """
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

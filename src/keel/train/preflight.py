@@ -1,0 +1,333 @@
+"""The one preflight of `keel train` and `keel validate`: everything checkable before training.
+
+Order: resolve the model; build it on the meta device and apply the method exactly as
+training does (seconds: no weight is read); check precision, attention and strategy against
+this machine; load the tokenizer; check the data settings (paths, template). Every problem
+found so far is raised at once, as one ConfigError, *before* any data row is read. Only
+then is the data validated and tokenized, which can take minutes on a large dataset.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from keel.config import RunConfig
+from keel.data import PreparedData, prepare_data
+from keel.data.sources import resolve_sources
+from keel.data.template import resolve_template
+from keel.distributed.process_group import choose_device
+from keel.errors import ConfigError, DataError, ModelError
+from keel.models import count_parameters, load_tokenizer, resolve_model_path, torch_dtype
+from keel.models.adapters import apply_method, find_decoder_layers, method_problems
+from keel.models.loading import enable_activation_checkpointing
+from keel.models.materialize import build_empty_model
+from keel.train.precision import Precision, resolve_precision
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class ModelCheck:
+    """What the meta-device build found: the architecture and what trains, no weights read."""
+
+    architecture: str  # e.g. LlamaForCausalLM
+    model_type: str  # e.g. llama
+    decoder_layers: int | None  # None: keel cannot find them (no freeze, no fsdp)
+    params: int  # the model's own, tied weights once
+    trainable: int  # after the method is applied (0 when it cannot be)
+    total: int  # after the method is applied: params plus any adapter weights
+    vocab_rows: int | None  # rows of the input embeddings
+    dtype: torch.dtype
+    attn_implementation: str
+    method: str  # full | freeze | lora
+    seconds: float  # how long building and applying the method took
+
+    def describe(self) -> str:
+        layers = "" if self.decoder_layers is None else f", {self.decoder_layers} decoder layers"
+        return (
+            f"{self.architecture} ({self.model_type}{layers}): {self.params:,} parameters, "
+            f"{str(self.dtype).removeprefix('torch.')}, attention "
+            f"{self.attn_implementation}"
+        )
+
+    def describe_method(self) -> str:
+        share = 100 * self.trainable / max(self.total, 1)
+        return (
+            f"{self.method}: {self.trainable:,} of {self.total:,} parameters trainable "
+            f"({share:.2f}%)"
+        )
+
+
+@dataclass
+class Preflight:
+    """What a run needs from its preflight."""
+
+    model_dir: Path
+    tokenizer: object
+    data: PreparedData
+    model: ModelCheck
+    precision: Precision  # as resolved for `device` (auto measured here on a CPU)
+    device: torch.device
+    notes: list[str] = field(default_factory=list)  # settings that are ignored here
+
+    def summary(self) -> list[str]:
+        """One line per part, for `keel validate`."""
+        totals = self.data.report.totals()
+        eval_rows = len(self.data.eval) if self.data.eval is not None else 0
+        return [
+            f"model:     {self.model.describe()}",
+            f"method:    {self.model.describe_method()}",
+            f"precision: {self.precision.name} on {self.device} ({self.precision.reason})",
+            f"data:      {totals.read} rows read, {totals.kept} kept -> "
+            f"{len(self.data.train)} train rows, {eval_rows} eval rows",
+            *(f"note:      {note}" for note in self.notes),
+        ]
+
+
+def preflight(
+    cfg: RunConfig,
+    *,
+    base_dir: Path,
+    log: Log = print,
+    device: torch.device | None = None,
+    source: str | None = None,
+) -> Preflight:
+    """Check everything about `cfg` short of training, then validate + tokenize its data.
+
+    `device` defaults to the one this machine trains on (`choose_device(0)`); `source` names
+    the config in the error. Problems with the model, method, precision, attention, strategy,
+    tokenizer and data settings are found in seconds and raised together as one
+    ConfigError before any data row is read; problems in the rows are DataErrors from
+    `prepare_data`. Touches no output folder.
+    """
+    device = choose_device(0) if device is None else device
+    precision, problems = _precision(cfg, device)
+    attn, found = _attention(cfg, device)
+    problems += found
+    notes = _ignored_settings(cfg, device)
+    for note in notes:
+        log(f"note: {note}")
+    model_dir = tokenizer = checked = None
+    try:
+        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log)
+    except ModelError as exc:
+        problems.append(str(exc))
+    if model_dir is not None:
+        checked, found = check_model(cfg, model_dir, attn=attn, precision=precision, log=log)
+        problems += found
+        tokenizer, found = _tokenizer(cfg, model_dir, checked, log)
+        problems += found
+    problems += _data_settings(cfg, tokenizer, base_dir)
+    if problems:
+        raise ConfigError(problems, source=source)
+    data = prepare_data(
+        cfg.data,
+        tokenizer,
+        stage=cfg.train.stage,
+        cache_dir=Path(cfg.model.cache_dir).expanduser(),
+        base_dir=base_dir,
+        seed=cfg.train.seed,
+        log=log,
+    )
+    return Preflight(
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        data=data,
+        model=checked,
+        precision=precision,
+        device=device,
+        notes=notes,
+    )
+
+
+def check_model(
+    cfg: RunConfig, model_dir: Path, *, attn: str, precision: Precision | None, log: Log = print
+) -> tuple[ModelCheck | None, list[str]]:
+    """Build the model on the meta device as training does, enable gradient checkpointing
+    and apply the method; (what was found, every problem). None when it cannot be built."""
+    started = time.perf_counter()
+    dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
+    try:
+        model = build_empty_model(
+            model_dir,
+            dtype=dtype,
+            attn_implementation=attn,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except ModelError as exc:
+        return None, [str(exc)]
+    layers = find_decoder_layers(model)
+    params = count_parameters(model)[1]
+    checked = ModelCheck(
+        architecture=type(model).__name__,
+        model_type=getattr(model.config, "model_type", "?"),
+        decoder_layers=None if layers is None else len(layers),
+        params=params,
+        trainable=0,
+        total=params,
+        dtype=dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        vocab_rows=getattr(model.get_input_embeddings(), "num_embeddings", None),
+        method=cfg.method.type,
+        seconds=time.perf_counter() - started,
+    )
+    log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
+    problems = [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers)]
+    refused = method_problems(model, cfg.method)
+    problems += refused
+    if not refused:
+        # PEFT creates adapter weights on the default device before moving them next to
+        # the base layer's (meta): building them on meta keeps this allocation-free.
+        try:
+            with torch.device("meta"):
+                model = apply_method(model, cfg.method, log=log)
+        except ValueError as exc:  # PEFT's own refusals, past what method_problems knows
+            return checked, [*problems, f"method.type = {cfg.method.type}: {exc}"]
+        problems += _fp16_weights(cfg, model, precision)
+        checked.trainable, checked.total = count_parameters(model)
+    checked.seconds = time.perf_counter() - started
+    return checked, problems
+
+
+def _precision(cfg: RunConfig, device: torch.device) -> tuple[Precision | None, list[str]]:
+    requested = cfg.train.precision
+    if requested == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        # torch.autocast refuses it at the first step ("does not support bfloat16").
+        name = torch.cuda.get_device_name(device)
+        return None, [
+            f"train.precision = bf16: this GPU ({name}) has no bf16 support; use fp16 or auto"
+        ]
+    try:
+        return resolve_precision(requested, device), []
+    except ConfigError as exc:
+        return None, exc.problems
+
+
+def _attention(cfg: RunConfig, device: torch.device) -> tuple[str, list[str]]:
+    """(the attention to build the meta model with, problems with model.attn_implementation)."""
+    attn = cfg.model.attn_implementation
+    if attn != "flash_attention_2":
+        return attn, []
+    key = "model.attn_implementation = flash_attention_2"
+    if device.type != "cuda":
+        problem = f"{key} needs a CUDA GPU and this machine has none; use sdpa (the default)"
+    else:
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return attn, []
+        problem = (
+            f"{key} needs the flash-attn package (>= 2.3.3), which is not installed "
+            f"here; pip install flash-attn --no-build-isolation, or use sdpa"
+        )
+    # Every architecture has eager attention: the other checks still run on the model.
+    return "eager", [problem]
+
+
+def _ignored_settings(cfg: RunConfig, device: torch.device) -> list[str]:
+    """Settings that are valid but change nothing on this machine: notes, not errors."""
+    fsdp, strategy = cfg.distributed.fsdp, cfg.distributed.strategy
+    if not fsdp.cpu_offload:
+        return []
+    if strategy == "ddp":
+        return [
+            "distributed.fsdp.cpu_offload = true is ignored with distributed.strategy = "
+            "ddp (it only applies to fsdp)"
+        ]
+    if device.type != "cuda":
+        return [
+            "distributed.fsdp.cpu_offload = true is ignored on this machine: there is no "
+            "CUDA GPU, so parameters already live in CPU memory"
+        ]
+    return []
+
+
+def _checkpointing(cfg: RunConfig, model: torch.nn.Module) -> list[str]:
+    if not cfg.train.gradient_checkpointing:
+        return []
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        return [
+            f"train.gradient_checkpointing = true, but {type(model).__name__} does not "
+            f"support gradient checkpointing in transformers; set "
+            f"train.gradient_checkpointing=false (or use a smaller micro_batch_size)"
+        ]
+    try:  # as keel.train.model_setup does it, so any other refusal surfaces here
+        enable_activation_checkpointing(model)
+    except ValueError as exc:
+        return [
+            f"train.gradient_checkpointing = true: {exc}; set train.gradient_checkpointing=false"
+        ]
+    return []
+
+
+def _fsdp(cfg: RunConfig, model: torch.nn.Module, layers) -> list[str]:
+    if cfg.distributed.strategy != "fsdp" or layers is not None:
+        return []
+    return [
+        f"distributed.strategy = fsdp shards the model one decoder layer at a time, but "
+        f"keel cannot find the decoder layers of {type(model).__name__} (looked at "
+        f"model.get_decoder().layers and model.model.layers); use distributed.strategy "
+        f"ddp"
+    ]
+
+
+def _fp16_weights(cfg: RunConfig, model: torch.nn.Module, precision: Precision | None) -> list[str]:
+    # fp16 loss scaling unscales gradients in place; torch refuses fp16 gradients there
+    # ("Attempting to unscale FP16 gradients"), i.e. at the end of the first step.
+    if precision is None or precision.name != "fp16":
+        return []
+    if not any(p.requires_grad and p.dtype == torch.float16 for p in model.parameters()):
+        return []
+    return [
+        f"model.dtype = float16 with train.precision = fp16 ({precision.reason}) trains "
+        f"float16 weights, whose gradients fp16 loss scaling cannot unscale; set "
+        f"model.dtype=auto (float32 master weights, fp16 compute), or use method.type lora"
+    ]
+
+
+def _tokenizer(
+    cfg: RunConfig, model_dir: Path, checked: ModelCheck | None, log: Log
+) -> tuple[object | None, list[str]]:
+    try:
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    except ModelError as exc:
+        return None, [str(exc)]
+    rows = checked.vocab_rows if checked is not None else None
+    if rows is None:
+        return tokenizer, []
+    special = {tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id} - {None}
+    outside = sorted(i for i in special if i >= rows)
+    if outside:
+        # eos ends every sample and pad fills every batch: the first step would index past
+        # the embedding matrix.
+        return tokenizer, [
+            f"model.path = {cfg.model.path}: the tokenizer's special token "
+            f"ids {outside} are >= the {rows} rows of the model's input "
+            f"embeddings; use the tokenizer saved with this model"
+        ]
+    if len(tokenizer) > rows:
+        log(
+            f"note: the tokenizer has {len(tokenizer)} tokens but the model's embeddings "
+            f"{rows} rows; a sample holding a token id >= {rows} would fail"
+        )
+    return tokenizer, []
+
+
+def _data_settings(cfg: RunConfig, tokenizer, base_dir: Path) -> list[str]:
+    """Data paths and the template: checked without reading a row."""
+    problems = []
+    try:
+        resolve_sources(cfg.data, Path(base_dir), stage=cfg.train.stage)
+    except DataError as exc:
+        problems.append(str(exc))
+    if tokenizer is not None:
+        try:
+            resolve_template(cfg.data.template, tokenizer, Path(base_dir))
+        except DataError as exc:
+            problems.append(str(exc))
+    return problems
