@@ -56,6 +56,7 @@ class Workspace:
         done = subprocess.run(args, cwd=self.root, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S, env=_env())
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
+        self.last_output = done.stdout + done.stderr
         return self.root / out
 
 

@@ -4,10 +4,17 @@ Each process writes only what it holds (its FSDP2 shards; DDP replicas are de-du
 and loading reshards: a state saved by 2 processes loads into 1, and 1 into 2. Frozen
 parameters are left out: they are reloaded from the base model, so a LoRA checkpoint
 stays adapter-sized.
+
+Loading unpickles nothing outside an allow-list: DCP itself reads its `.metadata` file with
+plain `pickle.load` and optimizer hyperparameters with `torch.load(weights_only=False)`,
+either of which would run code from a crafted checkpoint. keel's reader and planner read
+them with a restricted unpickler and `weights_only=True` instead.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,6 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,8 +49,13 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     """Load what `save_sharded` wrote into `module` and `optimizer`, resharding as needed."""
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     state = {"model": model_state, "optimizer": optim_state}
+    _check_metadata(path)  # before DCP, whose own errors would hide the reason
     with _single_process_is_intended():
-        dcp.load(state, checkpoint_id=str(path), no_dist=not _distributed())
+        try:
+            dcp.load(state, storage_reader=AllowListReader(str(path)),
+                     planner=WeightsOnlyLoadPlanner(), no_dist=not _distributed())
+        except CheckpointException as exc:  # DCP gathers every rank's failure into one
+            raise _first_failure(exc, path) from None
     # Not strict: frozen parameters are absent by design. A trainable one must not be.
     result = set_state_dict(module, optimizer, model_state_dict=state["model"],
                             optim_state_dict=state["optimizer"],
@@ -48,6 +65,94 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     if missing or result.unexpected_keys:
         raise ValueError(f"checkpoint {path} does not match this model: missing trainable "
                          f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds pickled objects outside the allow-list."""
+
+
+def _dcp_metadata_classes() -> dict[tuple[str, str], object]:
+    allowed = {(dcp_metadata.__name__, name): value for name, value in vars(dcp_metadata).items()
+               if isinstance(value, type) and value.__module__ == dcp_metadata.__name__}
+    allowed[(_StorageInfo.__module__, "_StorageInfo")] = _StorageInfo
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    allowed[("pathlib", "PosixPath")] = Path
+    allowed[("pathlib", "Path")] = Path
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's checkpoint metadata and nothing else: every global it names must be
+    one of DCP's metadata classes, torch.Size, a dtype or a layout (what DCP writes)."""
+
+    allowed: dict[tuple[str, str], object] | None = None
+
+    def find_class(self, module: str, name: str):
+        if _MetadataUnpickler.allowed is None:
+            _MetadataUnpickler.allowed = _dcp_metadata_classes()
+        found = self.allowed.get((module, name))
+        if found is None:
+            raise UnsafeCheckpointError(f".metadata holds a pickled object of type "
+                                        f"{module}.{name}, which is not part of a "
+                                        f"checkpoint's metadata")
+        return found
+
+
+def _check_metadata(path: Path) -> None:
+    metadata = Path(path) / ".metadata"
+    if not metadata.is_file():
+        raise ValueError(f"{path} has no .metadata file: the checkpoint is incomplete")
+    try:
+        _MetadataUnpickler(io.BytesIO(metadata.read_bytes())).load()
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{path}/{exc}") from None
+    except Exception as exc:  # truncated or not a pickle at all
+        raise ValueError(f"{metadata} is damaged ({type(exc).__name__}: {exc})") from None
+
+
+def _first_failure(exc: CheckpointException, path: Path) -> Exception:
+    failures = [failure for failure, _trace in exc.failures.values()]
+    for failure in failures:
+        if isinstance(failure, UnsafeCheckpointError | pickle.UnpicklingError):
+            return UnsafeCheckpointError(f"{path} holds a pickled object that is not plain "
+                                         f"data ({failure})")
+    first = failures[0] if failures else exc
+    return ValueError(f"{path} cannot be loaded: {type(first).__name__}: {first}")
+
+
+class AllowListReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+            except UnsafeCheckpointError as exc:
+                raise UnsafeCheckpointError(f"{self.path}: {exc}") from None
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpointError(f"{path} does not hold checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, loading non-tensor values (optimizer hyperparameters) with
+    `torch.load(weights_only=True)`: plain numbers, strings and containers only."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                        loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
 
 
 @contextmanager

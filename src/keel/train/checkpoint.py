@@ -1,11 +1,15 @@
 """Atomic checkpoints: write into a temporary folder, fsync, rename.
 
 Layout of `<output.dir>/checkpoints/step-00000012/`:
-  state/              trainable weights + optimizer state, sharded (torch.distributed.checkpoint);
-                      loads into any number of processes
-  trainer.pt          step (= data position), scheduler, global batch size
-  rng/rank-00000.pt   each process's RNG states
-  meta.json           written last; a folder without it is not a checkpoint
+  state/                      trainable weights + optimizer state, sharded
+                              (torch.distributed.checkpoint); loads into any number of processes
+  trainer.json                step (= data position) and the scheduler's state
+  rng/rank-00000.safetensors  each process's RNG states (tensors; Python's state as metadata)
+  meta.json                   what run this is (see keel.train.resume); written last: a folder
+                              without it is not a checkpoint
+Nothing in a checkpoint is unpickled when it is loaded: JSON, safetensors, and DCP files read
+with an allow-list (see keel.distributed.checkpoint), so a checkpoint folder from elsewhere
+cannot run code.
 Every process writes its part into `.tmp-step-*`; rank 0 then makes it durable and renames
 it. A crash mid-save leaves only `.tmp-step-*`, which is never mistaken for a checkpoint
 and is cleared on the next start. The user-facing model (PEFT adapter / HF model) is
@@ -23,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
-from keel.distributed.checkpoint import load_sharded, save_sharded
+from keel.distributed.checkpoint import UnsafeCheckpointError, load_sharded, save_sharded
 from keel.distributed.process_group import DistContext
 from keel.errors import CheckpointError
 
@@ -34,7 +40,9 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 META = "meta.json"
 STATE_DIR = "state"
 RNG_DIR = "rng"
-TRAINER = "trainer.pt"
+TRAINER = "trainer.json"
+# 2: no pickles (trainer.json, RNG in safetensors) and the run identity in meta.json.
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -46,17 +54,31 @@ class TrainState:
     rng: dict | None  # None when this rank has no saved RNG (resumed on more processes)
 
 
-def capture_rng() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def save_rng(path: Path) -> None:
+    """This process's RNG states as safetensors (torch, CUDA) with Python's in the metadata."""
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{index}"] = state
+    version, internal, gauss = random.getstate()
+    python = json.dumps({"version": version, "state": list(internal), "gauss": gauss})
+    save_file(tensors, str(path), metadata={"python": python})
+
+
+def load_rng(path: Path) -> dict:
+    """What `save_rng` wrote: {"torch": tensor, "cuda": [tensors], "python": state tuple}."""
+    with safe_open(str(path), framework="pt") as handle:
+        python = json.loads(handle.metadata()["python"])
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    cuda = [tensors[f"cuda.{i}"] for i in range(len(tensors) - 1)]
+    state = (python["version"], tuple(python["state"]), python["gauss"])
+    return {"torch": tensors["torch"], "cuda": cuda, "python": state}
 
 
 def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
@@ -96,11 +118,12 @@ def save_checkpoint(output_dir: Path, step: int, *, module: nn.Module,
         (tmp / RNG_DIR).mkdir(parents=True)
     dist.barrier()
     save_sharded(tmp / STATE_DIR, module, optimizer)
-    torch.save(capture_rng(), tmp / RNG_DIR / f"rank-{dist.rank:05d}.pt")
+    save_rng(tmp / RNG_DIR / f"rank-{dist.rank:05d}.safetensors")
     dist.barrier()
     if dist.is_main:
-        torch.save({"step": step, "scheduler": scheduler}, tmp / TRAINER)
-        (tmp / META).write_text(json.dumps({**meta, "step": step}, indent=2))
+        (tmp / TRAINER).write_text(json.dumps({"step": step, "scheduler": scheduler}))
+        (tmp / META).write_text(json.dumps({**meta, "format": FORMAT_VERSION, "step": step},
+                                           indent=2))
         if final.exists():  # a previous run died after this step's save; ours is as good
             shutil.rmtree(final)
         commit_dir(tmp, final)
@@ -115,11 +138,35 @@ def load_checkpoint(checkpoint: Path, *, module: nn.Module, optimizer: torch.opt
     if not (checkpoint / STATE_DIR).is_dir():
         raise CheckpointError(f"{checkpoint} has no {STATE_DIR}/ folder: it was written by an "
                               f"older keel or is damaged; set train.resume=never to start over")
-    load_sharded(checkpoint / STATE_DIR, module, optimizer)
-    raw = torch.load(checkpoint / TRAINER, map_location="cpu", weights_only=False)
-    rng_file = checkpoint / RNG_DIR / f"rank-{dist.rank:05d}.pt"
-    rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
-    return TrainState(step=raw["step"], scheduler=raw["scheduler"], rng=rng)
+    try:
+        load_sharded(checkpoint / STATE_DIR, module, optimizer)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(
+            f"refusing to load {checkpoint}: {exc}. keel checkpoints hold tensors and plain "
+            f"data only, so this one was not written by keel or was altered; nothing in it "
+            f"was run. Set train.resume=never to start over") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{exc}; set train.resume=never to start over, or resume from "
+                              f"another checkpoint") from None
+    trainer = _read_json(checkpoint / TRAINER)
+    rng_file = checkpoint / RNG_DIR / f"rank-{dist.rank:05d}.safetensors"
+    try:
+        rng = load_rng(rng_file) if rng_file.is_file() else None
+    except (KeyError, ValueError, OSError, SafetensorError) as exc:
+        raise CheckpointError(f"{rng_file} is damaged ({exc}); set train.resume=never to "
+                              f"start over, or resume from another checkpoint") from None
+    return TrainState(step=trainer["step"], scheduler=trainer["scheduler"], rng=rng)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is missing or damaged ({exc}); set train.resume=never "
+                              f"to start over, or resume from another checkpoint") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} should hold a JSON object; the checkpoint is damaged")
+    return value
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -149,8 +196,16 @@ def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
 
 
 def read_meta(checkpoint: Path) -> dict:
+    """meta.json of a complete checkpoint written by this checkpoint format."""
     meta_path = checkpoint / META
     if not meta_path.is_file():
         raise CheckpointError(f"{checkpoint} is not a complete keel checkpoint (no {META}); "
                               f"point train.resume at a checkpoints/step-* folder")
-    return json.loads(meta_path.read_text())
+    meta = _read_json(meta_path)
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{checkpoint} was written by an older keel (checkpoint format "
+            f"{meta.get('format', 1)}, this keel reads format {FORMAT_VERSION}, which "
+            f"stores no pickled objects); it cannot be resumed. Set train.resume=never (and "
+            f"output.overwrite=true, or a new output.dir) to start over")
+    return meta

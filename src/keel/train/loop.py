@@ -7,7 +7,6 @@ step uses is a pure function of (step, seed): resuming needs only the step numbe
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -18,6 +17,7 @@ from torch import nn
 from keel.data import collate, epoch_order
 from keel.distributed.parallelize import full_value, gradient_sync
 from keel.distributed.process_group import DistContext
+from keel.distributed.watchdog import Progress
 from keel.train.precision import Precision
 
 
@@ -60,9 +60,39 @@ class StepPlan:
     def epoch_of(self, step: int) -> float:
         return step / self.steps_per_epoch
 
+    def idle_warning(self, world_size: int) -> str | None:
+        """Why some process runs a zero-weight filler micro-batch on every full step, or None.
+
+        Filler keeps the collectives in step on an uneven last window; on every step it is
+        a process (a GPU) doing no useful work.
+        """
+        size = min(self.global_batch, self.num_rows)
+        window = list(range(size))
+        per_rank = [split_for_rank(window, r, world_size, self.micro_batch_size)
+                    for r in range(world_size)]
+        idle = [r for r, mbs in enumerate(per_rank) if any(not mb for mb in mbs)]
+        if not idle:
+            return None
+        slots = world_size * len(per_rank[0])
+        fillers = sum(not mb for mbs in per_rank for mb in mbs)
+        unit = world_size * self.micro_batch_size
+        better = max(unit, math.ceil(size / unit) * unit)
+        return (f"{len(idle)} of {world_size} processes run zero-weight filler micro-batches "
+                f"on every step ({fillers} of {slots} micro-batches per step do no work): a "
+                f"global batch of {size} rows over {world_size} processes x micro_batch_size "
+                f"{self.micro_batch_size}. Use a multiple of {unit} rows (e.g. "
+                f"train.global_batch_size={better}), or leave train.global_batch_size unset "
+                f"(then it is micro_batch_size x grad_accum x processes), or fewer processes")
+
     @lru_cache(maxsize=2)  # noqa: B019 - the plan is immutable and lives as long as the run
     def _order(self, epoch: int) -> list[int]:
         return epoch_order(self.num_rows, epoch, self.seed, self.shuffle)
+
+
+def default_global_batch(micro_batch_size: int, grad_accum: int, world_size: int) -> int:
+    """Rows per optimizer step when train.global_batch_size is unset: micro_batch_size is
+    per process, as in every other trainer, so more processes mean a larger batch."""
+    return micro_batch_size * grad_accum * world_size
 
 
 def split_for_rank(rows: list, rank: int, world_size: int, micro_batch_size: int) -> list[list]:
@@ -74,12 +104,16 @@ def split_for_rank(rows: list, rank: int, world_size: int, micro_batch_size: int
 
 @dataclass
 class StepResult:
-    loss: float  # mean CE per target token over the whole window
-    grad_norm: float
+    """One optimizer step, as this process saw it. Tensors stay on the device: reading them
+    is a host sync, which the loop does only on logging steps (`reduce_losses`)."""
+
+    loss_sum: torch.Tensor  # [] this process's summed CE over its target tokens (detached)
+    grad_norm: torch.Tensor  # [] total gradient norm before clipping (a DTensor under FSDP)
     lr: float
-    target_tokens: int
-    real_tokens: int  # non-padding input tokens
-    seconds: float
+    target_tokens: int  # of the whole global batch (all processes)
+    real_tokens: int  # non-padding input tokens of the whole global batch
+    rows: int  # rows this process trained on
+    filler_micro_batches: int  # zero-weight micro-batches this process ran
 
 
 @dataclass
@@ -99,50 +133,53 @@ class Trainer:
     pad_id: int
     max_grad_norm: float
     dist: DistContext = field(default_factory=DistContext)
+    progress: Progress = field(default_factory=Progress)  # marks read by the watchdog
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
         self.scaler = torch.amp.GradScaler(self.device.type,
                                            enabled=self.precision.name == "fp16")
+        self.current_rows: list[dict] = []  # the micro-batch running now (for OOM reports)
 
-    def _batch(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True)
-                for k, v in collate(rows, self.pad_id).items()}
+    def _batch(self, rows: list[dict]) -> dict[str, torch.Tensor | None]:
+        batch = collate(rows, self.pad_id)
+        if not any(0 in row["position_ids"][1:] for row in rows):
+            # No row holds two samples: plain causal attention is exact (right padding is
+            # invisible to real tokens), and without position ids transformers neither
+            # builds a mask nor reads a device value back to check for packed rows.
+            batch["position_ids"] = None
+        return {k: v if v is None else v.to(self.device, non_blocking=True)
+                for k, v in batch.items()}
 
-    def train_step(self, micro_batches: list[list[dict]], *, window_targets: int | None = None,
-                   window_tokens: int | None = None,
-                   filler: dict | None = None) -> StepResult:
+    def train_step(self, micro_batches: list[list[dict]], *, window_targets: int,
+                   window_tokens: int, filler: dict) -> StepResult:
         """One optimizer update from this process's micro-batches.
 
-        The loss is normalised by the target tokens of the whole global batch (all
-        micro-batches of all processes), so each token weighs the same wherever it is.
-        Without `window_targets`/`window_tokens` this process's micro-batches are the
-        whole batch. An empty micro-batch is filler: it runs forward and backward on a
-        real row (`filler`, default this process's first row) with weight zero, so every
-        process makes the same collective calls.
+        The loss is normalised by `window_targets`, the target tokens of the whole global
+        batch (all micro-batches of all processes), so each token weighs the same wherever
+        it is; the caller knows it without communication (every process knows every row's
+        size). An empty micro-batch is filler: it runs forward and backward on the real row
+        `filler` with weight zero, so every process makes the same collective calls.
+        Nothing here reads a device value back to the host (except fp16's overflow check).
         """
-        start = time.perf_counter()
         self.objective.train()
-        local = [row for rows in micro_batches for row in rows]
-        if window_targets is None:
-            window_targets = sum(row["num_targets"] for row in local)
-        if window_tokens is None:
-            window_tokens = sum(len(row["input_ids"]) for row in local)
-        filler = filler or (local[0] if local else None)
-        assert filler is not None, "a process without rows needs a filler row"
         scale = self.dist.world_size / max(window_targets, 1)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=self.device)
+        mark = self.progress.mark
         for index, rows in enumerate(micro_batches):
             weight = scale if rows else 0.0
             last = index == len(micro_batches) - 1
+            self.current_rows = rows or [filler]
             with gradient_sync(self.objective, last):
+                mark(("micro-batch", index, "forward"))
                 with self.precision.autocast(self.device):
-                    micro_loss, _ = self.objective(self._batch(rows or [filler]))
+                    micro_loss, _ = self.objective(self._batch(self.current_rows))
+                mark(("micro-batch", index, "backward"))
                 self.scaler.scale(micro_loss * weight).backward()
             if rows:
-                loss_sum += micro_loss.item()
-        (loss_sum,) = self.dist.all_reduce_sum([loss_sum])
+                loss_sum += micro_loss.detach().float()
+        mark("optimizer step")
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
         self.scaler.step(self.optimizer)
@@ -150,17 +187,30 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss=loss_sum / max(window_targets, 1), grad_norm=grad_norm, lr=lr,
+        return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr,
                           target_tokens=window_targets, real_tokens=window_tokens,
-                          seconds=time.perf_counter() - start)
+                          rows=sum(len(rows) for rows in micro_batches),
+                          filler_micro_batches=sum(not rows for rows in micro_batches))
 
-    def _clip(self) -> float:
+    def reduce_losses(self, results: list[StepResult]) -> tuple[list[float], list[float]]:
+        """(global loss, grad norm) of each step in `results`: one host sync and one small
+        collective for all of them. Every process must call it at the same steps."""
+        if not results:
+            return [], []
+        local = torch.stack([r.loss_sum for r in results]).double().cpu()  # [S]
+        global_sums = self.dist.all_reduce_sum(local.tolist())
+        norms = torch.stack([full_value(r.grad_norm).float() for r in results]).cpu().tolist()
+        losses = [s / max(r.target_tokens, 1) for s, r in zip(global_sums, results)]
+        return losses, norms
+
+    def _clip(self) -> torch.Tensor:
+        """The total gradient norm (before clipping), left on the device."""
         if self.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
-            return float(full_value(norm))
-        grads = [full_value(p.grad.detach().norm()) for p in self.trainable
-                 if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
+            return torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
+        grads = [p.grad for p in self.trainable if p.grad is not None]
+        if not grads:
+            return torch.zeros((), device=self.device)
+        return torch.nn.utils.get_total_norm(grads)
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict], micro_batch_size: int) -> dict[str, float]:

@@ -71,7 +71,9 @@ def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict
     seconds = stats["train_seconds"]
     # Per process: memory is the point of sharding, and the maximum alone hides imbalance.
     per_rank = dist.gather_objects({"peak_rss_mb": round(peak_rss_mb(), 1),
-                                    "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1)})
+                                    "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1),
+                                    "rows": stats["rows"],
+                                    "filler_micro_batches": stats["filler_micro_batches"]})
     peak = max(r["peak_rss_mb"] for r in per_rank)
     return {"steps": steps, "final_loss": stats["loss"], "precision": precision,
             "processes": dist.world_size,

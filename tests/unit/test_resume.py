@@ -1,0 +1,218 @@
+"""Resume continues only the same run, and loading a checkpoint unpickles nothing."""
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import keel.distributed.checkpoint as dist_ckpt
+from keel.config import load_config
+from keel.errors import CheckpointError
+from keel.train import checkpoint as ckpt
+from keel.train.loop import StepPlan, default_global_batch
+from keel.train.run import run_training
+
+ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(8)]
+
+
+def base_config(model_dir, data, out) -> dict:
+    return {"model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+            "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+            "data": {"datasets": [str(data)], "cutoff_len": 64},
+            "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-2, "precision": "fp32",
+                      "threads": 1, "scheduler": "constant"},
+            "output": {"dir": str(out), "save_every": 2}}
+
+
+def quiet(_msg):
+    pass
+
+
+def listing(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size) for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, tiny_model_dir):
+    """A finished 2-step run with a checkpoint at step 2 (shared: tests copy it)."""
+    root = tmp_path_factory.mktemp("resume")
+    data = root / "qa.json"
+    data.write_text(json.dumps(ROWS))
+    base = base_config(tiny_model_dir, data, root / "run")
+    run_training(load_config(None, [], base=base), log=quiet)
+    return root, base
+
+
+def copy_run(finished, tmp_path):
+    root, base = finished
+    out = tmp_path / "run"
+    shutil.copytree(root / "run", out)
+    return out, {**base, "output": {**base["output"], "dir": str(out)}}
+
+
+def resume(base: dict, *overrides: str):
+    """Train 4 steps from the step-2 checkpoint with `overrides` changed."""
+    return run_training(load_config(None, ["train.max_steps=4", *overrides], base=base),
+                        log=quiet)
+
+
+def test_the_same_run_resumes(finished, tmp_path):
+    _, base = copy_run(finished, tmp_path)
+    assert len(resume(base).losses) == 2  # steps 3 and 4
+
+
+@pytest.mark.parametrize("override,key,old,new", [
+    ("method.type=full", "method.type", "'lora'", "'full'"),
+    ("method.lora.r=8", "method.lora.r", "4", "8"),
+    ("method.lora.targets=[q_proj]", "method.lora.targets", "'all-linear'", "['q_proj']"),
+    ("train.stage=pt", "train.stage", "'sft'", "'pt'"),
+    ("train.precision=bf16", "train.precision", "'fp32'", "'bf16'"),
+    ("train.global_batch_size=3", "train.global_batch_size", "2", "3"),
+    ("data.cutoff_len=60", "data:", None, None),
+], ids=["method", "lora-rank", "lora-targets", "stage", "precision", "global-batch", "data"])
+def test_a_changed_setting_is_refused_naming_the_key(finished, tmp_path, override, key, old, new):
+    out, base = copy_run(finished, tmp_path)
+    before = listing(out)
+    with pytest.raises(CheckpointError) as info:
+        resume(base, override)
+    message = str(info.value)
+    assert "different run" in message and key in message, message
+    if old is not None:
+        assert f"was {old} in the checkpoint, this run has {new}" in message, message
+    assert "train.resume=never" in message
+    assert listing(out) == before  # refused before anything was written
+
+
+def test_another_model_is_refused(finished, tmp_path, tiny_model_dir):
+    out, base = copy_run(finished, tmp_path)
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    with pytest.raises(CheckpointError) as info:
+        resume({**base, "model": {**base["model"], "path": str(other)}})
+    message = str(info.value)
+    assert "model.path: the model directory was" in message
+    assert "model.path: the sha256 of the model's config.json was" in message
+
+
+def test_the_cli_refuses_with_exit_2_and_no_traceback(finished, tmp_path):
+    _, base = copy_run(finished, tmp_path)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(base))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-m", "keel", "train", str(config),
+                           "method.lora.r=8", "train.max_steps=4"],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "method.lora.r was 4 in the checkpoint, this run has 8" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+class Evil:
+    """Unpickling this runs code: it creates the file `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def test_pickled_metadata_is_refused_without_running_it(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    marker = tmp_path / "pwned"
+    metadata = out / "checkpoints/step-00000002/state/.metadata"
+    metadata.write_bytes(pickle.dumps(Evil(marker)))
+    with pytest.raises(CheckpointError, match="pickled object"):
+        resume(base)
+    assert not marker.exists()
+    # Negative control: plain pickle would have run it.
+    pickle.loads(metadata.read_bytes())
+    assert marker.exists()
+
+
+def test_pickled_optimizer_value_is_refused_without_running_it(finished, tmp_path,
+                                                               monkeypatch):
+    """An optimizer hyperparameter stored by DCP as pickled bytes holding an object."""
+    root, base = finished
+    marker = tmp_path / "pwned"
+    real = dist_ckpt.get_state_dict
+
+    def poisoned(module, optimizer, **kwargs):
+        model_state, optim_state = real(module, optimizer, **kwargs)
+        optim_state["param_groups"][0]["foreach"] = Evil(marker)
+        return model_state, optim_state
+
+    out = tmp_path / "poisoned"
+    poisoned_base = {**base, "output": {**base["output"], "dir": str(out)}}
+    monkeypatch.setattr(dist_ckpt, "get_state_dict", poisoned)
+    run_training(load_config(None, [], base=poisoned_base), log=quiet)
+    monkeypatch.setattr(dist_ckpt, "get_state_dict", real)
+    with pytest.raises(CheckpointError, match="pickled object") as info:
+        resume(poisoned_base)
+    assert "exec" in str(info.value)  # refused for the object it holds, not by accident
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_an_older_format_is_refused(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    meta_path = out / "checkpoints/step-00000002/meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["format"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="older keel"):
+        resume(base)
+
+
+def test_checkpoint_files_are_json_and_safetensors(finished):
+    root, _ = finished
+    step = root / "run/checkpoints/step-00000002"
+    trainer = json.loads((step / ckpt.TRAINER).read_text())
+    assert trainer["step"] == 2 and "last_epoch" in trainer["scheduler"]
+    assert [p.name for p in (step / "rng").iterdir()] == ["rank-00000.safetensors"]
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["format"] == ckpt.FORMAT_VERSION and meta["global_batch"] == 2
+    assert set(meta["run"]) == {"model_path", "model_config_sha256", "method", "stage",
+                                "precision", "data_fingerprint"}
+    assert not list(step.rglob("*.pt"))
+
+
+def test_rng_round_trip(tmp_path):
+    import random
+
+    import torch
+
+    random.seed(3)
+    torch.manual_seed(3)
+    ckpt.save_rng(tmp_path / "rng.safetensors")
+    want = (random.random(), torch.rand(3))
+    random.seed(99)
+    torch.manual_seed(99)
+    ckpt.restore_rng(ckpt.load_rng(tmp_path / "rng.safetensors"))
+    got = (random.random(), torch.rand(3))
+    assert got[0] == want[0] and torch.equal(got[1], want[1])
+
+
+def test_default_global_batch_counts_processes():
+    assert default_global_batch(micro_batch_size=4, grad_accum=2, world_size=8) == 64
+    assert default_global_batch(micro_batch_size=1, grad_accum=1, world_size=1) == 1
+
+
+@pytest.mark.parametrize("global_batch,world,mbs,idle", [
+    (8, 8, 1, None), (16, 8, 2, None), (4, 8, 4, "4 of 8 processes"), (1, 8, 1, "7 of 8"),
+    (5, 2, 2, "1 of 2 processes"), (4, 2, 1, None),
+])
+def test_idle_warning(global_batch, world, mbs, idle):
+    plan = StepPlan(num_rows=100, global_batch=global_batch, micro_batch_size=mbs, seed=0,
+                    shuffle=False)
+    warning = plan.idle_warning(world)
+    if idle is None:
+        assert warning is None
+    else:
+        assert idle in warning and "train.global_batch_size=" in warning
