@@ -1,0 +1,293 @@
+"""What a model holds, counted on the meta device: every tensor, its FSDP unit, what trains.
+
+The architecture comes from `config.json` alone (a folder holding nothing else works), or
+for a bundled model that was never converted, from the GGUF file's header. The model is
+built on the meta device and the training method applied there, exactly as training
+builds it (keel.models), so the counts are the real module tree's, not a formula's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from keel.config import RunConfig
+from keel.config.schema import BUNDLED_PREFIX, MethodConfig
+from keel.errors import ModelError
+
+ROOT = -1  # unit index of the parameters left to the root FSDP unit
+
+# Methods the plan weighs, in the order alternatives are suggested. An extension point:
+# QLoRA joins here once keel.models can build it; its census differs only in the frozen
+# base weights' bytes (4-bit blocks plus their scales), which `TensorInfo.itemsize` carries.
+METHODS = ("full", "lora", "freeze")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One parameter (tied weights once) or buffer."""
+
+    shape: tuple[int, ...]
+    itemsize: int  # bytes per element
+    trainable: bool
+    unit: int  # FSDP unit index (ROOT for the root); buffers are never sharded
+    buffer: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def shard_bytes(self, world: int, rank: int = 0, *, padded: bool = True) -> int:
+        """Bytes rank `rank` holds of it under FSDP2 on `world` ranks.
+
+        FSDP2 splits dim 0 into chunks of ceil(rows / world) (torch.chunk), so the last
+        ranks may hold fewer rows or none. Parameters and gradients are stored padded to a
+        full chunk; optimizer state (zeros_like of the unpadded local shard) is not.
+        """
+        if self.buffer or not self.shape:
+            return self.nbytes
+        rows = self.shape[0]
+        chunk = -(-rows // world)
+        held = chunk if padded else max(0, min(chunk, rows - rank * chunk))
+        return held * math.prod(self.shape[1:]) * self.itemsize
+
+
+@dataclass(frozen=True)
+class LinearInfo:
+    """A linear layer in a decoder block, as the activation formula needs it."""
+
+    name: str  # short name: q_proj, down_proj, ...
+    in_features: int
+    weight_numel: int  # including the bias
+    trainable: bool  # its own weight trains (full, freeze)
+    lora_rank: int = 0  # > 0: wrapped by LoRA
+    lora_dropout: float = 0.0
+    lora_itemsize: int = 4  # the adapter weights' (PEFT keeps them in fp32)
+    lora_numel: int = 0  # elements of lora_A and lora_B
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One decoder block: its linears and whether its norms train."""
+
+    linears: tuple[LinearInfo, ...]
+    norm_trainable: tuple[bool, ...]
+    has_trainable: bool
+
+
+@dataclass
+class Census:
+    """One method applied to one architecture: what each rank would hold and train."""
+
+    method: str
+    tensors: list[TensorInfo]
+    layers: list[LayerInfo]
+    embeddings_trainable: bool
+    head_trainable: bool  # the output layer's weight trains (tied or not)
+    final_norm_trainable: bool
+    param_itemsize: int  # bytes per element of the model's weights as trained
+    units: int = field(init=False)
+
+    def __post_init__(self):
+        self.units = 1 + max((t.unit for t in self.tensors), default=-1)
+
+    @property
+    def params(self) -> int:
+        return sum(math.prod(t.shape) for t in self.tensors if not t.buffer)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(math.prod(t.shape) for t in self.tensors if t.trainable)
+
+    def with_frozen_itemsize(self, itemsize: int) -> Census:
+        """This census with frozen fp32 weights stored in `itemsize` bytes: model.dtype
+        bfloat16 under LoRA (PEFT keeps the adapters in fp32)."""
+        tensors = [
+            replace(t, itemsize=itemsize)
+            if not (t.trainable or t.buffer) and t.itemsize == 4
+            else t
+            for t in self.tensors
+        ]
+        frozen_embeddings = not self.embeddings_trainable
+        return replace(
+            self,
+            tensors=tensors,
+            param_itemsize=itemsize if frozen_embeddings else self.param_itemsize,
+        )
+
+    def unit_numel(self, unit: int, *, trainable_only: bool = False) -> int:
+        return sum(
+            math.prod(t.shape)
+            for t in self.tensors
+            if t.unit == unit and not t.buffer and (t.trainable or not trainable_only)
+        )
+
+
+def read_architecture(cfg: RunConfig, model_dir: Path | None = None, log=print):
+    """The model's `PretrainedConfig`, from `model_dir`'s config.json, or from `cfg.model`.
+
+    For `bundled:NAME` the converted folder is used when it exists; otherwise the GGUF
+    file's header (no tensor is read or dequantized).
+    """
+    from transformers import AutoConfig
+
+    remote = cfg.model.trust_remote_code
+    if model_dir is None and cfg.model.path.startswith(BUNDLED_PREFIX):
+        model_dir = _bundled_dir(cfg)
+        if model_dir is None:
+            from keel.models.bundled import BUNDLED_MODELS, find_gguf
+
+            gguf = find_gguf(BUNDLED_MODELS[cfg.model.path.removeprefix(BUNDLED_PREFIX)])
+            log(
+                f"reading the architecture from {gguf.name} (the bundled model is not "
+                f"converted yet; keel converts it to float32)"
+            )
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            config.dtype = torch.float32
+            return config
+    directory = Path(model_dir if model_dir is not None else cfg.model.path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ModelError(
+            f"{directory} has no config.json; keel plan needs the model's "
+            f"config.json (the weights are not needed)"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(directory), trust_remote_code=remote)
+    except (OSError, ValueError, json.JSONDecodeError) as e:
+        raise ModelError(f"cannot read the architecture in {directory}/config.json: {e}") from e
+
+
+def _bundled_dir(cfg: RunConfig) -> Path | None:
+    from keel.models.bundled import BUNDLED_MODELS, MARKER_FILE
+
+    name = cfg.model.path.removeprefix(BUNDLED_PREFIX)
+    if name not in BUNDLED_MODELS:
+        names = ", ".join(BUNDLED_PREFIX + n for n in BUNDLED_MODELS)
+        raise ModelError(f"unknown bundled model {name!r}; available: {names}")
+    target = Path(cfg.model.cache_dir).expanduser() / "models" / name
+    return target if (target / MARKER_FILE).is_file() else None
+
+
+def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    """An `AutoModelForCausalLM` of `config` on the meta device: no memory behind it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code
+            )
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelError(f"cannot build a causal-LM model from this config.json: {e}") from e
+
+
+def take_census(
+    base: nn.Module,
+    method: MethodConfig,
+    *,
+    copy_first: bool = True,
+    log: Callable[[str], None] = lambda _m: None,
+) -> Census:
+    """Apply `method` to (a copy of) the meta model `base` and count what it holds."""
+    from keel.models import apply_method
+
+    model = copy.deepcopy(base) if copy_first else base
+    # PEFT builds adapter layers on the default device, then moves them to the base
+    # layer's: with meta as the default nothing is allocated (a 72B model's 0.2B LoRA
+    # weights would otherwise be created and initialised in RAM first).
+    with torch.device("meta"):
+        model = apply_method(model, method, log=log)
+    return _count(model, method.type)
+
+
+def method_variants(method: MethodConfig) -> list[MethodConfig]:
+    """The configured method first, then the others (with the configured sub-settings)."""
+    return [method, *(replace(method, type=m) for m in METHODS if m != method.type)]
+
+
+def _count(model: nn.Module, method: str) -> Census:
+    from keel.models.adapters import decoder_layers
+
+    get_base = getattr(model, "get_base_model", None)
+    lm = get_base() if callable(get_base) else model  # the *ForCausalLM inside PEFT
+    layers = list(decoder_layers(lm))
+    units: dict[int, int] = {}
+    embeddings, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    offset = 0
+    if embeddings.weight is not head.weight:  # untied: its own unit (model_setup._shard)
+        units.update({id(p): 0 for p in embeddings.parameters()})
+        offset = 1
+    for index, layer in enumerate(layers):
+        units.update({id(p): index + offset for p in layer.parameters()})
+    tensors = [
+        TensorInfo(tuple(p.shape), p.element_size(), p.requires_grad, units.get(id(p), ROOT))
+        for p in model.parameters()
+    ]
+    tensors += [
+        TensorInfo(tuple(b.shape), b.element_size(), False, ROOT, buffer=True)
+        for b in model.buffers()
+    ]
+    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
+    final_norm = getattr(decoder, "norm", None)
+    return Census(
+        method=method,
+        tensors=tensors,
+        layers=[_layer_info(x) for x in layers],
+        embeddings_trainable=embeddings.weight.requires_grad,
+        head_trainable=head.weight.requires_grad,
+        final_norm_trainable=any(p.requires_grad for p in final_norm.parameters())
+        if final_norm is not None
+        else False,
+        param_itemsize=embeddings.weight.element_size(),
+    )
+
+
+def _layer_info(layer: nn.Module) -> LayerInfo:
+    linears, norms = [], []
+    for name, module in layer.named_modules():
+        short = name.rsplit(".", 1)[-1]
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
+            base = module.base_layer
+            dropout = module.lora_dropout["default"]
+            linears.append(
+                LinearInfo(
+                    short,
+                    base.in_features,
+                    _numel(base),
+                    _trains(base),
+                    lora_rank=module.r["default"],
+                    lora_dropout=getattr(dropout, "p", 0.0),
+                    lora_itemsize=module.lora_A["default"].weight.element_size(),
+                    lora_numel=_numel(module.lora_A["default"]) + _numel(module.lora_B["default"]),
+                )
+            )
+        elif isinstance(module, nn.Linear) and not _inside_lora(name):
+            linears.append(LinearInfo(short, module.in_features, _numel(module), _trains(module)))
+        elif (
+            "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None
+        ):
+            norms.append(module.weight.requires_grad)
+    return LayerInfo(
+        linears=tuple(linears),
+        norm_trainable=tuple(norms),
+        has_trainable=any(p.requires_grad for p in layer.parameters()),
+    )
+
+
+def _inside_lora(name: str) -> bool:
+    return any(part in name.split(".") for part in ("base_layer", "lora_A", "lora_B"))
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
+
+
+def _trains(module: nn.Module) -> bool:
+    return module.weight.requires_grad

@@ -1,0 +1,221 @@
+"""Per-device memory of every (strategy, method, checkpointing) option, and the pick.
+
+Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
+- params: every weight (tied ones once) and buffer at its dtype; under FSDP2 this rank's
+  shard of each weight, padded to an even split (ceil(rows / world) rows), buffers whole;
+- grads: the trainable weights' (padded shards under FSDP2; DDP's gradient buckets);
+- optimizer: AdamW's two moments per trainable weight, in the weight's dtype (fp32 master
+  weights with model.dtype auto), unpadded shards under FSDP2, plus a 4-byte step each;
+- activations, logits: see keel.plan.activations;
+- buffers: FSDP2's gathered units in the compute dtype (the root, which stays gathered
+  through backward, plus the largest two neighbouring units: the running one and the
+  prefetched one; every unit with reshard_after_forward off), the root's unsharded
+  gradients (reduced at the end of backward) and, for the largest unit, its unsharded
+  gradients plus the fp32 reduce-scatter input; or
+  autocast's weight copies without FSDP;
+- overhead: the process's fixed cost (keel.plan.devices).
+fsdp_offload keeps params, grads and optimizer state in host memory (GPUs only).
+
+The total is the step's peak, not the sum of the components: the loss's peak (logits),
+a checkpointed block's recomputation (part of activations) and FSDP2's gradient buffers
+come at different times in backward, and gradients appear as backward frees activations
+(except DDP's buckets, which exist throughout); see `_moving_peak`. Checked against
+`keel train` on this CPU in benchmarks/plan_accuracy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keel.plan.activations import (
+    Regime,
+    Saved,
+    Shapes,
+    activation_bytes,
+    autocast_copy_bytes,
+    loss_bytes,
+)
+from keel.plan.census import ROOT, Census
+from keel.plan.devices import DeviceSpec
+
+STRATEGIES = ("single", "ddp", "fsdp", "fsdp_offload")  # cheapest first
+COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What one step computes, from the run config."""
+
+    micro_batch_size: int
+    cutoff_len: int
+    loss_chunk_size: int
+    packing: bool
+    attn: str  # sdpa | eager | flash_attention_2
+    precision: str  # fp32 | bf16 | fp16 (resolved)
+    reshard_after_forward: bool
+    checkpoint_itemsize: int  # bytes per element of the weights on disk
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.cutoff_len
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    buffers: int
+    overhead: int
+    total: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in (*COMPONENTS, "total")}
+
+
+@dataclass(frozen=True)
+class Option:
+    strategy: str  # single | ddp | fsdp | fsdp_offload
+    method: str  # full | freeze | lora
+    gradient_checkpointing: bool
+    per_device: Breakdown
+    host_bytes: int  # host RAM of one process: loading, plus offloaded state
+    fits: bool
+
+
+def strategies_for(devices: DeviceSpec) -> tuple[str, ...]:
+    """One device: no wrapper. Several: DDP, FSDP2, and FSDP2 + CPU offload on GPUs."""
+    if devices.world == 1:
+        return ("single",)
+    return ("ddp", "fsdp", "fsdp_offload") if devices.kind == "cuda" else ("ddp", "fsdp")
+
+
+def state_bytes(census: Census, strategy: str, world: int, rank: int = 0) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes rank `rank` allocates; exact, see tests/distributed."""
+    sharded = strategy.startswith("fsdp")
+    params = grads = optimizer = 0
+    for t in census.tensors:
+        held = t.shard_bytes(world, rank) if sharded else t.nbytes
+        params += held
+        if t.trainable:
+            grads += held
+            moment = t.shard_bytes(world, rank, padded=False) if sharded else t.nbytes
+            optimizer += 2 * moment + 4  # exp_avg, exp_avg_sq, step (fp32 scalar)
+    return params, grads, optimizer
+
+
+def estimate(
+    census: Census,
+    shapes: Shapes,
+    devices: DeviceSpec,
+    work: Workload,
+    *,
+    strategy: str,
+    checkpointing: bool,
+) -> Option:
+    """The per-device bytes of one option (see the module docstring)."""
+    sharded = strategy.startswith("fsdp")
+    mixed = sharded and work.precision != "fp32"
+    regime = Regime.of(
+        precision=work.precision,
+        param_itemsize=census.param_itemsize,
+        fsdp_mixed=mixed,
+        cpu=devices.kind == "cpu",
+    )
+    params, grads, optimizer = state_bytes(census, strategy, devices.world)
+    host_state = 0
+    if strategy == "fsdp_offload":
+        host_state, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
+    saved = activation_bytes(
+        census,
+        shapes,
+        regime,
+        tokens=work.tokens,
+        seq=work.cutoff_len,
+        checkpointing=checkpointing,
+        packed=work.packing,
+        attn=work.attn,
+    )
+    gathered = regime.compute if mixed else census.param_itemsize
+    logits = loss_bytes(
+        census,
+        shapes,
+        regime,
+        tokens=work.tokens,
+        chunk=work.loss_chunk_size,
+        head_grad_itemsize=gathered,
+    )
+    head = shapes.vocab * shapes.hidden if census.head_trainable else 0
+    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
+    if sharded:
+        always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward)
+        early = head * gathered if more_chunks else 0  # the root's, unsharded
+    else:
+        always = autocast_copy_bytes(census, shapes, regime, checkpointing=checkpointing)
+        late = 0
+        early = grads if strategy == "ddp" else min(head * census.param_itemsize, grads)
+        early = early if strategy == "ddp" or more_chunks else 0
+    buffers, overhead = always + late, devices.overhead_bytes
+    total = (
+        params
+        + optimizer
+        + overhead
+        + _moving_peak(grads, saved, logits, always=always, early=early, late=late)
+    )
+    activations = saved.peak
+    breakdown = Breakdown(params, grads, optimizer, activations, logits, buffers, overhead, total)
+    host = devices.host_baseline_bytes + _read_buffer(census, work, devices.world, sharded)
+    host += host_state + (params if devices.kind == "cpu" else 0)
+    return Option(
+        strategy, census.method, checkpointing, breakdown, host, total <= devices.usable_bytes
+    )
+
+
+def _moving_peak(
+    grads: int, saved: Saved, logits: int, *, always: int, early: int, late: int
+) -> int:
+    """Peak of what comes and goes in a step: activations, the loss, gradients, buffers.
+
+    Two moments bound it. At the loss, first in backward: all kept activations, the loss's
+    peak and the gradients that already exist (`early`: DDP's buckets, which exist
+    throughout; else the output layer's, once a second chunk runs). At the end of
+    backward: every gradient, the buffers only backward needs (`late`: FSDP2's gradient
+    buffers) and the first block's activations (recomputed under checkpointing). In
+    between, gradients appear as backward frees activations, so the two do not add up.
+    `always`: buffers present throughout (FSDP2's gathered units, autocast's copies).
+    """
+    at_loss = saved.kept + logits + early + always
+    at_end = grads + always + late + saved.block
+    return max(at_loss, at_end)
+
+
+def _fsdp_buffers(census: Census, itemsize: int, reshard_after_forward: bool) -> tuple[int, int]:
+    """(gathered, gradient) buffer bytes of FSDP2 with weights gathered at `itemsize`."""
+    units = [*range(census.units), ROOT]
+    numel = {u: census.unit_numel(u) for u in units}
+    grads = {u: census.unit_numel(u, trainable_only=True) for u in units}
+    # Units run in order (untied embeddings, then the blocks); FSDP2 prefetches the next
+    # one while one runs, both ways, so two neighbours are gathered at once.
+    order = [numel[u] for u in range(census.units)]
+    pair = max((a + b for a, b in zip(order, order[1:])), default=sum(order))
+    if reshard_after_forward:
+        gathered = numel[ROOT] + pair
+    else:
+        gathered = sum(numel.values())
+    # The root's unsharded gradients wait for the end of backward; each other unit's exist
+    # with their fp32 reduce-scatter input until its reduce-scatter.
+    reduce = grads[ROOT] * itemsize + max(grads.values()) * (itemsize + 4)
+    return gathered * itemsize, reduce
+
+
+def _read_buffer(census: Census, work: Workload, world: int, sharded: bool) -> int:
+    """The largest piece of one checkpoint tensor read at once (a shard's rows under FSDP)."""
+    largest = 0
+    for t in census.tensors:
+        if t.buffer:
+            continue
+        held = t.shard_bytes(world) if sharded else t.nbytes
+        largest = max(largest, held // t.itemsize * work.checkpoint_itemsize)
+    return largest

@@ -1,0 +1,278 @@
+"""`plan_run`: every option a run could train with, the recommendation, what would fit.
+
+Reads the run config and the model's config.json only: no weights, tokenizer or data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from keel.config import RunConfig
+from keel.errors import KeelError, ModelError
+from keel.plan.activations import Shapes
+from keel.plan.census import (
+    METHODS,
+    Census,
+    build_meta_model,
+    method_variants,
+    read_architecture,
+    take_census,
+)
+from keel.plan.devices import DeviceSpec
+from keel.plan.estimate import STRATEGIES, Option, Workload, estimate, strategies_for
+
+
+class DoesNotFit(KeelError):
+    """The configured run needs more memory per device than the devices have."""
+
+
+@dataclass
+class Plan:
+    """Options for one run config on `devices`, and the cheapest that fits."""
+
+    devices: DeviceSpec
+    work: Workload
+    method: str  # configured
+    checkpointing: bool  # configured
+    strategy: str | None  # configured (single | ddp | fsdp | fsdp_offload); None: auto
+    options: list[Option]
+    recommendation: Option | None
+    censuses: dict[str, Census] = field(repr=False)
+    shapes: Shapes = field(repr=False)
+
+    @property
+    def params(self) -> int:
+        return self.censuses[self.method].params
+
+    @property
+    def trainable_params(self) -> int:
+        return self.censuses[self.method].trainable_params
+
+    def option_for(self, strategy: str, method: str, checkpointing: bool) -> Option | None:
+        """The option with these settings, or None where it does not apply here."""
+        for option in self.options:
+            if (option.strategy, option.method, option.gradient_checkpointing) == (
+                strategy,
+                method,
+                checkpointing,
+            ):
+                return option
+        return None
+
+    def estimate(
+        self,
+        strategy: str,
+        method: str,
+        checkpointing: bool,
+        *,
+        work: Workload | None = None,
+        devices: DeviceSpec | None = None,
+        census: Census | None = None,
+    ) -> Option:
+        """An option under another workload, device count or census (for what-ifs)."""
+        return estimate(
+            census or self.censuses[method],
+            self.shapes,
+            devices or self.devices,
+            work or self.work,
+            strategy=strategy,
+            checkpointing=checkpointing,
+        )
+
+
+def workload_of(cfg: RunConfig, *, precision: str, checkpoint_itemsize: int) -> Workload:
+    return Workload(
+        micro_batch_size=cfg.train.micro_batch_size,
+        cutoff_len=cfg.data.cutoff_len,
+        loss_chunk_size=cfg.train.loss_chunk_size,
+        packing=cfg.data.packing,
+        attn=cfg.model.attn_implementation,
+        precision=precision,
+        reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
+        checkpoint_itemsize=checkpoint_itemsize,
+    )
+
+
+def configured_strategy(cfg: RunConfig, devices: DeviceSpec) -> str | None:
+    """The strategy `cfg` asks for on `devices` (None: auto picks it)."""
+    if devices.world == 1:
+        return "single"
+    wanted = cfg.distributed.strategy
+    if wanted == "fsdp" and cfg.distributed.fsdp.cpu_offload and devices.kind == "cuda":
+        return "fsdp_offload"
+    return None if wanted == "auto" else wanted
+
+
+def resolved_precision(requested: str, kind: str) -> str:
+    """train.precision without auto: bf16 on a GPU; fp32 on a CPU (the larger estimate;
+    `keel plan` measures the CPU like training does and passes the result instead)."""
+    if requested != "auto":
+        return requested
+    return "bf16" if kind == "cuda" else "fp32"
+
+
+def plan_run(
+    cfg: RunConfig,
+    model_dir: Path | None = None,
+    *,
+    devices: DeviceSpec,
+    precision: str | None = None,
+    log: Callable[[str], None] = lambda _m: None,
+) -> Plan:
+    """Every applicable option for `cfg` on `devices`, each with its per-device bytes.
+
+    `model_dir` holds at least a config.json (default: cfg.model.path; a bundled model
+    is read from its converted folder or its GGUF header). `precision` is the resolved
+    train.precision (default: resolved_precision). Builds the model on the meta device
+    once per method; nothing is allocated or read besides config.json.
+    """
+    import torch
+
+    from keel.models import torch_dtype
+
+    arch = read_architecture(cfg, model_dir, log=log)
+    dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
+    base = build_meta_model(arch, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    censuses = _censuses(base, cfg, log)
+    on_disk = getattr(arch, "dtype", None) or dtype
+    if isinstance(on_disk, str):
+        on_disk = getattr(torch, on_disk)
+    work = workload_of(
+        cfg,
+        precision=precision or resolved_precision(cfg.train.precision, devices.kind),
+        checkpoint_itemsize=torch.empty((), dtype=on_disk).element_size(),
+    )
+    shapes = Shapes.from_config(arch)
+    options = [
+        estimate(census, shapes, devices, work, strategy=strategy, checkpointing=ckpt)
+        for strategy in strategies_for(devices)
+        for census in censuses.values()
+        for ckpt in (False, True)
+    ]
+    return Plan(
+        devices=devices,
+        work=work,
+        method=cfg.method.type,
+        checkpointing=cfg.train.gradient_checkpointing,
+        strategy=configured_strategy(cfg, devices),
+        options=options,
+        recommendation=recommend(options, cfg.method.type),
+        censuses=censuses,
+        shapes=shapes,
+    )
+
+
+def _censuses(base, cfg: RunConfig, log) -> dict[str, Census]:
+    variants = method_variants(cfg.method)
+    censuses = {}
+    for index, method in enumerate(variants):
+        try:
+            censuses[method.type] = take_census(base, method, copy_first=index < len(variants) - 1)
+        except ModelError as exc:
+            if method.type == cfg.method.type:
+                raise
+            log(f"plan: method {method.type} left out: {exc}")
+    return censuses
+
+
+def _method_rank(method: str, configured: str) -> int:
+    return 0 if method == configured else 1 + METHODS.index(method)
+
+
+def recommend(options: list[Option], method: str) -> Option | None:
+    """The cheapest option that fits: the configured method if any of its options fits,
+    then fewer moving parts (single < ddp < fsdp < fsdp_offload), checkpointing last."""
+    fitting = [o for o in options if o.fits]
+    return min(
+        fitting,
+        default=None,
+        key=lambda o: (
+            _method_rank(o.method, method),
+            STRATEGIES.index(o.strategy),
+            o.gradient_checkpointing,
+        ),
+    )
+
+
+def changes(plan: Plan, option: Option) -> list[str]:
+    """The config overrides that turn the configured run into `option`."""
+    out = []
+    if option.strategy != plan.strategy and option.strategy != "single":
+        out.append(f"distributed.strategy={option.strategy.removesuffix('_offload')}")
+        if (option.strategy == "fsdp_offload") != (plan.strategy == "fsdp_offload"):
+            out.append(
+                f"distributed.fsdp.cpu_offload={str(option.strategy == 'fsdp_offload').lower()}"
+            )
+    if option.method != plan.method:
+        out.append(f"method.type={option.method}")
+    if option.gradient_checkpointing != plan.checkpointing:
+        out.append(f"train.gradient_checkpointing={str(option.gradient_checkpointing).lower()}")
+    return out
+
+
+def knob_changes(plan: Plan, option: Option) -> list[tuple[str, Option]]:
+    """From `option`, the changes besides strategy, method and checkpointing that would
+    make it fit (or the furthest each can go): bf16 frozen weights under LoRA, a smaller
+    micro-batch, a shorter cutoff length, more nodes."""
+    found = []
+    work = plan.work
+    census = plan.censuses[option.method]
+    if option.method == "lora" and census.param_itemsize == 4:
+        found.append(
+            (
+                "model.dtype=bfloat16 (frozen weights in bf16, adapters stay fp32)",
+                plan.estimate(
+                    option.strategy,
+                    option.method,
+                    option.gradient_checkpointing,
+                    census=census.with_frozen_itemsize(2),
+                ),
+            )
+        )
+    steps = [
+        ("train.micro_batch_size", "micro_batch_size", _halvings(work.micro_batch_size, 1)),
+        ("data.cutoff_len", "cutoff_len", _halvings(work.cutoff_len, 128)),
+    ]
+    for key, name, values in steps:
+        tried = None
+        for value in values:
+            tried = plan.estimate(
+                option.strategy,
+                option.method,
+                option.gradient_checkpointing,
+                work=replace(work, **{name: value}),
+            )
+            if tried.fits:
+                break
+        if tried is not None:
+            found.append((f"{key} {getattr(work, name)} -> {value}", tried))
+    # More devices shrink FSDP2's shards; offloaded state is in host memory already, and
+    # more CPU processes on one node share the same RAM.
+    if option.strategy == "fsdp" or (option.strategy == "single" and plan.devices.kind == "cuda"):
+        found.append(more_devices(plan, option.method, option.gradient_checkpointing))
+    return found
+
+
+def more_devices(plan: Plan, method: str, checkpointing: bool) -> tuple[str, Option]:
+    """FSDP2 on twice the devices, then four times, ... up to 64 times: the first count
+    that fits, or the last. GPUs fill a node up to 8 before more nodes are added."""
+    devices = plan.devices
+    for k in range(1, 7):
+        world = devices.world * 2**k
+        per_node = min(world, max(devices.per_node, 8))
+        more = devices.with_world(per_node=per_node, nodes=world // per_node)
+        tried = plan.estimate("fsdp", method, checkpointing, devices=more)
+        if tried.fits:
+            break
+    flags = f"--gpus {more.per_node}" + (f" --nodes {more.nodes}" if more.nodes > 1 else "")
+    return (f"fsdp on {more.world} devices ({flags})", tried)
+
+
+def _halvings(start: int, floor: int) -> list[int]:
+    values = []
+    while start // 2 >= floor:
+        start //= 2
+        values.append(start)
+    return values

@@ -1,0 +1,239 @@
+"""A plan as people read it (table, recommendation, refusal) and as programs do (JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from keel.plan.devices import GIB, USABLE_FRACTION, gib
+from keel.plan.estimate import COMPONENTS, STRATEGIES, Option
+from keel.plan.planner import Plan, changes, knob_changes, more_devices, recommend
+
+
+def to_json(plan: Plan) -> dict:
+    """The `keel plan --json` document."""
+    return {
+        "model": {"params": plan.params, "trainable_params": plan.trainable_params},
+        "devices": {
+            "count": plan.devices.world,
+            "memory_bytes": plan.devices.memory_bytes,
+            "kind": plan.devices.kind,
+        },
+        "options": [_option_json(o) for o in plan.options],
+        "recommendation": _option_json(plan.recommendation) if plan.recommendation else None,
+    }
+
+
+def _option_json(option: Option) -> dict:
+    return {
+        "strategy": option.strategy,
+        "method": option.method,
+        "gradient_checkpointing": option.gradient_checkpointing,
+        "per_device_bytes": option.per_device.as_dict(),
+        "host_bytes": option.host_bytes,
+        "fits": option.fits,
+    }
+
+
+def describe(option: Option) -> str:
+    """`fsdp + lora + checkpointing`."""
+    return " + ".join(
+        [
+            option.strategy,
+            option.method,
+            *(["checkpointing"] if option.gradient_checkpointing else []),
+        ]
+    )
+
+
+def table(plan: Plan) -> str:
+    """One line per option, sizes in GiB per device."""
+    header = ["strategy", "method", "ckpt", *COMPONENTS, "total", "host", "fits"]
+    rows = [header]
+    for o in plan.options:
+        sizes = [f"{getattr(o.per_device, c) / GIB:.2f}" for c in (*COMPONENTS, "total")]
+        rows.append(
+            [
+                o.strategy,
+                o.method,
+                "on" if o.gradient_checkpointing else "off",
+                *sizes,
+                f"{o.host_bytes / GIB:.2f}",
+                "yes" if o.fits else "no",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        "  ".join(
+            cell.rjust(w) if i >= 3 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def summary(plan: Plan) -> str:
+    """What the plan is for and what it assumes, above the table."""
+    c = plan.censuses[plan.method]
+    w = plan.work
+    return (
+        f"model: {c.params:,} parameters ({c.trainable_params:,} trainable with "
+        f"{plan.method}); devices: {plan.devices.describe()}\n"
+        f"per device: micro-batch {w.micro_batch_size} x cutoff_len {w.cutoff_len} "
+        f"tokens, precision {w.precision}, loss chunk {w.loss_chunk_size}"
+        f"{', packing' if w.packing else ''}; sizes in GiB per device (host: RAM per "
+        f"process)"
+    )
+
+
+def advice(plan: Plan) -> list[str]:
+    """The recommendation, or else what would fit, with the numbers."""
+    rec = plan.recommendation
+    usable = plan.devices.usable_bytes
+    if rec is None:
+        head = (
+            f"nothing fits: every option needs more than {gib(usable)} GiB per device "
+            f"({USABLE_FRACTION:.0%} of {gib(plan.devices.memory_bytes)} GiB). What would:"
+        )
+        return [head, *_what_would(plan, plan.options)]
+    how = " ".join(changes(plan, rec)) or "the config as it is"
+    lines = [
+        f"recommendation: {describe(rec)}: {gib(rec.per_device.total)} GiB per device of "
+        f"{gib(usable)} GiB usable ({how}){_host(plan, rec)}"
+    ]
+    if rec.strategy == "fsdp_offload":
+        # Offload trades device memory for host RAM the plan cannot see: say what else works.
+        kept = [o for o in plan.options if o.strategy != "fsdp_offload"]
+        other = recommend(kept, plan.method)
+        if other is not None:
+            lines.append(
+                f"without CPU offload: {describe(other)}: "
+                f"{gib(other.per_device.total)} GiB per device "
+                f"({' '.join(changes(plan, other))})"
+            )
+        else:
+            lines.append("without CPU offload nothing fits here. What would:")
+            lines += _what_would(plan, [o for o in kept if o.method == plan.method])
+    if rec.method != plan.method:
+        lines.append(f"method {plan.method} fits in no option here. What would make it fit:")
+        lines += _what_would(plan, [o for o in plan.options if o.method == plan.method])
+    return lines
+
+
+def _what_would(plan: Plan, options: list[Option]) -> list[str]:
+    """From the smallest of `options`: the workload and device changes, with numbers."""
+    smallest = min(options, key=lambda o: o.per_device.total)
+    lines = [
+        f"  from the smallest option, {describe(smallest)} ({gib(smallest.per_device.total)} GiB):"
+    ]
+    knobs = knob_changes(plan, smallest)
+    if smallest.strategy == "fsdp_offload":
+        knobs.append(more_devices(plan, smallest.method, smallest.gradient_checkpointing))
+    for change, option in knobs:
+        verdict = "fits" if option.fits else "still does not fit"
+        lines.append(f"  - {change}: {gib(option.per_device.total)} GiB per device, {verdict}")
+    return lines
+
+
+def _host(plan: Plan, option: Option) -> str:
+    if plan.devices.kind != "cuda":
+        return ""
+    node = option.host_bytes * plan.devices.per_node
+    return f"; host RAM {gib(option.host_bytes)} GiB per process, {gib(node)} GiB per node"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `keel train` does: train with `option` or refuse with `message`."""
+
+    strategy: str  # single | ddp | fsdp | fsdp_offload
+    option: Option
+    fits: bool
+    message: str
+
+
+def decide(plan: Plan) -> Decision:
+    """The strategy a run uses with its configured method and checkpointing.
+
+    distributed.strategy auto: the cheapest strategy that fits. An explicit strategy: that
+    one. Either way, when it does not fit, `fits` is False and `message` says what would.
+    """
+    ours = [plan.option_for(s, plan.method, plan.checkpointing) for s in STRATEGIES]
+    ours = [o for o in ours if o is not None]
+    if plan.strategy is not None:
+        chosen = next(o for o in ours if o.strategy == plan.strategy)
+    else:
+        chosen = next((o for o in ours if o.fits), ours[-1])
+    size = f"{gib(chosen.per_device.total)} GiB per device of {gib(plan.devices.usable_bytes)}"
+    if chosen.fits:
+        how = "set by distributed.strategy" if plan.strategy else "auto: the cheapest that fits"
+        return Decision(
+            chosen.strategy,
+            chosen,
+            True,
+            f"plan: {describe(chosen)} needs {size} GiB usable ({how})",
+        )
+    return Decision(chosen.strategy, chosen, False, refusal(plan, chosen))
+
+
+def refusal(plan: Plan, option: Option) -> str:
+    """Why `option` cannot run here, and the smallest change that fits."""
+    which = "configured" if plan.strategy else "most sharded"
+    head = (
+        f"the {which} strategy {option.strategy} ({option.method}, gradient "
+        f"checkpointing {'on' if option.gradient_checkpointing else 'off'}) needs "
+        f"{gib(option.per_device.total)} GiB per device of "
+        f"{gib(plan.devices.usable_bytes)} GiB usable ({USABLE_FRACTION:.0%} of "
+        f"{gib(plan.devices.memory_bytes)} GiB, {plan.devices.world} device(s))"
+    )
+    return (
+        f"{head}; the smallest change that fits: {_smallest_fix(plan, option)}. Run `keel "
+        f"plan` with this config for every option; set distributed.plan=warn to train anyway."
+    )
+
+
+def _smallest_fix(plan: Plan, option: Option) -> str:
+    # One setting at a time, cheapest first (freeze, which trains far less, only through
+    # the recommendation); then the recommendation (several settings); then workload and
+    # device changes.
+    later = STRATEGIES[STRATEGIES.index(option.strategy) + 1 :]
+    singles = [
+        plan.option_for(option.strategy, option.method, True),
+        *(plan.option_for(s, option.method, option.gradient_checkpointing) for s in later),
+        plan.option_for(option.strategy, "lora", option.gradient_checkpointing),
+    ]
+    for candidate in [*singles, plan.recommendation]:
+        if candidate is not None and candidate.fits:
+            return (
+                f"{' '.join(changes(plan, candidate))} "
+                f"({gib(candidate.per_device.total)} GiB per device)"
+            )
+    for change, tried in knob_changes(plan, option):
+        if tried.fits:
+            return f"{change} ({gib(tried.per_device.total)} GiB per device)"
+    return "none found; use more or larger devices"
+
+
+def lighter(plan: Plan, option: Option, most: int = 4) -> list[str]:
+    """Single changes to `option` that need less memory per device, least first, each with
+    its estimate: what to try after running out of memory anyway (the estimate was low)."""
+    work = plan.work
+    candidates = []
+    if not option.gradient_checkpointing:
+        candidates.append(("train.gradient_checkpointing=true",
+                           plan.estimate(option.strategy, option.method, True)))
+    for key, name in (("train.micro_batch_size", "micro_batch_size"),
+                      ("data.cutoff_len", "cutoff_len")):
+        value = getattr(work, name) // 2
+        if value >= 1 and (name != "cutoff_len" or value >= 8):
+            candidates.append((f"{key}={value}", plan.estimate(
+                option.strategy, option.method, option.gradient_checkpointing,
+                work=replace(work, **{name: value}))))
+    if option.method == "full":
+        candidates.append(("method.type=lora",
+                           plan.estimate(option.strategy, "lora", option.gradient_checkpointing)))
+    now = option.per_device.total
+    better = sorted((c for c in candidates if c[1].per_device.total < now),
+                    key=lambda c: c[1].per_device.total)
+    return [f"{change} ({gib(tried.per_device.total)} GiB per device, now {gib(now)})"
+            for change, tried in better[:most]]

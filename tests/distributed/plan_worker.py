@@ -1,0 +1,106 @@
+"""Run under torchrun by test_plan_bytes.py: what each rank allocates vs what `keel plan` says.
+
+Each case builds the model with keel's own `build_training_model`, runs one optimizer step
+(so AdamW state exists) and sums the bytes of the storages behind this rank's parameters
+and buffers, gradients and optimizer state (the local shards of DTensors, padding
+included). Writes <out>/rank-<r>.json.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from keel.config import load_config
+from keel.distributed.launch import detect_world
+from keel.distributed.process_group import DistContext, init_distributed, shutdown
+from keel.plan import DeviceSpec, plan_run
+from keel.plan.estimate import state_bytes
+from keel.train.model_setup import build_training_model
+from keel.train.optim import build_optimizer
+from keel.train.precision import Precision
+
+CASES = [("ddp", "full"), ("ddp", "lora"), ("fsdp", "full"), ("fsdp", "lora"), ("fsdp", "freeze")]
+
+
+def run_config(model_dir: Path, strategy: str, method: str) -> dict:
+    return {
+        "model": {"path": str(model_dir)},
+        "method": {
+            "type": method,
+            "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+            "freeze": {"trainable_layers": 1},
+        },
+        "data": {"datasets": ["unused.json"], "cutoff_len": 16},
+        "train": {"precision": "fp32", "micro_batch_size": 2},
+        "output": {"dir": "unused"},
+        "distributed": {"strategy": strategy},
+    }
+
+
+def _storage_bytes(tensors) -> int:
+    seen = {}
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def allocated(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[int]:
+    """[params + buffers, grads, optimizer state] bytes this process holds."""
+    params = [*module.parameters(), *module.buffers()]
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [_storage_bytes(params), _storage_bytes(grads), _storage_bytes(state)]
+
+
+def measure(cfg, model_dir: Path, ctx: DistContext) -> list[int]:
+    """Build as training does, take one optimizer step, return `allocated`."""
+    built = build_training_model(cfg, model_dir, ctx, Precision("fp32", "test"), lambda _m: None)
+    optimizer = build_optimizer(built.objective, cfg.train)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss, _ = built.objective({"input_ids": ids, "targets": ids, "position_ids": None})
+    loss.backward()
+    optimizer.step()
+    return allocated(built.objective, optimizer)
+
+
+def predicted(cfg, model_dir: Path, strategy: str, world: int, rank: int) -> dict:
+    devices = DeviceSpec(kind="cpu", per_node=world, memory_bytes=2**40)
+    plan = plan_run(cfg, model_dir, devices=devices, precision="fp32")
+    option = plan.option_for("single" if world == 1 else strategy, cfg.method.type, False)
+    device = option.per_device
+    return {
+        "per_device": [device.params, device.grads, device.optimizer],
+        "rank": list(state_bytes(plan.censuses[cfg.method.type], strategy, world, rank)),
+    }
+
+
+def main(model_dir: Path, out: Path) -> None:
+    world = detect_world(os.environ)
+    ctx = init_distributed(
+        rank=world.rank,
+        world_size=world.world_size,
+        local_rank=world.local_rank,
+        local_world_size=world.local_world_size,
+        timeout_s=120,
+        preprocess_timeout_s=120,
+        log=lambda _m: None,
+    )
+    seen = {}
+    for strategy, method in CASES:
+        cfg = load_config(None, base=run_config(model_dir, strategy, method))
+        seen[f"{strategy}-{method}"] = {
+            "measured": measure(cfg, model_dir, ctx),
+            **predicted(cfg, model_dir, strategy, ctx.world_size, ctx.rank),
+        }
+    (out / f"rank-{ctx.rank}.json").write_text(json.dumps(seen))
+    shutdown(ctx)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -1,0 +1,79 @@
+"""`keel plan`'s params, grads and optimizer bytes equal what training allocates, exactly.
+
+A random Llama with odd sizes (vocab 333, intermediate 101, ...) so that FSDP2's even
+split pads the last rank's shards: the plan must count that padding.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from plan_worker import CASES, measure, predicted, run_config
+
+from keel.config import load_config
+from keel.distributed.process_group import DistContext
+
+WORKER = Path(__file__).with_name("plan_worker.py")
+
+
+@pytest.fixture(scope="module")
+def odd_model_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=333,
+        hidden_size=48,
+        intermediate_size=101,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("odd-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["full", "lora", "freeze"])
+def test_one_process_allocates_what_the_plan_says(odd_model_dir, method):
+    cfg = load_config(None, base=run_config(odd_model_dir, "auto", method))
+    got = measure(cfg, odd_model_dir, DistContext())
+    want = predicted(cfg, odd_model_dir, "single", 1, 0)
+    assert got == want["per_device"] == want["rank"]
+
+
+def test_two_processes_allocate_what_the_plan_says(odd_model_dir, tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            str(odd_model_dir),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
+    for strategy, method in CASES:
+        case = f"{strategy}-{method}"
+        for rank, seen in enumerate(ranks):
+            # Every rank holds exactly what the plan computes for it ...
+            assert seen[case]["measured"] == seen[case]["rank"], (case, rank)
+        # ... and the plan's per-device figure is the largest rank's (rank 0: FSDP2 gives
+        # the last ranks the short or empty chunks).
+        assert ranks[0][case]["measured"] == ranks[0][case]["per_device"], case
+        assert ranks[1][case]["measured"] <= ranks[1][case]["per_device"], case
+    # The odd sizes really did leave rank 1 with less optimizer state than rank 0.
+    assert ranks[1]["fsdp-full"]["measured"][2] < ranks[0]["fsdp-full"]["measured"][2]
