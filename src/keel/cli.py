@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address of node 0, the same on every node; needed with --nnodes > 1")
     train.add_argument("--max-restarts", type=int, default=0, metavar="N",
                        help="restart all workers up to N times after a failure (default 0)")
+    train.add_argument("--force", action="store_true",
+                       help="train even when the memory plan says it does not fit "
+                            "(same as distributed.plan=warn)")
 
     check = sub.add_parser("validate", epilog=EPILOG,
                            help="check a config and its data (report only, no training)")
@@ -50,6 +53,25 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--top-p", type=float, default=1.0)
     chat.add_argument("--cache-dir", default="~/.cache/keel",
                       help="where bundled models are converted")
+
+    plan = sub.add_parser("plan", epilog=EPILOG,
+                          help="memory per device of each strategy, from the config alone")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*")
+    plan.add_argument("--gpus", type=int, metavar="N",
+                      help="plan for N GPUs per node (default: this machine's devices)")
+    plan.add_argument("--nodes", type=int, default=1, metavar="M",
+                      help="number of nodes (default 1)")
+    plan.add_argument("--gpu-memory", metavar="SIZE",
+                      help="memory of one device, e.g. 24GiB or 80GB (default: "
+                           "distributed.device_memory, else detected)")
+    plan.add_argument("--json", action="store_true",
+                      help="print one JSON document on stdout (messages go to stderr)")
+
+    doctor = sub.add_parser("doctor", help="can this machine train? versions, devices, "
+                                           "backends and a real 2-process test (exit 1: no)")
+    doctor.add_argument("--json", action="store_true",
+                        help="print one JSON document on stdout (messages go to stderr)")
     return parser
 
 
@@ -60,6 +82,8 @@ def _train(args) -> int:
     flags = dict(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
                  rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
     must_launch = needs_launch(detect_world(os.environ), **flags)
+    if args.force:  # an override, so the workers get it too
+        args.overrides = [*args.overrides, "distributed.plan=warn"]
     # Loaded in the launcher too, so a bad config fails once, before any worker starts.
     cfg = load_config(args.config, args.overrides)
     if must_launch:
@@ -77,10 +101,12 @@ def _train(args) -> int:
 
 def _validate(args) -> int:
     from keel.config import load_config
-    from keel.train.run import preflight
+    from keel.train.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
-    preflight(cfg, base_dir=Path.cwd())
+    checked = preflight(cfg, base_dir=Path.cwd(), source=args.config)
+    for line in checked.summary():
+        print(line)
     print(f"{args.config}: config and data are valid")
     return 0
 
@@ -99,7 +125,40 @@ def _chat(args) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "validate": _validate, "chat": _chat}
+def _plan(args) -> int:
+    import json
+
+    import torch
+
+    from keel.config import load_config
+    from keel.plan import advice, detect_devices, plan_run, summary, table, to_json
+    from keel.train.precision import resolve_precision
+
+    cfg = load_config(args.config, args.overrides)
+    devices = detect_devices(gpus=args.gpus, nodes=args.nodes, memory=args.gpu_memory,
+                             config_memory=cfg.distributed.device_memory)
+    precision = None  # on a GPU, plan_run resolves auto itself (bf16)
+    if devices.kind == "cpu":  # auto on a CPU measures it, as training does
+        precision = resolve_precision(cfg.train.precision, torch.device("cpu")).name
+    plan = plan_run(cfg, devices=devices, precision=precision,
+                    log=lambda message: print(message, file=sys.stderr))
+    if args.json:
+        print(json.dumps(to_json(plan), indent=1))
+    else:
+        print("\n".join([summary(plan), table(plan), *advice(plan)]))
+    return 0
+
+
+def _doctor(args) -> int:
+    from keel.doctor import run_doctor
+    from keel.train.precision import cpu_bf16_speedup
+
+    # The CPU's bf16 is measured by the same probe `precision: auto` uses.
+    return run_doctor(as_json=args.json, cpu_bf16_speedup=cpu_bf16_speedup)
+
+
+COMMANDS = {"train": _train, "validate": _validate, "chat": _chat, "plan": _plan,
+            "doctor": _doctor}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -35,3 +35,10 @@ class ModelError(KeelError):
 
 class CheckpointError(KeelError):
     """A checkpoint is missing, incomplete or does not match the run."""
+
+
+class OutOfMemory(KeelError):
+    """A step ran out of device (or host) memory; the message names the micro-batch and
+    what to change. The newest complete checkpoint is untouched and resumable."""
+
+    exit_code = 3

@@ -13,6 +13,7 @@ from torch.distributed.run import get_args_parser
 from keel.cli import main, parse_args
 from keel.distributed import launch as launch_mod
 from keel.distributed.launch import (
+    SHUTDOWN_TIMEOUT_S,
     WorldInfo,
     check_launch_args,
     detect_world,
@@ -162,6 +163,7 @@ def test_torchrun_args_single_node_is_standalone():
     assert parsed.standalone and parsed.module
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.nnodes) == ("4", 2, "1:1")
     assert (parsed.training_script, parsed.training_script_args) == ("keel", WORKER)
+    assert parsed.shutdown_timeout == SHUTDOWN_TIMEOUT_S
 
 
 def test_torchrun_args_multi_node_uses_c10d_rendezvous():

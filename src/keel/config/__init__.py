@@ -13,10 +13,12 @@ from keel.config.schema import (
     OutputConfig,
     RunConfig,
     TrainConfig,
+    WandbConfig,
+    WatchdogConfig,
 )
 
 __all__ = [
-    "DataConfig", "DatasetConfig", "DistributedConfig", "FreezeConfig", "FsdpConfig", "LoraConfig", "MethodConfig", "ModelConfig",
-    "OutputConfig", "RunConfig", "TrainConfig", "apply_override", "config_to_dict",
-    "load_config",
+    "DataConfig", "DatasetConfig", "DistributedConfig", "FreezeConfig", "FsdpConfig",
+    "LoraConfig", "MethodConfig", "ModelConfig", "OutputConfig", "RunConfig", "TrainConfig",
+    "WandbConfig", "WatchdogConfig", "apply_override", "config_to_dict", "load_config",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -23,7 +24,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *,
     """
     lines: dict[str, int] = {}
     source = str(path) if path is not None else "config"
-    raw: dict = dict(base or {})
+    raw: dict = copy.deepcopy(base or {})  # overrides must not change the caller's dict
     if path is not None:
         raw, lines = _read_yaml(Path(path))
     problems: list[str] = []
@@ -46,7 +47,9 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *,
 def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     if not path.is_file():
         raise ConfigError([f"config file {path} does not exist; pass the path to a YAML file"])
-    text = path.read_text(encoding="utf-8")
+    from keel.files import read_text
+
+    text = read_text(path, what="config file", error=lambda msg: ConfigError([msg]))
     try:
         node = yaml.compose(text)
         raw = yaml.safe_load(text)
@@ -271,6 +274,8 @@ def _type_name(tp) -> str:
         return names[tp]
     if typing.get_origin(tp) is list:
         return "a list"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 

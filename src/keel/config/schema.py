@@ -49,8 +49,11 @@ class DatasetConfig:
     format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
     columns: dict[str, str] = field(default_factory=dict)  # e.g. {prompt: question, response: answer}
     tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}
-    split: str = "train"
-    max_samples: int | None = None
+    split: str = "train"  # a file has one split, train; slices as in train[:1000] or train[:10%]
+    max_samples: int | None = None  # use the first N rows (after split and num_samples)
+    # Draw N rows with train.seed, as LLaMA-Factory's num_samples does (every row once, then
+    # repeats, when N exceeds the rows); overrides the dataset_info.json entry's
+    num_samples: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -72,11 +75,11 @@ class TrainConfig:
     stage: Literal["pt", "sft"] = "sft"
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs when set
-    micro_batch_size: int = 1  # rows per forward pass on one device
-    grad_accum: int = 1  # micro-batches per step (used when global_batch_size is not set)
-    # Rows per optimizer step over all processes; default micro_batch_size * grad_accum.
-    # Independent of the number of processes: more processes make a step faster, never
-    # change what it computes.
+    micro_batch_size: int = 1  # rows per forward pass, per process (per device)
+    grad_accum: int = 1  # micro-batches per step and process (when global_batch_size is unset)
+    # Rows per optimizer step over all processes. Unset: micro_batch_size * grad_accum *
+    # processes, as in other trainers. Set it for runs that must compute the same steps on
+    # any number of processes (the accumulation per process is then derived).
     global_batch_size: int | None = None
     lr: float = 2e-4
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
@@ -96,12 +99,28 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    # Used with wandb in output.loggers; unset keys leave the choice to W&B (and its own
+    # WANDB_* variables).
+    project: str | None = None  # W&B project; unset: W&B's default
+    entity: str | None = None  # W&B user or team; unset: your default entity
+    name: str | None = None  # the run's display name; unset: the name of output.dir
+    tags: list[str] = field(default_factory=list)
+    # online | offline (upload later with `wandb sync`) | disabled; unset: WANDB_MODE, else
+    # online
+    mode: Literal["online", "offline", "disabled"] | None = None
+
+
+@dataclass(kw_only=True)
 class OutputConfig:
     dir: str
     save_every: int = 0  # steps; 0: only the final save
     keep_last: int = 2  # complete checkpoints kept
     log_every: int = 1
-    loggers: list[Literal["jsonl", "tensorboard"]] = field(default_factory=lambda: ["jsonl"])
+    # metrics.jsonl is always written; tensorboard and wandb add to it
+    loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(
+        default_factory=lambda: ["jsonl"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in loggers
     merge_lora: bool = False  # also write a merged HF model to <dir>/merged
     overwrite: bool = False  # allow a fresh run into a non-empty dir
 
@@ -120,6 +139,28 @@ class DistributedConfig:
     timeout_s: float = 600.0  # a collective waiting longer than this fails the run
     preprocess_timeout_s: float = 86400.0  # how long other ranks wait for rank 0 to tokenize
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    # Memory of one device (e.g. 24GiB, 80GB); auto: the GPU's, or on a CPU the node's RAM
+    # shared by its processes. Used by `keel plan` and by the check before training.
+    device_memory: str = "auto"
+    # When the memory plan says the run does not fit: enforce (refuse before loading
+    # weights, exit 2) or warn (say so, train anyway).
+    plan: Literal["enforce", "warn"] = "enforce"
+
+
+@dataclass(kw_only=True)
+class WatchdogConfig:
+    enabled: bool = True  # hang detection (several processes) and stall detection (always)
+    # Seconds a process may make no progress inside a step or one of keel's collectives,
+    # with several processes, before the run counts as hung (reported, then exit 4).
+    hang_timeout_s: float = 120.0
+    # Seconds one step may take before it counts as stalled; auto: max(60, 10 x the median
+    # step time after warm-up).
+    stall_timeout_s: float | Literal["auto"] = "auto"
+    on_stall: Literal["warn", "abort"] = "warn"  # abort: exit 5 after the report
+    # Limit for phases that legitimately take long: loading the model, checkpoint
+    # save/load, writing the outputs (rank 0's tokenization uses
+    # distributed.preprocess_timeout_s).
+    slow_phase_timeout_s: float = 1800.0
 
 
 @dataclass(kw_only=True)
@@ -130,3 +171,4 @@ class RunConfig:
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)

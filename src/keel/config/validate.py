@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from keel.config.schema import BUNDLED_PREFIX, RunConfig
+from keel.config.schema import BUNDLED_PREFIX, RunConfig, WandbConfig
 
 
 def check_config(cfg: RunConfig) -> list[str]:
     """Every problem with a well-typed config, each naming its key, value and fix."""
     return [*_check_model(cfg), *_check_method(cfg), *_check_data(cfg), *_check_train(cfg),
-            *_check_output(cfg), *_check_distributed(cfg)]
+            *_check_output(cfg), *_check_distributed(cfg), *_check_watchdog(cfg)]
 
 
 def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
@@ -62,6 +62,8 @@ def _check_data(cfg: RunConfig) -> list[str]:
                             f"learn; use train.stage = pt, or a chat format for sft")
         if ds.max_samples is not None:
             problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
+        if ds.num_samples is not None:
+            problems += _positive(ds.num_samples, f"data.datasets.{index}.num_samples")
     if data.dataset_dir is not None and not Path(data.dataset_dir).is_dir():
         problems.append(f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
                         f"hold a dataset_info.json")
@@ -107,6 +109,29 @@ def _check_output(cfg: RunConfig) -> list[str]:
     if "tensorboard" in out.loggers and importlib.util.find_spec("tensorboard") is None:
         problems.append("output.loggers includes tensorboard, which is not installed; "
                         "pip install tensorboard (or keel[tensorboard]), or drop it")
+    if "wandb" in out.loggers:
+        if importlib.util.find_spec("wandb") is None:
+            problems.append("output.loggers includes wandb, which is not installed; "
+                            "pip install 'keel[wandb]' (or wandb), or drop it")
+        problems += _check_wandb(out.wandb)
+    elif out.wandb != WandbConfig():
+        # Settings without the logger are most likely a run the user expects on W&B.
+        problems.append("output.wandb is set but output.loggers does not include wandb; "
+                        "add it (output.loggers=[jsonl, wandb]), or remove output.wandb")
+    return problems
+
+
+def _check_wandb(w: WandbConfig) -> list[str]:
+    # W&B's own rules (wandb.sdk.wandb_settings), checked before the model loads rather
+    # than when wandb.init runs after it.
+    problems = []
+    if w.project is not None:
+        if not 1 <= len(w.project) <= 128 or set(w.project) & set("/\\#?%:"):
+            problems.append(f"output.wandb.project = {w.project!r} must be 1 to 128 "
+                            f"characters without / \\ # ? % :")
+    for index, tag in enumerate(w.tags):
+        if not 1 <= len(tag) <= 64:
+            problems.append(f"output.wandb.tags.{index} = {tag!r} must be 1 to 64 characters")
     return problems
 
 
@@ -118,4 +143,20 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
         problems.append("train.precision = fp16 with distributed.strategy = fsdp is not "
                         "supported (fp16 loss scaling needs every shard's overflow check); "
                         "use bf16, or strategy ddp")
+    if d.device_memory != "auto":
+        from keel.plan.devices import parse_memory
+
+        try:
+            parse_memory(d.device_memory)
+        except ValueError as exc:
+            problems.append(f"distributed.device_memory = {exc}, or auto")
+    return problems
+
+
+def _check_watchdog(cfg: RunConfig) -> list[str]:
+    w = cfg.watchdog
+    problems = _positive(w.hang_timeout_s, "watchdog.hang_timeout_s")
+    problems += _positive(w.slow_phase_timeout_s, "watchdog.slow_phase_timeout_s")
+    if w.stall_timeout_s != "auto":
+        problems += _positive(w.stall_timeout_s, "watchdog.stall_timeout_s")
     return problems

@@ -30,6 +30,10 @@ RDZV_ID = "keel"
 # How long torchrun may take to stop its workers after Ctrl-C before keel sends SIGTERM;
 # torchrun itself waits 30 s per worker group before it escalates to SIGKILL.
 INTERRUPT_GRACE_S = 60.0
+# When one worker fails (or the watchdog ends a hung one), torchrun sends the others
+# SIGTERM and waits this long before SIGKILL. Its default, 30 s, is spent in full on a
+# stopped (SIGSTOP) or wedged worker; keel's workers hold nothing that needs longer.
+SHUTDOWN_TIMEOUT_S = 10
 
 
 @dataclass(frozen=True)
@@ -207,8 +211,8 @@ def slurm_rendezvous_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def torchrun_args(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-                  max_restarts: int, worker_args: list[str]) -> list[str]:
-    """Arguments for torch.distributed.run that start `python -m keel *worker_args`.
+                  max_restarts: int, worker_args: list[str], module: str = "keel") -> list[str]:
+    """Arguments for torch.distributed.run that start `python -m <module> *worker_args`.
 
     One node without an endpoint uses `--standalone` (torchrun picks a free port).
     With an endpoint, the c10d rendezvous: the same command on every node. torchrun
@@ -222,7 +226,7 @@ def torchrun_args(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str
         args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
                 "--rdzv-id", RDZV_ID, "--nnodes", str(nnodes)]
     return [*args, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "--module", "keel", *worker_args]
+            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--module", module, *worker_args]
 
 
 def check_launch_args(*, nproc: int, nnodes: int, node_rank: int,

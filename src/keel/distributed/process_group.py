@@ -7,6 +7,7 @@ failing with "No backend type associated with device type cpu" deep inside a run
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable
@@ -57,6 +58,10 @@ class DistContext:
     # A gloo group with a long timeout for waits that are not stuck collectives (rank 0
     # tokenizing a large dataset while the others wait).
     slow_group: object | None = None
+    # The rendezvous store (keel's prefix): a side channel that works when a backend hangs.
+    store: object | None = None
+    # Numbers and cross-checks keel's collectives (see CollectiveGuard); None: unchecked.
+    guard: CollectiveGuard | None = None
 
     @property
     def is_main(self) -> bool:
@@ -66,13 +71,17 @@ class DistContext:
     def distributed(self) -> bool:
         return dist.is_available() and dist.is_initialized()
 
+    def _enter(self, op: str, signature: str, *, slow: bool = False) -> bool:
+        """Before each of keel's collectives: False when a test fault skips it."""
+        return self.guard is None or self.guard.before(op, signature, slow=slow)
+
     def barrier(self) -> None:
-        if self.distributed:
+        if self.distributed and self._enter("barrier", ""):
             dist.barrier()
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum a few Python numbers over all ranks (in float64 on the CPU backend)."""
-        if not self.distributed:
+        if not self.distributed or not self._enter("all_reduce_sum", f"float64[{len(values)}]"):
             return list(values)
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -80,7 +89,8 @@ class DistContext:
 
     def broadcast_object(self, obj, *, src: int = 0, slow: bool = False):
         """Rank `src`'s `obj` on every rank (any picklable object)."""
-        if not self.distributed:
+        if not self.distributed or not self._enter("broadcast_object", f"from {src}",
+                                                   slow=slow):
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.slow_group if slow else None)
@@ -88,11 +98,56 @@ class DistContext:
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
-        if not self.distributed:
-            return [obj]
+        if not self.distributed or not self._enter("gather_objects", type(obj).__name__):
+            return [obj] * self.world_size
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+
+class CollectiveGuard:
+    """Numbers keel's collectives and checks, through the rendezvous store, that every rank
+    makes the same one (op, shapes, dtype, step) before any backend runs it.
+
+    A mismatch (the trl#3068 / trl#1396 kind of bug: ranks gathering different shapes or
+    making different calls) is reported at once, where gloo would abort the process and
+    NCCL would hang. A rank that never arrives leaves the others waiting here, in the
+    store, where the watchdog sees it.
+    """
+
+    def __init__(self, *, rank: int, world_size: int, store, watchdog, fault=None,
+                 slow_limit_s: float = 86400.0):
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.watchdog, self.fault, self.slow_limit_s = watchdog, fault, slow_limit_s
+
+    def before(self, op: str, signature: str, *, slow: bool = False) -> bool:
+        progress = self.watchdog.progress
+        if self.fault is not None and self.fault.due("skip_collective", progress.step,
+                                                      self.rank):
+            progress.mark(f"skipped {op} (KEEL_FAULT)")
+            return False
+        record = self.watchdog.collectives.record(op, signature, progress.step)
+        progress.mark(("collective", f"#{record.seq}", op))
+        mine = [op, signature, record.step]
+        self.store.set(f"fp/{record.seq}/{self.rank}", json.dumps(mine))
+        keys = [f"fp/{record.seq}/{r}" for r in range(self.world_size)]
+        limit = self.slow_limit_s if slow else self._phase_limit()
+        # Longer than the watchdog's limit: if a rank never arrives, the watchdog reports it.
+        self.store.wait(keys, timedelta(seconds=limit + 60))
+        theirs = {r: json.loads(self.store.get(keys[r])) for r in range(self.world_size)}
+        differ = {r: v for r, v in theirs.items() if v != mine}
+        if differ:
+            shown = "; ".join(f"rank {r}: {v[0]}({v[1]}) at step {v[2]}"
+                              for r, v in sorted(theirs.items()))
+            self.watchdog.alarm(f"the ranks' collective #{record.seq} differs: {shown}")
+        if record.seq >= 2:  # every rank has read #seq-2 before anyone writes #seq
+            self.store.delete_key(f"fp/{record.seq - 2}/{self.rank}")
+        return True
+
+    def _phase_limit(self) -> float:
+        phases = self.watchdog.progress.phases
+        limit = phases[-1][1] if phases else None
+        return limit if limit is not None else self.slow_limit_s
 
 
 def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
@@ -114,14 +169,16 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world
         # After an elastic restart the workers reuse torchrun's store, which still holds
         # the dead attempt's gloo addresses: a per-attempt prefix keeps them apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"keel/{attempt}", store),
+        keel_store = dist.PrefixStore(f"keel/{attempt}", store)
+        dist.init_process_group(backend=backend, store=keel_store,
                                 rank=rank, world_size=world_size, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise KeelError(explain_startup_error(exc, world_size)) from exc
     slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=preprocess_timeout_s))
     ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                      local_world_size=local_world_size, device=device, slow_group=slow)
+                      local_world_size=local_world_size, device=device, slow_group=slow,
+                      store=keel_store)
     _check_placement(ctx)
     if ctx.is_main:
         log(f"process group: {world_size} processes, backend {backend}, device {device.type}, "

@@ -6,10 +6,12 @@ output folder is touched, so bad input never leaves a half-written output direct
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -18,7 +20,7 @@ import yaml
 
 from keel import __version__
 from keel.config import RunConfig, config_to_dict
-from keel.data import PreparedData, prepare_data
+from keel.data import PreparedData
 from keel.distributed.launch import detect_world, slurm_rendezvous_env
 from keel.distributed.process_group import (
     DistContext,
@@ -27,15 +29,24 @@ from keel.distributed.process_group import (
     on_main,
     shutdown,
 )
-from keel.errors import CheckpointError, KeelError
-from keel.models import load_tokenizer, resolve_model_path
+from keel.distributed.watchdog import Watchdog
+from keel.errors import KeelError
+from keel.faults import Fault, at_step_start, fault_from_env
 from keel.train import checkpoint as ckpt
-from keel.train.loop import StepCallback, StepPlan, Trainer
+from keel.train.loop import StepCallback, StepPlan, StepResult, Trainer, default_global_batch
 from keel.train.metrics import MetricsLog, Progress, memory_now, peak_rss_mb
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.outputs import FINAL_MARKER, write_final_outputs
-from keel.train.precision import resolve_precision
+from keel.train.preflight import preflight
+from keel.train.resume import find_resume_point, run_identity
+from keel.train.watch import (
+    HostOutOfMemory,
+    instrument,
+    out_of_memory,
+    plan_memory,
+    watching,
+)
 
 
 @dataclass
@@ -51,22 +62,29 @@ def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
                  on_step_end: StepCallback | None = None) -> RunResult:
     """Train as `cfg` says, in this process or as one rank of a torchrun/srun job.
 
-    Raises KeelError subclasses for anything the user can fix.
+    Raises KeelError subclasses for anything the user can fix. The watchdog (see
+    keel.distributed.watchdog) may end the process itself: exit 4 for a hang, 5 for a
+    stall with watchdog.on_stall=abort.
     """
+    fault = fault_from_env()
     world = detect_world(os.environ)
-    if world.launcher == "single":
-        return _train(cfg, base_dir or Path.cwd(), DistContext(), log, on_step_end)
     if world.launcher == "slurm":
         os.environ.update(slurm_rendezvous_env(os.environ))
-    dist = init_distributed(rank=world.rank, world_size=world.world_size,
-                            local_rank=world.local_rank,
-                            local_world_size=world.local_world_size,
-                            timeout_s=cfg.distributed.timeout_s,
-                            preprocess_timeout_s=cfg.distributed.preprocess_timeout_s, log=log)
+    if world.launcher == "single":
+        dist = DistContext()
+    else:
+        dist = init_distributed(rank=world.rank, world_size=world.world_size,
+                                local_rank=world.local_rank,
+                                local_world_size=world.local_world_size,
+                                timeout_s=cfg.distributed.timeout_s,
+                                preprocess_timeout_s=cfg.distributed.preprocess_timeout_s,
+                                log=log)
     try:
-        # Only rank 0 talks; the others would repeat every line world_size times.
-        return _train(cfg, base_dir or Path.cwd(), dist, log if dist.is_main else _quiet,
-                      on_step_end)
+        with watching(cfg, dist, fault) as watchdog:
+            # Only rank 0 talks; the others would repeat every line world_size times.
+            env = _RunEnv(dist=dist, log=log if dist.is_main else _quiet,
+                          on_step_end=on_step_end, watchdog=watchdog, fault=fault)
+            return _train(cfg, base_dir or Path.cwd(), env)
     finally:
         shutdown(dist)
 
@@ -75,19 +93,47 @@ def _quiet(_message: str) -> None:
     pass
 
 
-def _train(cfg: RunConfig, base_dir: Path, dist: DistContext, log,
-           on_step_end: StepCallback | None) -> RunResult:
+@dataclass
+class _RunEnv:
+    """Who runs the training and what watches it (one per process)."""
+
+    dist: DistContext
+    log: Callable[[str], None]
+    on_step_end: StepCallback | None
+    watchdog: Watchdog
+    fault: Fault | None
+    memory_advice: list[str] = field(default_factory=list)  # the plan's lighter options
+
+    def phase(self, name: str, limit: float | None):
+        return self.watchdog.progress.phase(name, limit)
+
+
+def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
+    dist, log, slow = env.dist, env.log, cfg.watchdog.slow_phase_timeout_s
     _set_threads(cfg.train.threads, dist.local_world_size, log)
     torch.manual_seed(cfg.train.seed + dist.rank)  # dropout differs per rank, as it should
     out = Path(cfg.output.dir).expanduser()
-    global_batch = cfg.train.global_batch_size or cfg.train.micro_batch_size * cfg.train.grad_accum
-    with main_rank_first(dist):  # rank 0 converts and tokenizes; the others read its cache
-        model_dir, tokenizer, data = preflight(cfg, base_dir=base_dir, log=log)
-    resume_from = on_main(dist, lambda: _resume_point(cfg, out, data.fingerprint, global_batch))
-    precision = on_main(dist, lambda: resolve_precision(cfg.train.precision, dist.device))
-    log(f"precision: {precision.name} ({precision.reason})")
+    # rank 0 converts and tokenizes; the others read its cache
+    with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
+        checked = preflight(cfg, base_dir=base_dir, log=log, device=dist.device)
+    model_dir, tokenizer, data = checked.model_dir, checked.tokenizer, checked.data
+    with env.phase("set-up", slow):
+        # Rank 0's choice for all: `auto` measures, and measurements differ between ranks.
+        precision = on_main(dist, lambda: checked.precision)
+        log(f"precision: {precision.name} ({precision.reason})")
+        identity = run_identity(cfg, model_dir, precision.name, data.fingerprint)
+        configured_batch = cfg.train.global_batch_size or default_global_batch(
+            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.world_size)
+        resume = on_main(dist,
+                         lambda: find_resume_point(cfg, out, identity, configured_batch, log))
+        planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision.name, log))
+    global_batch = resume.global_batch if resume else configured_batch
 
-    built = build_training_model(cfg, model_dir, dist, precision, log)
+    with env.phase("load", slow):
+        built = build_training_model(cfg, model_dir, dist, precision, log,
+                                     strategy=planned.strategy)
+    if cfg.watchdog.enabled or env.fault is not None:
+        instrument(built.model, env.watchdog, env.fault, dist.rank)
     loaded_peak_mb = peak_rss_mb()  # the loading high-water mark, before any training
     log(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
     plan = StepPlan(num_rows=len(data.train), global_batch=global_batch,
@@ -98,40 +144,38 @@ def _train(cfg: RunConfig, base_dir: Path, dist: DistContext, log,
     trainer = Trainer(objective=built.objective, optimizer=optimizer,
                       scheduler=build_scheduler(optimizer, cfg.train, total_steps),
                       precision=precision, device=dist.device, pad_id=tokenizer.pad_token_id,
-                      max_grad_norm=cfg.train.max_grad_norm, dist=dist)
-    start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
+                      max_grad_norm=cfg.train.max_grad_norm, dist=dist,
+                      progress=env.watchdog.progress)
+    resume_from = resume.checkpoint if resume else None
+    with env.phase("checkpoint load", slow):
+        start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
 
     def prepare() -> list[Path]:
         removed = _prepare_output_dir(cfg, out, resume_from)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return removed
 
-    for partial in on_main(dist, prepare):
-        log(f"removed an interrupted checkpoint save: {partial}")
+    with env.phase("set-up", slow):
+        for partial in on_main(dist, prepare):
+            log(f"removed an interrupted checkpoint save: {partial}")
+    per_process = math.ceil(global_batch / dist.world_size)
     log(f"training: {len(data.train)} rows, global batch {global_batch} rows over "
-        f"{dist.world_size} process(es), {plan.steps_per_epoch} steps/epoch, "
-        f"{total_steps} steps, starting at step {start_step}")
-    loop = _Loop(cfg, out, trainer, plan, data, dist, log, on_step_end)
-    losses, stats = loop.run(start_step, total_steps, {"data_fingerprint": data.fingerprint,
-                                                        "global_batch": global_batch})
+        f"{dist.world_size} process(es) (~{per_process} per process, micro-batches of "
+        f"{cfg.train.micro_batch_size}), {plan.steps_per_epoch} steps/epoch, {total_steps} "
+        f"steps, starting at step {start_step}")
+    idle = plan.idle_warning(dist.world_size)
+    if idle:
+        log(f"warning: {idle}")
+    env.memory_advice = planned.lighter
+    loop = _Loop(cfg, out, trainer, plan, data, env)
+    losses, stats = loop.run(start_step, total_steps,
+                             {"global_batch": global_batch, **identity.to_meta()})
     stats["load_peak_rss_mb"] = loaded_peak_mb
-    summary = write_final_outputs(cfg, out, built, tokenizer, model_dir, dist, log,
-                                  steps=total_steps, stats=stats, precision=precision.name)
+    with env.phase("outputs", slow):
+        summary = write_final_outputs(cfg, out, built, tokenizer, model_dir, dist, log,
+                                      steps=total_steps, stats=stats,
+                                      precision=precision.name)
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
-
-
-def preflight(cfg: RunConfig, *, base_dir: Path,
-              log: Callable[[str], None] = print) -> tuple[Path, object, PreparedData]:
-    """Resolve the model and validate + tokenize all data, touching no output folder.
-
-    Shared by `keel train` and `keel validate`, so both check exactly the same things.
-    """
-    model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log)
-    tokenizer = load_tokenizer(model_dir)
-    data = prepare_data(cfg.data, tokenizer, stage=cfg.train.stage,
-                        cache_dir=Path(cfg.model.cache_dir).expanduser(), base_dir=base_dir,
-                        seed=cfg.train.seed, log=log)
-    return model_dir, tokenizer, data
 
 
 def _set_threads(requested: int, local_processes: int, log) -> None:
@@ -140,32 +184,6 @@ def _set_threads(requested: int, local_processes: int, log) -> None:
     threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_processes, 1))
     torch.set_num_threads(threads)
     log(f"threads: {threads} per process")
-
-
-def _resume_point(cfg: RunConfig, out: Path, data_fingerprint: str,
-                  global_batch: int) -> Path | None:
-    if cfg.train.resume == "never":
-        return None
-    if cfg.train.resume != "auto":
-        chosen = Path(cfg.train.resume)
-    else:
-        found = ckpt.complete_checkpoints(out)
-        if not found:
-            return None
-        chosen = found[-1]
-    meta = ckpt.read_meta(chosen)
-    if meta.get("data_fingerprint") != data_fingerprint:
-        raise CheckpointError(
-            f"{chosen} was trained on different data (or data settings) than this config "
-            f"gives; resuming would not continue the same run. Set train.resume=never and "
-            f"a new output.dir to start over, or restore the original data/config")
-    saved_batch = meta.get("global_batch", global_batch)
-    if saved_batch != global_batch:
-        raise CheckpointError(
-            f"{chosen} was trained with a global batch of {saved_batch} rows, this config "
-            f"gives {global_batch}; set train.global_batch_size={saved_batch} to continue it "
-            f"(any number of processes works)")
-    return chosen
 
 
 def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> list[Path]:
@@ -199,9 +217,9 @@ class _Loop:
     """Steps, logging, evaluation and periodic checkpoints for one run (every process)."""
 
     def __init__(self, cfg: RunConfig, out: Path, trainer: Trainer, plan: StepPlan,
-                 data: PreparedData, dist: DistContext, log, on_step_end):
-        self.cfg, self.out, self.trainer, self.plan = cfg, out, trainer, plan
-        self.data, self.dist, self.log, self.on_step_end = data, dist, log, on_step_end
+                 data: PreparedData, env: _RunEnv):
+        self.cfg, self.out, self.trainer, self.plan, self.data = cfg, out, trainer, plan, data
+        self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
         # Every process knows every row's size, so the global batch's target count needs
         # no communication.
         table = data.train.with_format("arrow")
@@ -213,54 +231,76 @@ class _Loop:
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], dict]:
         out_cfg = self.cfg.output
         main = self.dist.is_main
-        metrics = MetricsLog(self.out, resume_step=start,
-                             tensorboard="tensorboard" in out_cfg.loggers) if main else None
-        progress = Progress(total=total, initial=start, enabled=main)
+        metrics = MetricsLog(self.out, resume_step=start, output=out_cfg,
+                             run_config=config_to_dict(self.cfg), log=self.log) if main else None
+        bar = Progress(total=total, initial=start, enabled=main)
+        progress = self.env.watchdog.progress
         losses: list[float] = []
-        stats = {"real_tokens": 0, "target_tokens": 0, "train_seconds": 0.0, "loss": None}
-        window = {"real": 0, "seconds": 0.0}
+        stats = {"real_tokens": 0, "target_tokens": 0, "train_seconds": 0.0, "loss": None,
+                 "rows": 0, "filler_micro_batches": 0}
+        pending: list[StepResult] = []  # steps whose losses have not been read yet
+        window = {"real": 0, "seconds": 0.0}  # since the last logged step
         try:
             for step in range(start, total):
-                result = self._step(step)
-                losses.append(result.loss)
+                began = time.perf_counter()
+                done = step + 1
+                logged = done % out_cfg.log_every == 0 or done == total
+                with self.env.phase("step", self.cfg.watchdog.hang_timeout_s):
+                    progress.step_begin(done)
+                    result = self._step(step)
+                    pending.append(result)
+                    if logged:  # the loop's only host sync: every loss since the last log
+                        step_losses, grad_norms = self.trainer.reduce_losses(pending)
+                        losses += step_losses
+                        pending = []
+                    seconds = time.perf_counter() - began
+                    progress.step_end(seconds)
                 for key, value in (("real_tokens", result.real_tokens),
                                    ("target_tokens", result.target_tokens),
-                                   ("train_seconds", result.seconds)):
+                                   ("train_seconds", seconds), ("rows", result.rows),
+                                   ("filler_micro_batches", result.filler_micro_batches)):
                     stats[key] += value
-                stats["loss"] = result.loss
                 window["real"] += result.real_tokens
-                window["seconds"] += result.seconds
-                done = step + 1
+                window["seconds"] += seconds
                 tokens_per_s = window["real"] / max(window["seconds"], 1e-9)
-                progress.update(result.loss, result.lr, tokens_per_s)
                 record = None
-                if done % out_cfg.log_every == 0 or done == total:
+                if logged:
+                    stats["loss"] = step_losses[-1]
                     record = {"step": done, "epoch": round(self.plan.epoch_of(done), 4),
-                              "loss": result.loss, "lr": result.lr,
-                              "grad_norm": result.grad_norm, "tokens_per_s": tokens_per_s,
+                              "loss": step_losses[-1], "lr": result.lr,
+                              "grad_norm": grad_norms[-1], "tokens_per_s": tokens_per_s,
                               "target_tokens": result.target_tokens, **memory_now()}
                     window = {"real": 0, "seconds": 0.0}
                     if metrics is not None:
                         metrics.write(record)
-                self._maybe_eval(done, total, metrics, progress)
+                bar.update(record and record["loss"], result.lr, tokens_per_s)
+                self._maybe_eval(done, total, metrics, bar)
                 if (out_cfg.save_every and done % out_cfg.save_every == 0) or done == total:
                     self._save(done, meta)
                 if self.on_step_end is not None:
-                    self.on_step_end(done, record or {"step": done, "loss": result.loss})
+                    self.on_step_end(done, record or {"step": done})
         finally:
-            progress.close()
+            bar.close()
             if metrics is not None:
                 metrics.close()
         return losses, stats
 
-    def _step(self, step: int):
+    def _step(self, step: int) -> StepResult:
         window = self.plan.window(step)
         micro = self.plan.micro_batches(step, self.dist.rank, self.dist.world_size)
         rows = [[self.data.train[i] for i in mb] for mb in micro]
-        return self.trainer.train_step(
-            rows, window_targets=sum(self.row_targets[i] for i in window),
-            window_tokens=sum(self.row_tokens[i] for i in window),
-            filler=self.data.train[window[0]])
+        at_step_start(self.env.fault, step + 1, self.dist.rank)
+        try:
+            return self.trainer.train_step(
+                rows, window_targets=sum(self.row_targets[i] for i in window),
+                window_tokens=sum(self.row_tokens[i] for i in window),
+                filler=self.data.train[window[0]])
+        except (torch.OutOfMemoryError, HostOutOfMemory) as exc:
+            newest = ckpt.complete_checkpoints(self.out)
+            raise out_of_memory(exc, step=step + 1, rank=self.dist.rank,
+                                rows=self.trainer.current_rows, cfg=self.cfg,
+                                checkpoint=newest[-1] if newest else None,
+                                lighter=self.env.memory_advice) from None
 
     def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None,
                     progress: Progress):
@@ -268,13 +308,18 @@ class _Loop:
             return
         every = self.cfg.train.eval_every
         if (every and done % every == 0) or done == total:
-            result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
+            with self.env.phase("eval", self.cfg.watchdog.hang_timeout_s):
+                result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
             if metrics is not None:
                 metrics.write({"step": done, **result})
             progress.write(f"step {done}: eval_loss {result['eval_loss']:.4f} "
                            f"ppl {result['eval_ppl']:.2f}")
 
     def _save(self, step: int, meta: dict) -> None:
+        with self.env.phase("checkpoint save", self.cfg.watchdog.slow_phase_timeout_s):
+            self._save_now(step, meta)
+
+    def _save_now(self, step: int, meta: dict) -> None:
         ckpt.save_checkpoint(self.out, step, module=self.trainer.objective,
                              optimizer=self.trainer.optimizer,
                              scheduler=self.trainer.scheduler.state_dict(),

@@ -1,0 +1,99 @@
+"""Stalls and out-of-memory in one process, met for real through KEEL_FAULT (keel.faults)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(12)]
+
+
+@pytest.fixture
+def workspace(tmp_path, tiny_model_dir):
+    data = tmp_path / "qa.json"
+    data.write_text(json.dumps(ROWS))
+    config = {"model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
+              "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+              "data": {"datasets": [str(data)], "cutoff_len": 64},
+              "train": {"max_steps": 6, "micro_batch_size": 2, "lr": 1e-2, "precision": "fp32",
+                        "threads": 1, "scheduler": "constant"},
+              "output": {"dir": str(tmp_path / "out"), "save_every": 2}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def keel_train(config, *overrides, fault=None, out=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("KEEL_FAULT", "OMP_NUM_THREADS")}
+    if fault:
+        env["KEEL_FAULT"] = fault
+    extra = [f"output.dir={out}"] if out else []
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "keel", "train", str(config), *extra,
+                           *overrides], capture_output=True, text=True, env=env, timeout=300)
+    return done, time.monotonic() - started
+
+
+def losses(out) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
+            if "loss" in r}
+
+
+STALL = ("watchdog.stall_timeout_s=1.5",)
+
+
+def test_a_stall_is_reported_with_the_stack_and_the_run_goes_on(workspace, tmp_path):
+    done, _ = keel_train(workspace, *STALL, fault="stall:3:0:4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 3 has run for" in done.stderr and "still waiting" in done.stderr
+    assert "at_step_start" in done.stderr  # the main thread's stack, where it sleeps
+    assert "rss_mb" in done.stderr  # the memory state
+    dumps = list((tmp_path / "out/diagnostics").glob("stall-step-00000003-*.txt"))
+    assert len(dumps) == 1 and "Thread MainThread" in dumps[0].read_text()
+    assert sorted(losses(tmp_path / "out")) == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_stall_aborts_with_exit_5_when_asked(workspace, tmp_path):
+    done, seconds = keel_train(workspace, *STALL, "watchdog.on_stall=abort",
+                               fault="stall:3:0:60")
+    assert done.returncode == 5, done.stderr[-3000:]
+    assert "aborting (watchdog.on_stall=abort)" in done.stderr
+    assert seconds < 45  # not the 60 s the step would have slept
+
+
+def test_no_stall_report_without_a_stall(workspace, tmp_path):
+    """The negative control: the same limit, no fault, no report."""
+    done, _ = keel_train(workspace, *STALL)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "stall" not in done.stderr
+    assert not (tmp_path / "out/diagnostics").exists()
+
+
+def test_out_of_memory_exits_3_with_a_message_and_the_checkpoint_resumes(workspace,
+                                                                          tmp_path):
+    done, _ = keel_train(workspace, fault="oom:5")
+    assert done.returncode == 3, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    message = done.stderr
+    assert "out of memory in step 5 on rank 0, in a micro-batch of 2 row(s), the longest" in \
+        message
+    assert "train.micro_batch_size=1" in message  # what to change
+    assert "checkpoints/step-00000004, is intact" in message
+    resumed, _ = keel_train(workspace)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    clean, _ = keel_train(workspace, out=tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    got, want = losses(tmp_path / "out"), losses(tmp_path / "clean")
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6)
+
+
+def test_a_malformed_fault_is_a_user_error(workspace):
+    done, _ = keel_train(workspace, fault="explode:3")
+    assert done.returncode == 2 and "KEEL_FAULT='explode:3'" in done.stderr
