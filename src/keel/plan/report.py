@@ -166,7 +166,12 @@ def decide(plan: Plan) -> Decision:
         chosen = next((o for o in ours if o.fits), ours[-1])
     size = f"{gib(chosen.per_device.total)} GiB per device of {gib(plan.devices.usable_bytes)}"
     if chosen.fits:
-        how = "set by distributed.strategy" if plan.strategy else "auto: the cheapest that fits"
+        if chosen.strategy == "single":
+            how = "one process"
+        elif plan.strategy:
+            how = "set by distributed.strategy"
+        else:
+            how = "auto: the cheapest that fits"
         return Decision(
             chosen.strategy,
             chosen,
