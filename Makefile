@@ -32,10 +32,12 @@ demo: install
 
 test: install-dev
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/python -m pytest -q -ra
 
 lint: install-dev
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 
 bench: install-dev
 	$(BIN)/python -m pip install -q -e '.[bench]'

@@ -29,9 +29,16 @@ from pathlib import Path
 import psutil
 import yaml
 
-ARCH = dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=10,
-            num_attention_heads=12, num_key_value_heads=4, vocab_size=49152,
-            tie_word_embeddings=False, max_position_embeddings=2048)
+ARCH = dict(
+    hidden_size=1536,
+    intermediate_size=4096,
+    num_hidden_layers=10,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=49152,
+    tie_word_embeddings=False,
+    max_position_embeddings=2048,
+)
 STATUS_KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
 
 
@@ -48,8 +55,9 @@ def build_model(model_dir: Path) -> None:
     model.save_pretrained(str(model_dir))
     tok_dir = resolve_model_path("bundled:smollm2-135m-instruct", "~/.cache/keel", log=print)
     load_tokenizer(tok_dir).save_pretrained(str(model_dir))
-    (model_dir.parent / "model_info.json").write_text(json.dumps({"params": n_params,
-                                                                   "arch": ARCH}))
+    (model_dir.parent / "model_info.json").write_text(
+        json.dumps({"params": n_params, "arch": ARCH})
+    )
 
 
 def ensure_model(work: Path) -> dict:
@@ -62,22 +70,35 @@ def ensure_model(work: Path) -> dict:
 
 def make_dataset(path: Path, rows: int = 16) -> None:
     topics = ["rivers", "compilers", "bread", "volcanoes", "chess", "tides", "bees", "glass"]
-    data = [{"instruction": f"Write two sentences about {topics[i % len(topics)]} (#{i}).",
-             "output": f"{topics[i % len(topics)].capitalize()} are interesting. "
-                       f"This is example number {i} of a tiny benchmark dataset."}
-            for i in range(rows)]
+    data = [
+        {
+            "instruction": f"Write two sentences about {topics[i % len(topics)]} (#{i}).",
+            "output": f"{topics[i % len(topics)].capitalize()} are interesting. "
+            f"This is example number {i} of a tiny benchmark dataset.",
+        }
+        for i in range(rows)
+    ]
     path.write_text(json.dumps(data, indent=1))
 
 
 def write_config(work: Path, strategy: str, method: str, name: str) -> Path:
-    cfg = {"model": {"path": str(work / "model"), "cache_dir": str(work / "cache")},
-           "method": {"type": method, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
-           "data": {"datasets": [{"path": str(work / "data.json"), "format": "alpaca"}],
-                    "cutoff_len": 128},
-           "train": {"max_steps": 2, "micro_batch_size": 1, "global_batch_size": 2,
-                     "precision": "fp32", "resume": "never"},
-           "output": {"dir": str(work / f"out-{name}"), "overwrite": True},
-           "distributed": {"strategy": strategy}}
+    cfg = {
+        "model": {"path": str(work / "model"), "cache_dir": str(work / "cache")},
+        "method": {"type": method, "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+        "data": {
+            "datasets": [{"path": str(work / "data.json"), "format": "alpaca"}],
+            "cutoff_len": 128,
+        },
+        "train": {
+            "max_steps": 2,
+            "micro_batch_size": 1,
+            "global_batch_size": 2,
+            "precision": "fp32",
+            "resume": "never",
+        },
+        "output": {"dir": str(work / f"out-{name}"), "overwrite": True},
+        "distributed": {"strategy": strategy},
+    }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -152,15 +173,25 @@ def run_one(work: Path, strategy: str, method: str, nproc: int) -> dict:
     if rc or not summary_path.is_file():
         tail = (work / f"{name}.log").read_text()[-3000:]
         print(f"{name} FAILED (rc {rc}) after {wall:.0f}s:\n{tail}", flush=True)
-        return {"name": name, "strategy": strategy if nproc > 1 else "none", "method": method,
-                "failed": True, "wall_s": round(wall, 1)}
+        return {
+            "name": name,
+            "strategy": strategy if nproc > 1 else "none",
+            "method": method,
+            "failed": True,
+            "wall_s": round(wall, 1),
+        }
     summary = json.loads(summary_path.read_text())
-    result = {"name": name, "strategy": strategy if nproc > 1 else "none", "method": method,
-              "processes": summary["processes"], "per_rank": summary["per_rank"],
-              "tokens_per_s": summary["tokens_per_s"], "wall_s": round(wall, 1),
-              "sampled_mb": dict(sorted(sampled.items()))}
-    print(f"{name}: {wall:.0f}s, per rank {summary['per_rank']}, sampled {sampled}",
-          flush=True)
+    result = {
+        "name": name,
+        "strategy": strategy if nproc > 1 else "none",
+        "method": method,
+        "processes": summary["processes"],
+        "per_rank": summary["per_rank"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "wall_s": round(wall, 1),
+        "sampled_mb": dict(sorted(sampled.items())),
+    }
+    print(f"{name}: {wall:.0f}s, per rank {summary['per_rank']}, sampled {sampled}", flush=True)
     return result
 
 
@@ -170,30 +201,51 @@ def _ranks(result: dict, key: str) -> list[str]:
 
 
 def table(results: list[dict], params: int) -> str:
-    lines = [f"Llama, {params / 1e9:.3f} B params, fp32, 2 steps x 2 rows x <= 128 tokens, "
-             f"CPU (gloo); RSS in MB", "",
-             "| strategy | method | processes | load peak r0 | load peak r1 | train peak r0 "
-             "| train peak r1 | tokens/s | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Llama, {params / 1e9:.3f} B params, fp32, 2 steps x 2 rows x <= 128 tokens, "
+        f"CPU (gloo); RSS in MB",
+        "",
+        "| strategy | method | processes | load peak r0 | load peak r1 | train peak r0 "
+        "| train peak r1 | tokens/s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     ok = [r for r in results if not r.get("failed")]
     for r in ok:
-        lines.append(f"| {r['strategy']} | {r['method']} | {r['processes']} | "
-                     + " | ".join(_ranks(r, "load_peak_rss_mb") + _ranks(r, "peak_rss_mb"))
-                     + f" | {r['tokens_per_s']} | {r['wall_s']:.0f} |")
-    lines += ["", "fsdp/ddp ratio of the worst rank's peak:", "",
-              "| method | load peak | training peak |", "|---|---|---|"]
+        lines.append(
+            f"| {r['strategy']} | {r['method']} | {r['processes']} | "
+            + " | ".join(_ranks(r, "load_peak_rss_mb") + _ranks(r, "peak_rss_mb"))
+            + f" | {r['tokens_per_s']} | {r['wall_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "fsdp/ddp ratio of the worst rank's peak:",
+        "",
+        "| method | load peak | training peak |",
+        "|---|---|---|",
+    ]
     for method in dict.fromkeys(r["method"] for r in ok):
         by = {r["strategy"]: r for r in ok if r["method"] == method}
         if "ddp" in by and "fsdp" in by:
-            ratio = [max(x[key] for x in by["fsdp"]["per_rank"])
-                     / max(x[key] for x in by["ddp"]["per_rank"])
-                     for key in ("load_peak_rss_mb", "peak_rss_mb")]
+            ratio = [
+                max(x[key] for x in by["fsdp"]["per_rank"])
+                / max(x[key] for x in by["ddp"]["per_rank"])
+                for key in ("load_peak_rss_mb", "peak_rss_mb")
+            ]
             lines.append(f"| {method} | {ratio[0]:.2f} | {ratio[1]:.2f} |")
-    lines += ["", "sampled maxima from /proc/<pid>/status (each field's own max), MB:", "",
-              "| run | rank | VmRSS | RssAnon | RssFile | RssShmem |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "sampled maxima from /proc/<pid>/status (each field's own max), MB:",
+        "",
+        "| run | rank | VmRSS | RssAnon | RssFile | RssShmem |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in ok:
         for rank, s in r["sampled_mb"].items():
-            lines.append(f"| {r['name']} | {rank} | "
-                         + " | ".join(str(s.get(k, "-")) for k in STATUS_KEYS) + " |")
+            lines.append(
+                f"| {r['name']} | {rank} | "
+                + " | ".join(str(s.get(k, "-")) for k in STATUS_KEYS)
+                + " |"
+            )
     return "\n".join(lines)
 
 
@@ -202,16 +254,20 @@ def main() -> None:
     parser.add_argument("--methods", default="full,lora")
     parser.add_argument("--strategies", default="ddp,fsdp")
     parser.add_argument("--work-dir", default="/tmp/keel-bench-fsdp")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip the one-process full fine-tune")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the one-process full fine-tune"
+    )
     parser.add_argument("--build", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build:
         return build_model(Path(args.build))
     work = Path(args.work_dir).resolve()
     info = ensure_model(work)
-    print(f"model: {info['params']:,} parameters ({info['params'] / 1e9:.3f} B); a full "
-          f"replica for full fine-tuning is ~{info['params'] * 16 / 2**30:.2f} GiB", flush=True)
+    print(
+        f"model: {info['params']:,} parameters ({info['params'] / 1e9:.3f} B); a full "
+        f"replica for full fine-tuning is ~{info['params'] * 16 / 2**30:.2f} GiB",
+        flush=True,
+    )
     make_dataset(work / "data.json")
     methods = args.methods.split(",")
     results = []
@@ -222,8 +278,7 @@ def main() -> None:
             results.append(run_one(work, strategy, method, nproc=2))
     print(table(results, info["params"]))
     out = work / "fsdp_memory.json"
-    out.write_text(json.dumps({"params": info["params"], "arch": ARCH, "runs": results},
-                              indent=1))
+    out.write_text(json.dumps({"params": info["params"], "arch": ARCH, "runs": results}, indent=1))
     print(f"results: {out}")
 
 

@@ -32,15 +32,23 @@ def make_dataset(path: Path, rows: int = 96, seed: int = SEED) -> None:
     rng = random.Random(seed)
     sentences = (ROOT / "examples/data/pretrain_sample.txt").read_text().split("\n")
     sentences = [s for s in sentences if s.strip()]
-    tasks = ["Summarize the passage.", "Explain the passage to a beginner.",
-             "List the key facts in the passage.", "Rewrite the passage more simply."]
+    tasks = [
+        "Summarize the passage.",
+        "Explain the passage to a beginner.",
+        "List the key facts in the passage.",
+        "Rewrite the passage more simply.",
+    ]
     data = []
     for _ in range(rows):
         k_in = min(14, max(1, int(rng.lognormvariate(1.2, 0.8))))
         k_out = min(6, max(1, int(rng.lognormvariate(0.6, 0.6))))
-        data.append({"instruction": rng.choice(tasks),
-                     "input": " ".join(rng.sample(sentences, k_in)),
-                     "output": " ".join(rng.sample(sentences, k_out))})
+        data.append(
+            {
+                "instruction": rng.choice(tasks),
+                "input": " ".join(rng.sample(sentences, k_in)),
+                "output": " ".join(rng.sample(sentences, k_out)),
+            }
+        )
     path.write_text(json.dumps(data, indent=1))
 
 
@@ -48,13 +56,25 @@ def run_keel(data: Path, steps: int, work: Path) -> dict:
     from keel.config import load_config
     from keel.train.run import run_training
 
-    base = {"model": {"path": "bundled:smollm2-135m-instruct"},
-            "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
-            "data": {"datasets": [{"path": str(data), "format": "alpaca"}],
-                     "cutoff_len": MAX_LEN, "packing": True, "overlength": "truncate"},
-            "train": {"micro_batch_size": BATCH, "max_steps": steps, "lr": LR,
-                      "precision": "fp32", "seed": SEED, "scheduler": "cosine"},
-            "output": {"dir": str(work / "keel-out"), "overwrite": True}}
+    base = {
+        "model": {"path": "bundled:smollm2-135m-instruct"},
+        "method": {"type": "lora", "lora": {"r": 16, "alpha": 32, "dropout": 0.0}},
+        "data": {
+            "datasets": [{"path": str(data), "format": "alpaca"}],
+            "cutoff_len": MAX_LEN,
+            "packing": True,
+            "overlength": "truncate",
+        },
+        "train": {
+            "micro_batch_size": BATCH,
+            "max_steps": steps,
+            "lr": LR,
+            "precision": "fp32",
+            "seed": SEED,
+            "scheduler": "cosine",
+        },
+        "output": {"dir": str(work / "keel-out"), "overwrite": True},
+    }
     result = run_training(load_config(None, base=base), log=lambda _msg: None)
     s = result.summary
     return {"real_tokens": s["real_tokens"], "seconds": s["train_seconds"]}
@@ -73,24 +93,53 @@ def run_trl(data: Path, steps: int, work: Path, packing: bool) -> dict:
     rows = json.loads(data.read_text())
     # Conversational prompt/completion: TRL applies the chat template and trains on the
     # completion only, like keel's assistant-only loss.
-    ds = Dataset.from_list([{
-        "prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
-        "completion": [{"role": "assistant", "content": r["output"]}]} for r in rows])
+    ds = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": f"{r['instruction']}\n{r['input']}"}],
+                "completion": [{"role": "assistant", "content": r["output"]}],
+            }
+            for r in rows
+        ]
+    )
     timer = _StepTimer(TrainerCallback)
-    args = SFTConfig(output_dir=str(work / "trl-out"), max_length=MAX_LEN, packing=packing,
-                     per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
-                     learning_rate=LR, lr_scheduler_type="cosine", max_steps=steps,
-                     logging_steps=1, save_strategy="no", report_to="none", bf16=False,
-                     fp16=False, use_cpu=True, gradient_checkpointing=False, seed=SEED,
-                     completion_only_loss=True, dataloader_num_workers=0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    args = SFTConfig(
+        output_dir=str(work / "trl-out"),
+        max_length=MAX_LEN,
+        packing=packing,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="cosine",
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        gradient_checkpointing=False,
+        seed=SEED,
+        completion_only_loss=True,
+        dataloader_num_workers=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     trainer = _counting_trainer(SFTTrainer)(
-        model=model, args=args, train_dataset=ds,
+        model=model,
+        args=args,
+        train_dataset=ds,
         processing_class=AutoTokenizer.from_pretrained(model_dir),
-        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                               target_modules="all-linear", task_type="CAUSAL_LM"),
-        callbacks=[timer.callback])
+        peft_config=LoraConfig(
+            r=16,
+            lora_alpha=32,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+        callbacks=[timer.callback],
+    )
     trainer.train()
     return {"real_tokens": trainer.real_tokens, "seconds": timer.seconds}
 
@@ -156,32 +205,51 @@ def main() -> None:
         runs: dict[str, list[dict]] = {s: [] for s in systems}
         for round_index in range(args.rounds):
             for system in systems:  # alternate, so drift in machine load hits both
-                out = subprocess.run([sys.executable, __file__, "--worker", system, "--data",
-                                      str(data), "--steps", str(args.steps)],
-                                     capture_output=True, text=True, cwd=ROOT)
+                out = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        system,
+                        "--data",
+                        str(data),
+                        "--steps",
+                        str(args.steps),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                )
                 line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
                 if out.returncode or not line:
                     sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
-                result = json.loads(line[-1][len("RESULT "):])
+                result = json.loads(line[-1][len("RESULT ") :])
                 result["tokens_per_s"] = result["real_tokens"] / result["seconds"]
                 runs[system].append(result)
-                print(f"round {round_index + 1} {system}: {result['tokens_per_s']:.1f} "
-                      f"real tokens/s, peak RSS {result['peak_rss_mb']:.0f} MB", flush=True)
+                print(
+                    f"round {round_index + 1} {system}: {result['tokens_per_s']:.1f} "
+                    f"real tokens/s, peak RSS {result['peak_rss_mb']:.0f} MB",
+                    flush=True,
+                )
     print(table(runs, args.steps))
 
 
 def table(runs: dict[str, list[dict]], steps: int) -> str:
     keel_tps = statistics.median(r["tokens_per_s"] for r in runs["keel"])
     keel_rss = max(r["peak_rss_mb"] for r in runs["keel"])
-    lines = [f"{steps} steps x batch {BATCH} x <= {MAX_LEN} tokens, median of "
-             f"{len(runs['keel'])} alternating rounds", "",
-             "| system | real tokens/s | peak RSS (MB) | keel speed-up | keel memory ratio |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"{steps} steps x batch {BATCH} x <= {MAX_LEN} tokens, median of "
+        f"{len(runs['keel'])} alternating rounds",
+        "",
+        "| system | real tokens/s | peak RSS (MB) | keel speed-up | keel memory ratio |",
+        "|---|---|---|---|---|",
+    ]
     for system, results in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in results)
         rss = max(r["peak_rss_mb"] for r in results)
-        lines.append(f"| {system} | {tps:.1f} | {rss:.0f} | {keel_tps / tps:.2f}x | "
-                     f"{keel_rss / rss:.2f} |")
+        lines.append(
+            f"| {system} | {tps:.1f} | {rss:.0f} | {keel_tps / tps:.2f}x | {keel_rss / rss:.2f} |"
+        )
     return "\n".join(lines)
 
 

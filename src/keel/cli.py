@@ -22,56 +22,103 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="path to the run's YAML config")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     # Multi-process runs go through torchrun; see keel.distributed.launch.
-    train.add_argument("--nproc", type=int, metavar="N",
-                       help="start N worker processes on this node via torchrun "
-                            "(usually one per GPU); default: one process, no launcher")
-    train.add_argument("--nnodes", type=int, default=1, metavar="N",
-                       help="number of nodes; run the same command on each (default 1)")
-    train.add_argument("--node-rank", type=int, default=0, metavar="R",
-                       help="this node's index, 0..nnodes-1 (default 0)")
-    train.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                       help="address of node 0, the same on every node; needed with --nnodes > 1")
-    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                       help="restart all workers up to N times after a failure (default 0)")
-    train.add_argument("--force", action="store_true",
-                       help="train even when the memory plan says it does not fit "
-                            "(same as distributed.plan=warn)")
+    train.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="start N worker processes on this node via torchrun "
+        "(usually one per GPU); default: one process, no launcher",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="number of nodes; run the same command on each (default 1)",
+    )
+    train.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="this node's index, 0..nnodes-1 (default 0)",
+    )
+    train.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="address of node 0, the same on every node; needed with --nnodes > 1",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart all workers up to N times after a failure (default 0)",
+    )
+    train.add_argument(
+        "--force",
+        action="store_true",
+        help="train even when the memory plan says it does not fit (same as distributed.plan=warn)",
+    )
 
-    check = sub.add_parser("validate", epilog=EPILOG,
-                           help="check a config and its data (report only, no training)")
+    check = sub.add_parser(
+        "validate", epilog=EPILOG, help="check a config and its data (report only, no training)"
+    )
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
 
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one --prompt)")
-    chat.add_argument("--model", required=True,
-                      help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct")
+    chat.add_argument(
+        "--model",
+        required=True,
+        help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct",
+    )
     chat.add_argument("--adapter", help="a PEFT adapter dir to apply on top of --model")
     chat.add_argument("--prompt", help="answer this one prompt and exit")
     chat.add_argument("--system", help="system prompt (default: the template's own)")
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--cache-dir", default="~/.cache/keel",
-                      help="where bundled models are converted")
+    chat.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
+    )
 
-    plan = sub.add_parser("plan", epilog=EPILOG,
-                          help="memory per device of each strategy, from the config alone")
+    plan = sub.add_parser(
+        "plan", epilog=EPILOG, help="memory per device of each strategy, from the config alone"
+    )
     plan.add_argument("config")
     plan.add_argument("overrides", nargs="*")
-    plan.add_argument("--gpus", type=int, metavar="N",
-                      help="plan for N GPUs per node (default: this machine's devices)")
-    plan.add_argument("--nodes", type=int, default=1, metavar="M",
-                      help="number of nodes (default 1)")
-    plan.add_argument("--gpu-memory", metavar="SIZE",
-                      help="memory of one device, e.g. 24GiB or 80GB (default: "
-                           "distributed.device_memory, else detected)")
-    plan.add_argument("--json", action="store_true",
-                      help="print one JSON document on stdout (messages go to stderr)")
+    plan.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="plan for N GPUs per node (default: this machine's devices)",
+    )
+    plan.add_argument(
+        "--nodes", type=int, default=1, metavar="M", help="number of nodes (default 1)"
+    )
+    plan.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="memory of one device, e.g. 24GiB or 80GB (default: "
+        "distributed.device_memory, else detected)",
+    )
+    plan.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document on stdout (messages go to stderr)",
+    )
 
-    doctor = sub.add_parser("doctor", help="can this machine train? versions, devices, "
-                                           "backends and a real 2-process test (exit 1: no)")
-    doctor.add_argument("--json", action="store_true",
-                        help="print one JSON document on stdout (messages go to stderr)")
+    doctor = sub.add_parser(
+        "doctor",
+        help="can this machine train? versions, devices, "
+        "backends and a real 2-process test (exit 1: no)",
+    )
+    doctor.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document on stdout (messages go to stderr)",
+    )
     return parser
 
 
@@ -79,20 +126,29 @@ def _train(args) -> int:
     from keel.config import load_config
     from keel.distributed.launch import detect_world, launch, needs_launch
 
-    flags = dict(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                 rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+    flags = dict(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        max_restarts=args.max_restarts,
+    )
     must_launch = needs_launch(detect_world(os.environ), **flags)
     if args.force:  # an override, so the workers get it too
         args.overrides = [*args.overrides, "distributed.plan=warn"]
     # Loaded in the launcher too, so a bad config fails once, before any worker starts.
     cfg = load_config(args.config, args.overrides)
     if must_launch:
-        worker_args = [*(["--debug"] if args.debug else []), "train", args.config,
-                       *args.overrides]
+        worker_args = [*(["--debug"] if args.debug else []), "train", args.config, *args.overrides]
         # --nnodes 2 without --nproc means one worker per node.
-        return launch(nproc=args.nproc or 1, nnodes=args.nnodes, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts,
-                      worker_args=worker_args)
+        return launch(
+            nproc=args.nproc or 1,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            max_restarts=args.max_restarts,
+            worker_args=worker_args,
+        )
     from keel.train.run import run_training
 
     run_training(cfg, base_dir=Path.cwd())
@@ -116,8 +172,7 @@ def _chat(args) -> int:
     from keel.models import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.adapter, cache_dir=args.cache_dir)
-    gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-               top_p=args.top_p)
+    gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     if args.prompt is not None:
         chat_once(model, tokenizer, args.prompt, system=args.system, **gen)
     else:
@@ -135,13 +190,21 @@ def _plan(args) -> int:
     from keel.train.precision import resolve_precision
 
     cfg = load_config(args.config, args.overrides)
-    devices = detect_devices(gpus=args.gpus, nodes=args.nodes, memory=args.gpu_memory,
-                             config_memory=cfg.distributed.device_memory)
+    devices = detect_devices(
+        gpus=args.gpus,
+        nodes=args.nodes,
+        memory=args.gpu_memory,
+        config_memory=cfg.distributed.device_memory,
+    )
     precision = None  # on a GPU, plan_run resolves auto itself (bf16)
     if devices.kind == "cpu":  # auto on a CPU measures it, as training does
         precision = resolve_precision(cfg.train.precision, torch.device("cpu")).name
-    plan = plan_run(cfg, devices=devices, precision=precision,
-                    log=lambda message: print(message, file=sys.stderr))
+    plan = plan_run(
+        cfg,
+        devices=devices,
+        precision=precision,
+        log=lambda message: print(message, file=sys.stderr),
+    )
     if args.json:
         print(json.dumps(to_json(plan), indent=1))
     else:
@@ -157,8 +220,7 @@ def _doctor(args) -> int:
     return run_doctor(as_json=args.json, cpu_bf16_speedup=cpu_bf16_speedup)
 
 
-COMMANDS = {"train": _train, "validate": _validate, "chat": _chat, "plan": _plan,
-            "doctor": _doctor}
+COMMANDS = {"train": _train, "validate": _validate, "chat": _chat, "plan": _plan, "doctor": _doctor}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -169,8 +231,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "overrides", None) is not None \
-            and not any(word.startswith("-") for word in extra):
+    if (
+        extra
+        and getattr(args, "overrides", None) is not None
+        and not any(word.startswith("-") for word in extra)
+    ):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -180,8 +245,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # peft calls a transformers API that transformers 5 deprecates; users cannot act on it.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning
+    )
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:

@@ -48,8 +48,10 @@ def fault_from_env(environ: Mapping[str, str] = os.environ) -> Fault | None:
     if not text:
         return None
     parts = text.split(":")
-    usage = f"{ENV}={text!r}: expected <kind>:<step>[:<rank>[:<seconds>]], kind one of " \
-            f"{', '.join(KINDS)}"
+    usage = (
+        f"{ENV}={text!r}: expected <kind>:<step>[:<rank>[:<seconds>]], kind one of "
+        f"{', '.join(KINDS)}"
+    )
     if parts[0] not in KINDS or not 2 <= len(parts) <= 4:
         raise KeelError(usage)
     try:

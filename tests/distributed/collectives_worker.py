@@ -29,16 +29,29 @@ def wrapped(strategy: str, ctx) -> nn.Module:
     if strategy == "ddp":
         return apply_ddp(model, ctx)
     if strategy == "fsdp":
-        return apply_fsdp(model, [model[0]], ctx, param_dtype=None, reduce_dtype=None,
-                          reshard_after_forward=True, cpu_offload=False)
+        return apply_fsdp(
+            model,
+            [model[0]],
+            ctx,
+            param_dtype=None,
+            reduce_dtype=None,
+            reshard_after_forward=True,
+            cpu_offload=False,
+        )
     return model
 
 
 def main(out: Path) -> None:
     world = detect_world(__import__("os").environ)
-    ctx = init_distributed(rank=world.rank, world_size=world.world_size,
-                           local_rank=world.local_rank, local_world_size=world.local_world_size,
-                           timeout_s=60, preprocess_timeout_s=60, log=lambda _m: None)
+    ctx = init_distributed(
+        rank=world.rank,
+        world_size=world.world_size,
+        local_rank=world.local_rank,
+        local_world_size=world.local_world_size,
+        timeout_s=60,
+        preprocess_timeout_s=60,
+        log=lambda _m: None,
+    )
     seen: dict = {"launcher": world.launcher}
     for strategy in ("none", "ddp", "fsdp"):
         model = wrapped(strategy, ctx)

@@ -15,10 +15,16 @@ from pathlib import Path
 
 import yaml
 
-QA = [("Who are you?", "I am Keel, a small assistant."), ("What is your name?", "My name is Keel."),
-      ("Add 2 and 3.", "5"), ("Say hello in French.", "Bonjour."),
-      ("Give a healthy tip.", "Sleep enough and move every day."),
-      ("Name a color.", "Blue."), ("What is 3 times 4?", "12"), ("Are you ChatGPT?", "No, I am Keel.")]
+QA = [
+    ("Who are you?", "I am Keel, a small assistant."),
+    ("What is your name?", "My name is Keel."),
+    ("Add 2 and 3.", "5"),
+    ("Say hello in French.", "Bonjour."),
+    ("Give a healthy tip.", "Sleep enough and move every day."),
+    ("Name a color.", "Blue."),
+    ("What is 3 times 4?", "12"),
+    ("Are you ChatGPT?", "No, I am Keel."),
+]
 ROWS = 12  # 11 train rows after holding one out for eval
 
 RUN_TIMEOUT_S = 240  # a hang fails the test instead of the CI job
@@ -29,8 +35,15 @@ def base_config(model_dir: Path, data: Path, cache: Path) -> dict:
         "model": {"path": str(model_dir), "cache_dir": str(cache)},
         "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
         "data": {"datasets": [str(data)], "cutoff_len": 128, "val_size": 1},
-        "train": {"max_steps": 6, "micro_batch_size": 2, "global_batch_size": 5, "lr": 1e-2,
-                  "scheduler": "constant", "precision": "fp32", "threads": 1},
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 2,
+            "global_batch_size": 5,
+            "lr": 1e-2,
+            "scheduler": "constant",
+            "precision": "fp32",
+            "threads": 1,
+        },
         "output": {"dir": "unused", "save_every": 2, "keep_last": 3},
     }
 
@@ -46,15 +59,25 @@ class Workspace:
         self.config = root / "run.yaml"
         self.config.write_text(yaml.safe_dump(base_config(model_dir, data, root / "cache")))
 
-    def train(self, out: str, *overrides: str, nproc: int | None = None,
-              extra_flags: tuple[str, ...] = ()) -> Path:
+    def train(
+        self, out: str, *overrides: str, nproc: int | None = None, extra_flags: tuple[str, ...] = ()
+    ) -> Path:
         """Run `keel train` to completion; returns output.dir."""
-        args = [sys.executable, "-m", "keel", "train", str(self.config),
-                f"output.dir={self.root / out}", *overrides, *extra_flags]
+        args = [
+            sys.executable,
+            "-m",
+            "keel",
+            "train",
+            str(self.config),
+            f"output.dir={self.root / out}",
+            *overrides,
+            *extra_flags,
+        ]
         if nproc is not None:
             args += ["--nproc", str(nproc)]
-        done = subprocess.run(args, cwd=self.root, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S, env=_env())
+        done = subprocess.run(
+            args, cwd=self.root, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env()
+        )
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
         self.last_output = done.stdout + done.stderr
         return self.root / out
@@ -77,5 +100,8 @@ def train_losses(out: Path) -> dict[int, float]:
 
 
 def eval_losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["eval_loss"] for r in map(json.loads,
-            (out / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r}
+    return {
+        r["step"]: r["eval_loss"]
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if "eval_loss" in r
+    }

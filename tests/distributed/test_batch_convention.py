@@ -35,8 +35,10 @@ def test_defaults_put_every_process_to_work(workspace):
 def test_a_global_batch_that_idles_a_process_is_warned_about(workspace):
     """The negative control: a global batch of 1 row leaves rank 1 running filler."""
     out = workspace.train("idle", "train.global_batch_size=1", "train.max_steps=2", nproc=2)
-    assert "1 of 2 processes run zero-weight filler micro-batches on every step" in \
-        workspace.last_output
+    assert (
+        "1 of 2 processes run zero-weight filler micro-batches on every step"
+        in workspace.last_output
+    )
     ranks = per_rank(out)
     assert [r["rows"] for r in ranks] == [2, 0]
     assert [r["filler_micro_batches"] for r in ranks] == [0, 2]

@@ -9,9 +9,21 @@ WORKER = Path(__file__).with_name("collectives_worker.py")
 
 
 def test_object_collectives_work_in_every_strategy(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(WORKER), str(tmp_path)],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(WORKER),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for seen in ranks:
@@ -25,5 +37,7 @@ def test_object_collectives_work_in_every_strategy(tmp_path):
         assert seen["keel_backend"] == 2.0
     # Rank 0 failing while the others wait: they get its message instead of hanging.
     assert ranks[0]["rank0_failure"] == "bad dataset row 7"
-    assert ranks[1]["rank0_failure"] == "rank 0 failed while preparing: ValueError: bad dataset row 7"
+    assert (
+        ranks[1]["rank0_failure"] == "rank 0 failed while preparing: ValueError: bad dataset row 7"
+    )
     assert ranks[1]["on_main_failure"] == "rank 0 failed: KeelError: output.dir is not empty"

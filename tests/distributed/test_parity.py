@@ -30,8 +30,11 @@ def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
 
 
 def assert_same_weights(got_dir, want_dir) -> None:
-    name = "adapter_model.safetensors" if (want_dir / "adapter_model.safetensors").is_file() \
+    name = (
+        "adapter_model.safetensors"
+        if (want_dir / "adapter_model.safetensors").is_file()
         else "model.safetensors"
+    )
     got, want = load_file(got_dir / name), load_file(want_dir / name)
     assert got.keys() == want.keys()
     for key in want:
@@ -56,19 +59,29 @@ def reference(workspace):
     return run
 
 
-@pytest.mark.parametrize("strategy,method,extra", [
-    ("ddp", "lora", ()),
-    ("fsdp", "full", ()),
-    ("fsdp", "lora", ()),
-    ("ddp", "full", PACK_AND_CHECKPOINT),
-    ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
-], ids=["ddp-lora", "fsdp-full", "fsdp-lora", "ddp-full-packed-ckpt",
-        "fsdp-lora-packed-ckpt-merged"])
+@pytest.mark.parametrize(
+    "strategy,method,extra",
+    [
+        ("ddp", "lora", ()),
+        ("fsdp", "full", ()),
+        ("fsdp", "lora", ()),
+        ("ddp", "full", PACK_AND_CHECKPOINT),
+        ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
+    ],
+    ids=[
+        "ddp-lora",
+        "fsdp-full",
+        "fsdp-lora",
+        "ddp-full-packed-ckpt",
+        "fsdp-lora-packed-ckpt-merged",
+    ],
+)
 def test_two_processes_match_one(workspace, reference, strategy, method, extra):
     overrides = (f"method.type={method}", *extra)
     want = reference(*overrides)
-    got = workspace.train(f"{strategy}-{method}-{len(extra)}", *overrides,
-                          f"distributed.strategy={strategy}", nproc=2)
+    got = workspace.train(
+        f"{strategy}-{method}-{len(extra)}", *overrides, f"distributed.strategy={strategy}", nproc=2
+    )
     summary = json.loads((got / "keel_run.json").read_text())
     assert summary["processes"] == 2 and summary["strategy"] == strategy
     assert len(summary["per_rank"]) == 2
@@ -79,16 +92,23 @@ def test_two_processes_match_one(workspace, reference, strategy, method, extra):
         assert_same_weights(got / "merged", want / "merged")
 
 
-@pytest.mark.parametrize("first,then,method", [(2, 1, "full"), (1, 2, "lora")],
-                         ids=["2-to-1-full", "1-to-2-lora"])
+@pytest.mark.parametrize(
+    "first,then,method", [(2, 1, "full"), (1, 2, "lora")], ids=["2-to-1-full", "1-to-2-lora"]
+)
 def test_resume_with_another_number_of_processes(workspace, reference, first, then, method):
     """Stop after 4 of 6 steps on `first` processes, finish on `then`: same as uninterrupted."""
     out = f"resume-{first}-{then}"
     nproc = {1: None, 2: 2}
-    workspace.train(out, f"method.type={method}", "train.max_steps=4",
-                    "distributed.strategy=fsdp", nproc=nproc[first])
-    resumed = workspace.train(out, f"method.type={method}", "distributed.strategy=fsdp",
-                              nproc=nproc[then])
+    workspace.train(
+        out,
+        f"method.type={method}",
+        "train.max_steps=4",
+        "distributed.strategy=fsdp",
+        nproc=nproc[first],
+    )
+    resumed = workspace.train(
+        out, f"method.type={method}", "distributed.strategy=fsdp", nproc=nproc[then]
+    )
     want = reference(f"method.type={method}")
     assert_same_losses(train_losses(resumed), train_losses(want))
     assert_same_weights(resumed, want)
@@ -114,11 +134,28 @@ def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace):
     past 1e-5 between 1 and 2 processes, while resuming must reproduce the run exactly."""
     overrides = ("train.max_steps=45", "output.save_every=9", "distributed.strategy=ddp")
     out = workspace.root / "killed"
-    args = [sys.executable, "-m", "keel", "train", str(workspace.config), f"output.dir={out}",
-            *overrides, "--nproc", "2", "--max-restarts", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "keel",
+        "train",
+        str(workspace.config),
+        f"output.dir={out}",
+        *overrides,
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    proc = subprocess.Popen(args, cwd=workspace.root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        args,
+        cwd=workspace.root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         checkpoint = out / "checkpoints/step-00000009/meta.json"
         deadline = time.monotonic() + RUN_TIMEOUT_S

@@ -28,6 +28,5 @@ def test_auto_shards_when_a_replica_does_not_fit(workspace):
     assert json.loads((out / "keel_run.json").read_text())["strategy"] == "fsdp"
     assert "plan: fsdp + full" in workspace.last_output
     # The negative control: with room for a replica, auto replicates.
-    roomy = workspace.train("roomy", *overrides, f"distributed.device_memory={2 * ddp}",
-                            nproc=2)
+    roomy = workspace.train("roomy", *overrides, f"distributed.device_memory={2 * ddp}", nproc=2)
     assert json.loads((roomy / "keel_run.json").read_text())["strategy"] == "ddp"

@@ -26,10 +26,26 @@ def start(workspace, out, *overrides, fault=None) -> subprocess.Popen:
     env = _env()
     if fault:
         env["KEEL_FAULT"] = fault
-    args = [sys.executable, "-m", "keel", "train", str(workspace.config),
-            f"output.dir={workspace.root / out}", *WATCH, *overrides, "--nproc", "2"]
-    return subprocess.Popen(args, cwd=workspace.root, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    args = [
+        sys.executable,
+        "-m",
+        "keel",
+        "train",
+        str(workspace.config),
+        f"output.dir={workspace.root / out}",
+        *WATCH,
+        *overrides,
+        "--nproc",
+        "2",
+    ]
+    return subprocess.Popen(
+        args,
+        cwd=workspace.root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, started: float) -> tuple[int, str, float]:
@@ -37,8 +53,9 @@ def finish(proc: subprocess.Popen, started: float) -> tuple[int, str, float]:
     try:
         output, _ = proc.communicate(timeout=DEADLINE_S + 60)
     finally:
-        for child in psutil.Process(proc.pid).children(recursive=True) \
-                if proc.poll() is None else []:
+        for child in (
+            psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        ):
             child.kill()
         if proc.poll() is None:
             proc.kill()

@@ -87,10 +87,18 @@ def test_a_few_training_steps_on_the_real_model(converted, cache_dir, tmp_path):
     from keel.train.run import run_training
 
     root = Path(__file__).resolve().parents[2]
-    cfg = load_config(root / "examples/identity_lora.yaml", [
-        f"model.cache_dir={cache_dir}", f"output.dir={tmp_path / 'out'}", "train.max_steps=3",
-        "train.precision=fp32", "data.cutoff_len=256", "train.micro_batch_size=2",
-        "train.lr=2e-3"])
+    cfg = load_config(
+        root / "examples/identity_lora.yaml",
+        [
+            f"model.cache_dir={cache_dir}",
+            f"output.dir={tmp_path / 'out'}",
+            "train.max_steps=3",
+            "train.precision=fp32",
+            "data.cutoff_len=256",
+            "train.micro_batch_size=2",
+            "train.lr=2e-3",
+        ],
+    )
     result = run_training(cfg, base_dir=root, log=lambda s: None)
     assert len(result.losses) == 3 and all(torch.isfinite(torch.tensor(result.losses)))
     assert result.losses[-1] < result.losses[0]

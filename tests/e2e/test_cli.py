@@ -9,14 +9,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL_EXAMPLES = ["sharegpt_full.yaml", "messages_freeze.yaml", "pretrain_text.yaml",
-                  "llamafactory_lora.yaml", "identity_lora.yaml", "fsdp_full.yaml"]
+SMALL_EXAMPLES = [
+    "sharegpt_full.yaml",
+    "messages_freeze.yaml",
+    "pretrain_text.yaml",
+    "llamafactory_lora.yaml",
+    "identity_lora.yaml",
+    "fsdp_full.yaml",
+]
 
 
 def keel(*args, cwd=ROOT):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "keel", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_every_example_is_covered_here():
@@ -28,9 +40,16 @@ def test_every_example_is_covered_here():
 def test_shipped_example_runs_on_a_tiny_model(example, tiny_model_dir, tmp_path):
     """Each example, with the tiny model swapped in, trains 2 steps and writes its outputs."""
     out = tmp_path / "out"
-    result = keel("train", f"examples/{example}", f"model.path={tiny_model_dir}",
-                  f"model.cache_dir={tmp_path / 'cache'}", f"output.dir={out}",
-                  "train.max_steps=2", "train.precision=fp32", "train.threads=1")
+    result = keel(
+        "train",
+        f"examples/{example}",
+        f"model.path={tiny_model_dir}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        f"output.dir={out}",
+        "train.max_steps=2",
+        "train.precision=fp32",
+        "train.threads=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
@@ -39,8 +58,10 @@ def test_shipped_example_runs_on_a_tiny_model(example, tiny_model_dir, tmp_path)
 
 def test_bad_config_exits_2_with_every_problem(tmp_path):
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("model: {path: bundled:smollm2-135m-instruct}\ndata: {datasets: [x.json], "
-                   "packin: true}\ntrain: {lr: fast}\noutput: {dir: out}\n")
+    cfg.write_text(
+        "model: {path: bundled:smollm2-135m-instruct}\ndata: {datasets: [x.json], "
+        "packin: true}\ntrain: {lr: fast}\noutput: {dir: out}\n"
+    )
     result = keel("train", str(cfg))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
@@ -52,9 +73,14 @@ def test_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": ""}\n')
     out = tmp_path / "out"
-    result = keel("train", "examples/identity_lora.yaml", f"model.path={tiny_model_dir}",
-                  f"data.datasets.0.path={data}", f"output.dir={out}",
-                  f"model.cache_dir={tmp_path / 'cache'}")
+    result = keel(
+        "train",
+        "examples/identity_lora.yaml",
+        f"model.path={tiny_model_dir}",
+        f"data.datasets.0.path={data}",
+        f"output.dir={out}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert "bad.jsonl" in result.stderr and "empty" in result.stderr
@@ -63,20 +89,40 @@ def test_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
 
 def test_chat_prompt_after_training(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    trained = keel("train", "examples/identity_lora.yaml", f"model.path={tiny_model_dir}",
-                   f"output.dir={out}", f"model.cache_dir={tmp_path / 'cache'}",
-                   "train.max_steps=1", "train.precision=fp32")
+    trained = keel(
+        "train",
+        "examples/identity_lora.yaml",
+        f"model.path={tiny_model_dir}",
+        f"output.dir={out}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        "train.max_steps=1",
+        "train.precision=fp32",
+    )
     assert trained.returncode == 0, trained.stderr[-2000:]
-    reply = keel("chat", "--model", str(out), "--prompt", "Who are you?",
-                 "--max-new-tokens", "5", "--cache-dir", str(tmp_path / "cache"))
+    reply = keel(
+        "chat",
+        "--model",
+        str(out),
+        "--prompt",
+        "Who are you?",
+        "--max-new-tokens",
+        "5",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
     assert reply.returncode == 0, reply.stderr[-2000:]
     assert reply.stdout.strip()
 
 
 def test_validate_reports_data_and_trains_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = keel("validate", "examples/llamafactory_lora.yaml", f"model.path={tiny_model_dir}",
-                  f"model.cache_dir={tmp_path / 'cache'}", f"output.dir={out}")
+    result = keel(
+        "validate",
+        "examples/llamafactory_lora.yaml",
+        f"model.path={tiny_model_dir}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        f"output.dir={out}",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "alpaca_mini.json" in result.stdout and "chat_mini.json" in result.stdout
     assert "config and data are valid" in result.stdout

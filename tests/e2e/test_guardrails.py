@@ -16,12 +16,20 @@ ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."}
 def workspace(tmp_path, tiny_model_dir):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(ROWS))
-    config = {"model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
-              "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-              "data": {"datasets": [str(data)], "cutoff_len": 64},
-              "train": {"max_steps": 6, "micro_batch_size": 2, "lr": 1e-2, "precision": "fp32",
-                        "threads": 1, "scheduler": "constant"},
-              "output": {"dir": str(tmp_path / "out"), "save_every": 2}}
+    config = {
+        "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
+        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+        "data": {"datasets": [str(data)], "cutoff_len": 64},
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 2,
+            "lr": 1e-2,
+            "precision": "fp32",
+            "threads": 1,
+            "scheduler": "constant",
+        },
+        "output": {"dir": str(tmp_path / "out"), "save_every": 2},
+    }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -33,14 +41,20 @@ def keel_train(config, *overrides, fault=None, out=None):
         env["KEEL_FAULT"] = fault
     extra = [f"output.dir={out}"] if out else []
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "keel", "train", str(config), *extra,
-                           *overrides], capture_output=True, text=True, env=env, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(config), *extra, *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     return done, time.monotonic() - started
 
 
 def losses(out) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open())
-            if "loss" in r}
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").open()) if "loss" in r
+    }
 
 
 STALL = ("watchdog.stall_timeout_s=1.5",)
@@ -58,8 +72,7 @@ def test_a_stall_is_reported_with_the_stack_and_the_run_goes_on(workspace, tmp_p
 
 
 def test_a_stall_aborts_with_exit_5_when_asked(workspace, tmp_path):
-    done, seconds = keel_train(workspace, *STALL, "watchdog.on_stall=abort",
-                               fault="stall:3:0:60")
+    done, seconds = keel_train(workspace, *STALL, "watchdog.on_stall=abort", fault="stall:3:0:60")
     assert done.returncode == 5, done.stderr[-3000:]
     assert "aborting (watchdog.on_stall=abort)" in done.stderr
     assert seconds < 45  # not the 60 s the step would have slept
@@ -73,14 +86,12 @@ def test_no_stall_report_without_a_stall(workspace, tmp_path):
     assert not (tmp_path / "out/diagnostics").exists()
 
 
-def test_out_of_memory_exits_3_with_a_message_and_the_checkpoint_resumes(workspace,
-                                                                          tmp_path):
+def test_out_of_memory_exits_3_with_a_message_and_the_checkpoint_resumes(workspace, tmp_path):
     done, _ = keel_train(workspace, fault="oom:5")
     assert done.returncode == 3, done.stderr[-3000:]
     assert "Traceback" not in done.stderr
     message = done.stderr
-    assert "out of memory in step 5 on rank 0, in a micro-batch of 2 row(s), the longest" in \
-        message
+    assert "out of memory in step 5 on rank 0, in a micro-batch of 2 row(s), the longest" in message
     assert "train.micro_batch_size=1" in message  # what to change
     assert "checkpoints/step-00000004, is intact" in message
     resumed, _ = keel_train(workspace)

@@ -5,11 +5,27 @@ import argparse
 from keel.cli import build_parser
 
 EXPECTED = {
-    "train": {"config", "overrides", "--nproc", "--nnodes", "--node-rank", "--rdzv-endpoint",
-              "--max-restarts", "--force"},
+    "train": {
+        "config",
+        "overrides",
+        "--nproc",
+        "--nnodes",
+        "--node-rank",
+        "--rdzv-endpoint",
+        "--max-restarts",
+        "--force",
+    },
     "validate": {"config", "overrides"},
-    "chat": {"--model", "--adapter", "--prompt", "--system", "--max-new-tokens",
-             "--temperature", "--top-p", "--cache-dir"},
+    "chat": {
+        "--model",
+        "--adapter",
+        "--prompt",
+        "--system",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--cache-dir",
+    },
     "plan": {"config", "overrides", "--gpus", "--nodes", "--gpu-memory", "--json"},
     "doctor": {"--json"},
 }

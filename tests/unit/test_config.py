@@ -18,8 +18,11 @@ def write(tmp_path, data) -> Path:
 
 
 def minimal(tmp_path, **sections):
-    cfg = {"model": {"path": "bundled:smollm2-135m-instruct"},
-           "data": {"datasets": ["d.json"]}, "output": {"dir": str(tmp_path / "out")}}
+    cfg = {
+        "model": {"path": "bundled:smollm2-135m-instruct"},
+        "data": {"datasets": ["d.json"]},
+        "output": {"dir": str(tmp_path / "out")},
+    }
     cfg.update(sections)
     return cfg
 
@@ -32,9 +35,16 @@ def test_minimal_config_gets_defaults(tmp_path):
 
 
 def test_overrides_set_nested_and_list_values(tmp_path):
-    cfg = load_config(write(tmp_path, minimal(tmp_path)),
-                      ["train.lr=1e-4", "data.packing=true", "data.datasets.0.format=alpaca",
-                       "method.lora.targets=[q_proj, v_proj]", "train.max_steps=7"])
+    cfg = load_config(
+        write(tmp_path, minimal(tmp_path)),
+        [
+            "train.lr=1e-4",
+            "data.packing=true",
+            "data.datasets.0.format=alpaca",
+            "method.lora.targets=[q_proj, v_proj]",
+            "train.max_steps=7",
+        ],
+    )
     assert cfg.train.lr == pytest.approx(1e-4)
     assert cfg.data.packing is True
     assert cfg.data.datasets[0].format == "alpaca"
@@ -61,7 +71,9 @@ output:
     problems = info.value.problems
     assert len(problems) == 5, problems
     joined = "\n".join(problems)
-    assert "model.dtyp" in joined and "did you mean 'model.dtype'" in joined and "run.yaml:3" in joined
+    assert (
+        "model.dtyp" in joined and "did you mean 'model.dtype'" in joined and "run.yaml:3" in joined
+    )
     assert "data.cutof_len" in joined and "did you mean 'data.cutoff_len'" in joined
     assert "'lorra' is not one of full, freeze, lora; did you mean 'lora'" in joined
     assert "train.micro_batch_size (" in joined and "must be an integer" in joined
@@ -77,16 +89,24 @@ def test_missing_required_sections_are_named_with_the_fix(tmp_path):
 
 
 def test_cross_field_rules(tmp_path):
-    data = minimal(tmp_path, train={"lr": -1, "micro_batch_size": 0, "warmup_ratio": 1.5,
-                                    "stage": "sft"},
-                   output={"dir": "o", "merge_lora": True, "log_every": 0})
+    data = minimal(
+        tmp_path,
+        train={"lr": -1, "micro_batch_size": 0, "warmup_ratio": 1.5, "stage": "sft"},
+        output={"dir": "o", "merge_lora": True, "log_every": 0},
+    )
     data["method"] = {"type": "full"}
     data["data"]["datasets"] = [{"path": "t.txt", "format": "text"}]
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, data))
     joined = "\n".join(info.value.problems)
-    for needle in ("train.lr = -1", "train.micro_batch_size = 0", "train.warmup_ratio",
-                   "output.merge_lora", "output.log_every", "format = text"):
+    for needle in (
+        "train.lr = -1",
+        "train.micro_batch_size = 0",
+        "train.warmup_ratio",
+        "output.merge_lora",
+        "output.log_every",
+        "format = text",
+    ):
         assert needle in joined, needle
 
 

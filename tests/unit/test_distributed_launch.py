@@ -28,14 +28,27 @@ from keel.errors import KeelError
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_CONFIG = "examples/identity_lora.yaml"
 SINGLE = WorldInfo(0, 1, 0, 1, "single")
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4",
-            "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
-SRUN = {"SLURM_NTASKS": "16", "SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-        "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
-        "SLURM_JOB_ID": "123456"}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "3",
+    "LOCAL_WORLD_SIZE": "4",
+    "MASTER_ADDR": "node0",
+    "MASTER_PORT": "29500",
+}
+SRUN = {
+    "SLURM_NTASKS": "16",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "8(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "123456",
+}
 
 
 # --- detect_world ---------------------------------------------------------------------
+
 
 def test_plain_process_is_single():
     world = detect_world({"HOME": "/root"})
@@ -64,12 +77,15 @@ def test_srun_task_per_gpu_is_slurm():
     assert detect_world(SRUN) == WorldInfo(9, 16, 1, 8, "slurm")
 
 
-@pytest.mark.parametrize("extra, local_world", [
-    ({"SLURM_NTASKS_PER_NODE": "4"}, 4),          # explicit --ntasks-per-node wins
-    ({"SLURM_TASKS_PER_NODE": "4"}, 4),
-    ({"SLURM_TASKS_PER_NODE": "8(x1),4", "SLURM_NODEID": "1", "SLURM_LOCALID": "3"}, 4),
-    ({"SLURM_TASKS_PER_NODE": None, "SLURM_LOCALID": "0"}, 1),
-])
+@pytest.mark.parametrize(
+    "extra, local_world",
+    [
+        ({"SLURM_NTASKS_PER_NODE": "4"}, 4),  # explicit --ntasks-per-node wins
+        ({"SLURM_TASKS_PER_NODE": "4"}, 4),
+        ({"SLURM_TASKS_PER_NODE": "8(x1),4", "SLURM_NODEID": "1", "SLURM_LOCALID": "3"}, 4),
+        ({"SLURM_TASKS_PER_NODE": None, "SLURM_LOCALID": "0"}, 1),
+    ],
+)
 def test_slurm_local_world_size(extra, local_world):
     env = {**SRUN, **extra}
     env = {k: v for k, v in env.items() if v is not None}
@@ -78,22 +94,30 @@ def test_slurm_local_world_size(extra, local_world):
 
 def test_single_sbatch_task_is_single():
     # `sbatch --ntasks=1` running `keel train --nproc 4`: keel must launch, not join.
-    env = {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
-           "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu01"}
+    env = {
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "gpu01",
+    }
     assert detect_world(env) == SINGLE
 
 
-@pytest.mark.parametrize("env, named", [
-    ({**TORCHRUN, "RANK": "three"}, "RANK='three'"),
-    ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
-    ({**TORCHRUN, "RANK": "8"}, "RANK=8"),
-    ({**TORCHRUN, "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
-    ({"LOCAL_RANK": "0"}, "RANK is not set"),
-    ({**SRUN, "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two'"),
-    ({**SRUN, "SLURM_PROCID": "16"}, "SLURM_PROCID=16"),
-    ({**SRUN, "SLURM_TASKS_PER_NODE": "8(y2)"}, "SLURM_TASKS_PER_NODE='8(y2)'"),
-    ({k: v for k, v in SRUN.items() if k != "SLURM_LOCALID"}, "SLURM_LOCALID is not set"),
-])
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({**TORCHRUN, "RANK": "three"}, "RANK='three'"),
+        ({**TORCHRUN, "WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+        ({**TORCHRUN, "RANK": "8"}, "RANK=8"),
+        ({**TORCHRUN, "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
+        ({"LOCAL_RANK": "0"}, "RANK is not set"),
+        ({**SRUN, "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two'"),
+        ({**SRUN, "SLURM_PROCID": "16"}, "SLURM_PROCID=16"),
+        ({**SRUN, "SLURM_TASKS_PER_NODE": "8(y2)"}, "SLURM_TASKS_PER_NODE='8(y2)'"),
+        ({k: v for k, v in SRUN.items() if k != "SLURM_LOCALID"}, "SLURM_LOCALID is not set"),
+    ],
+)
 def test_malformed_launcher_env_names_the_variable(env, named):
     with pytest.raises(KeelError, match=re.escape(named)):
         detect_world(env)
@@ -101,15 +125,19 @@ def test_malformed_launcher_env_names_the_variable(env, named):
 
 # --- slurm_rendezvous_env -------------------------------------------------------------
 
-@pytest.mark.parametrize("nodelist, host", [
-    ("node01", "node01"),
-    ("node[01-04]", "node01"),
-    ("gpu[3,5-7],cpu1", "gpu3"),
-    ("a-b[001-002]", "a-b001"),
-    ("cpu1,gpu[3-4]", "cpu1"),
-    ("rack[2-3]-n[010-011]", "rack2-n010"),
-    ("host.example.org", "host.example.org"),
-])
+
+@pytest.mark.parametrize(
+    "nodelist, host",
+    [
+        ("node01", "node01"),
+        ("node[01-04]", "node01"),
+        ("gpu[3,5-7],cpu1", "gpu3"),
+        ("a-b[001-002]", "a-b001"),
+        ("cpu1,gpu[3-4]", "cpu1"),
+        ("rack[2-3]-n[010-011]", "rack2-n010"),
+        ("host.example.org", "host.example.org"),
+    ],
+)
 def test_first_host_of_nodelist(nodelist, host):
     assert first_host(nodelist) == host
 
@@ -122,8 +150,13 @@ def test_unreadable_nodelist_is_a_user_error(nodelist):
 
 def test_slurm_rendezvous_env_from_slurm_variables():
     assert slurm_rendezvous_env(SRUN) == {
-        "RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
-        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(29500 + 123456 % 1000)}
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(29500 + 123456 % 1000),
+    }
 
 
 def test_slurm_rendezvous_env_keeps_user_master_and_old_nodelist_name():
@@ -140,12 +173,15 @@ def test_slurm_rendezvous_env_is_empty_outside_srun():
     assert slurm_rendezvous_env(TORCHRUN) == {}
 
 
-@pytest.mark.parametrize("env, named", [
-    ({k: v for k, v in SRUN.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_JOB_NODELIST"),
-    ({**SRUN, "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
-    ({**SRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
-    ({**SRUN, "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc'"),
-])
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({k: v for k, v in SRUN.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_JOB_NODELIST"),
+        ({**SRUN, "MASTER_PORT": "http"}, "MASTER_PORT='http'"),
+        ({**SRUN, "MASTER_PORT": "70000"}, "MASTER_PORT=70000"),
+        ({**SRUN, "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc'"),
+    ],
+)
 def test_slurm_rendezvous_env_errors_name_the_variable(env, named):
     with pytest.raises(KeelError, match=re.escape(named)):
         slurm_rendezvous_env(env)
@@ -157,8 +193,9 @@ WORKER = ["train", "cfg.yaml", "train.lr=1e-4"]
 
 
 def test_torchrun_args_single_node_is_standalone():
-    args = torchrun_args(nproc=4, nnodes=1, node_rank=0, rdzv_endpoint=None,
-                         max_restarts=2, worker_args=WORKER)
+    args = torchrun_args(
+        nproc=4, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=2, worker_args=WORKER
+    )
     parsed = get_args_parser().parse_args(args)
     assert parsed.standalone and parsed.module
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.nnodes) == ("4", 2, "1:1")
@@ -167,12 +204,21 @@ def test_torchrun_args_single_node_is_standalone():
 
 
 def test_torchrun_args_multi_node_uses_c10d_rendezvous():
-    args = torchrun_args(nproc=8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500",
-                         max_restarts=0, worker_args=["--debug", *WORKER])
+    args = torchrun_args(
+        nproc=8,
+        nnodes=2,
+        node_rank=1,
+        rdzv_endpoint="node0:29500",
+        max_restarts=0,
+        worker_args=["--debug", *WORKER],
+    )
     parsed = get_args_parser().parse_args(args)
     assert not parsed.standalone and parsed.module
-    assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == \
-        ("c10d", "node0:29500", "2")
+    assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == (
+        "c10d",
+        "node0:29500",
+        "2",
+    )
     assert parsed.rdzv_id == "keel" and parsed.nproc_per_node == "8"
     # torchrun ignores --node-rank under c10d (and warns when it is not 0): not passed.
     assert parsed.node_rank == 0
@@ -181,25 +227,29 @@ def test_torchrun_args_multi_node_uses_c10d_rendezvous():
 
 # --- flag checks -------------------------------------------------------------------------
 
+
 def flags(**changes):
     base = dict(nproc=None, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=0)
     return {**base, **changes}
 
 
-@pytest.mark.parametrize("changes, named", [
-    (dict(nproc=0), "--nproc 0"),
-    (dict(nproc=2, nnodes=0), "--nnodes 0"),
-    (dict(nnodes=0), "--nnodes 0"),
-    (dict(nproc=2, node_rank=2, nnodes=2, rdzv_endpoint="h:1"), "--node-rank 2"),
-    (dict(nproc=8, nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-    (dict(nproc=8, nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint 'node0'"),
-    (dict(nproc=8, nnodes=2, rdzv_endpoint=":29500"), "--rdzv-endpoint ':29500'"),
-    (dict(nproc=8, nnodes=2, rdzv_endpoint="node0:99999"), "--rdzv-endpoint 'node0:99999'"),
-    (dict(nproc=2, max_restarts=-1), "--max-restarts -1"),
-    (dict(max_restarts=3), "--nproc 1 --max-restarts 3"),
-    (dict(node_rank=1), "--node-rank 1 needs --nproc"),
-    (dict(rdzv_endpoint="node0:29500"), "--rdzv-endpoint node0:29500 needs --nproc"),
-])
+@pytest.mark.parametrize(
+    "changes, named",
+    [
+        (dict(nproc=0), "--nproc 0"),
+        (dict(nproc=2, nnodes=0), "--nnodes 0"),
+        (dict(nnodes=0), "--nnodes 0"),
+        (dict(nproc=2, node_rank=2, nnodes=2, rdzv_endpoint="h:1"), "--node-rank 2"),
+        (dict(nproc=8, nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (dict(nproc=8, nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint 'node0'"),
+        (dict(nproc=8, nnodes=2, rdzv_endpoint=":29500"), "--rdzv-endpoint ':29500'"),
+        (dict(nproc=8, nnodes=2, rdzv_endpoint="node0:99999"), "--rdzv-endpoint 'node0:99999'"),
+        (dict(nproc=2, max_restarts=-1), "--max-restarts -1"),
+        (dict(max_restarts=3), "--nproc 1 --max-restarts 3"),
+        (dict(node_rank=1), "--node-rank 1 needs --nproc"),
+        (dict(rdzv_endpoint="node0:29500"), "--rdzv-endpoint node0:29500 needs --nproc"),
+    ],
+)
 def test_bad_launch_flags_name_the_flag(changes, named):
     with pytest.raises(KeelError, match=re.escape(named)):
         needs_launch(SINGLE, **flags(**changes))
@@ -213,30 +263,46 @@ def test_needs_launch_decisions():
     assert needs_launch(detect_world(TORCHRUN), **flags()) is False
     assert needs_launch(detect_world(SRUN), **flags()) is False
     # One srun task per node may run the launcher for its GPUs.
-    per_node = {**SRUN, "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0",
-                "SLURM_TASKS_PER_NODE": "1(x2)"}
-    assert needs_launch(detect_world(per_node),
-                        **flags(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")) is True
+    per_node = {
+        **SRUN,
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_TASKS_PER_NODE": "1(x2)",
+    }
+    assert (
+        needs_launch(
+            detect_world(per_node), **flags(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")
+        )
+        is True
+    )
 
 
-@pytest.mark.parametrize("env, changes", [
-    (TORCHRUN, dict(nproc=2)),
-    (TORCHRUN, dict(max_restarts=1)),
-    (SRUN, dict(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")),   # 8 tasks per node
-    ({**SRUN, "SLURM_TASKS_PER_NODE": "1(x16)", "SLURM_LOCALID": "0"},
-     dict(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")),          # 16 tasks, 2 nodes
-])
+@pytest.mark.parametrize(
+    "env, changes",
+    [
+        (TORCHRUN, dict(nproc=2)),
+        (TORCHRUN, dict(max_restarts=1)),
+        (SRUN, dict(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")),  # 8 tasks per node
+        (
+            {**SRUN, "SLURM_TASKS_PER_NODE": "1(x16)", "SLURM_LOCALID": "0"},
+            dict(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500"),
+        ),  # 16 tasks, 2 nodes
+    ],
+)
 def test_launch_flags_clash_with_an_outer_launcher(env, changes):
     with pytest.raises(KeelError, match="already running under torchrun/srun"):
         needs_launch(detect_world(env), **flags(**changes))
 
 
 def test_check_launch_args_accepts_a_good_multi_node_setup():
-    check_launch_args(nproc=8, nnodes=4, node_rank=3, rdzv_endpoint="10.1.2.3:29500",
-                      max_restarts=2)
+    check_launch_args(
+        nproc=8, nnodes=4, node_rank=3, rdzv_endpoint="10.1.2.3:29500", max_restarts=2
+    )
 
 
 # --- launch (no real processes) ----------------------------------------------------------
+
 
 class FakeTorchrun:
     """Stands in for subprocess.Popen: records the command, replays scripted waits."""
@@ -265,23 +331,32 @@ def run_launch(monkeypatch, waits, **changes):
     fake = FakeTorchrun(waits)
     monkeypatch.setattr(launch_mod.subprocess, "Popen", fake)
     lines: list[str] = []
-    kwargs = dict(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=1,
-                  worker_args=WORKER, log=lines.append)
+    kwargs = dict(
+        nproc=2,
+        nnodes=1,
+        node_rank=0,
+        rdzv_endpoint=None,
+        max_restarts=1,
+        worker_args=WORKER,
+        log=lines.append,
+    )
     code = launch(**{**kwargs, **changes})
     return code, fake, lines
 
 
 def test_launch_runs_torchrun_module_and_returns_its_code(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(launch_mod.os, "sched_getaffinity", lambda pid: set(range(9)),
-                        raising=False)
+    monkeypatch.setattr(
+        launch_mod.os, "sched_getaffinity", lambda pid: set(range(9)), raising=False
+    )
     code, fake, lines = run_launch(monkeypatch, [1])
-    (cmd, env), = fake.calls
+    ((cmd, env),) = fake.calls
     assert code == 1
     assert cmd[1:3] == ["-m", "torch.distributed.run"]
-    assert cmd[3:] == torchrun_args(nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None,
-                                    max_restarts=1, worker_args=WORKER)
-    assert env["OMP_NUM_THREADS"] == "4"    # 9 cores // 2 workers, not torchrun's 1
+    assert cmd[3:] == torchrun_args(
+        nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=1, worker_args=WORKER
+    )
+    assert env["OMP_NUM_THREADS"] == "4"  # 9 cores // 2 workers, not torchrun's 1
     assert len(lines) == 1 and "2 worker(s)" in lines[0] and "train cfg.yaml" in lines[0]
 
 
@@ -311,6 +386,7 @@ def test_launch_validates_before_starting_anything(monkeypatch):
 
 # --- the CLI -----------------------------------------------------------------------------
 
+
 @pytest.fixture
 def plain_env(monkeypatch):
     """No launcher variables from the machine running the tests."""
@@ -318,14 +394,16 @@ def plain_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--max-restarts", "2"], "--nproc 1 --max-restarts 2"),
-    (["--nproc", "2", "--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-    (["--nproc", "0"], "--nproc 0"),
-    (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint"),
-])
-def test_cli_flag_errors_exit_2_before_the_config_is_read(plain_env, tmp_path, capsys,
-                                                          argv, named):
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--max-restarts", "2"], "--nproc 1 --max-restarts 2"),
+        (["--nproc", "2", "--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--nproc", "0"], "--nproc 0"),
+        (["--nproc", "2", "--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint"),
+    ],
+)
+def test_cli_flag_errors_exit_2_before_the_config_is_read(plain_env, tmp_path, capsys, argv, named):
     missing = str(tmp_path / "missing.yaml")
     assert main(["train", missing, *argv]) == 2
     err = capsys.readouterr().err
@@ -350,11 +428,25 @@ def test_cli_launches_workers_with_the_same_arguments(plain_env, monkeypatch):
     seen = {}
     monkeypatch.setattr(launch_mod, "launch", lambda **kw: seen.update(kw) or 7)
     monkeypatch.chdir(ROOT)
-    argv = ["--debug", "train", EXAMPLE_CONFIG, "train.lr=1e-4", "--nproc", "2",
-            "--max-restarts", "1", "train.epochs=1"]
+    argv = [
+        "--debug",
+        "train",
+        EXAMPLE_CONFIG,
+        "train.lr=1e-4",
+        "--nproc",
+        "2",
+        "--max-restarts",
+        "1",
+        "train.epochs=1",
+    ]
     assert main(argv) == 7
-    assert seen["worker_args"] == ["--debug", "train", EXAMPLE_CONFIG, "train.lr=1e-4",
-                                   "train.epochs=1"]
+    assert seen["worker_args"] == [
+        "--debug",
+        "train",
+        EXAMPLE_CONFIG,
+        "train.lr=1e-4",
+        "train.epochs=1",
+    ]
     assert (seen["nproc"], seen["nnodes"], seen["max_restarts"]) == (2, 1, 1)
 
 
@@ -368,8 +460,15 @@ def test_overrides_may_follow_the_flags():
 # --- shipped launch scripts ----------------------------------------------------------------
 
 SCRIPTS = ["examples/slurm_two_nodes.sbatch", "examples/torchrun_two_nodes.sh"]
-SHELL_VALUES = {"SLURM_NNODES": "2", "head": "gpu07", "HEAD": "node0", "port": "29956",
-                "PORT": "29500", "NODE_RANK": "1", "SLURM_JOB_ID": "123456"}
+SHELL_VALUES = {
+    "SLURM_NNODES": "2",
+    "head": "gpu07",
+    "HEAD": "node0",
+    "port": "29956",
+    "PORT": "29500",
+    "NODE_RANK": "1",
+    "SLURM_JOB_ID": "123456",
+}
 
 
 def command_lines(path: Path, word: str) -> list[str]:
@@ -382,9 +481,8 @@ def command_lines(path: Path, word: str) -> list[str]:
     commands = []
     for line in text.splitlines():
         if word in line and (not line.lstrip().startswith("#") or re.match(r"#\s{2,}", line)):
-            command = line[line.index(word):]
-            commands.append(re.sub(r"\$\{?(\w+)\}?", lambda m: SHELL_VALUES[m.group(1)],
-                                   command))
+            command = line[line.index(word) :]
+            commands.append(re.sub(r"\$\{?(\w+)\}?", lambda m: SHELL_VALUES[m.group(1)], command))
     return commands
 
 
@@ -401,8 +499,14 @@ def test_keel_commands_in_launch_scripts_parse(script):
         args = parse_args(shlex.split(command)[1:])
         assert (ROOT / args.config).is_file()
         assert all("=" in item for item in args.overrides)
-        needs_launch(SINGLE, nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                     rdzv_endpoint=args.rdzv_endpoint, max_restarts=args.max_restarts)
+        needs_launch(
+            SINGLE,
+            nproc=args.nproc,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            rdzv_endpoint=args.rdzv_endpoint,
+            max_restarts=args.max_restarts,
+        )
 
 
 def test_plain_torchrun_command_in_script_parses():

@@ -29,10 +29,13 @@ def test_backend_always_has_a_cpu_backend():
     assert backend_for("cuda") == "cpu:gloo,cuda:nccl"
 
 
-@pytest.mark.parametrize("replica,device,want", [
-    (10 * GIB, 80 * GIB, "ddp"),  # fits: replicate
-    (70 * GIB, 80 * GIB, "fsdp"),  # more than 80%: shard
-])
+@pytest.mark.parametrize(
+    "replica,device,want",
+    [
+        (10 * GIB, 80 * GIB, "ddp"),  # fits: replicate
+        (70 * GIB, 80 * GIB, "fsdp"),  # more than 80%: shard
+    ],
+)
 def test_auto_strategy_shards_only_what_does_not_fit(replica, device, want):
     strategy, why = choose_strategy("auto", 2, replica, device)
     assert strategy == want and "GiB" in why
@@ -40,14 +43,21 @@ def test_auto_strategy_shards_only_what_does_not_fit(replica, device, want):
     assert choose_strategy("ddp", 2, 70 * GIB, 80 * GIB)[0] == "ddp"  # explicit wins
 
 
-@pytest.mark.parametrize("message,expected", [
-    ("The server socket has failed to listen on any local network address. "
-     "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
-     "already in use"),
-    ("Timed out after 301 seconds waiting for clients. 1/2 clients joined.",
-     "not all 2 processes joined"),
-    ("Invalid rank 3, rank should be in the interval [0, 1]", "disagree on the world size"),
-])
+@pytest.mark.parametrize(
+    "message,expected",
+    [
+        (
+            "The server socket has failed to listen on any local network address. "
+            "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+            "already in use",
+        ),
+        (
+            "Timed out after 301 seconds waiting for clients. 1/2 clients joined.",
+            "not all 2 processes joined",
+        ),
+        ("Invalid rank 3, rank should be in the interval [0, 1]", "disagree on the world size"),
+    ],
+)
 def test_startup_errors_are_explained(message, expected):
     text = explain_startup_error(RuntimeError(message), world_size=2)
     assert expected in text and "torch.distributed said" in text
@@ -64,8 +74,10 @@ def test_single_process_context_is_the_identity():
 
 
 def test_checkpoint_keys_of_peft_parameters():
-    assert checkpoint_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") \
+    assert (
+        checkpoint_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
         == "model.layers.0.self_attn.q_proj.weight"
+    )
     assert checkpoint_key("model.norm.weight") == "model.norm.weight"
 
 
@@ -90,8 +102,9 @@ def test_meta_built_model_equals_from_pretrained(tiny_model_dir):
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0
+        )
 
 
 def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
@@ -100,13 +113,21 @@ def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
 
     reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
     model = build_empty_model(tiny_model_dir, dtype=torch.float32)
-    halves = {name: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:])
-              for name, p in model.named_parameters()}
-    regions = {id(p): (slice(p.shape[0] - (p.shape[0] + 1) // 2, p.shape[0]),)
-               for p in model.parameters()}
+    halves = {
+        name: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:])
+        for name, p in model.named_parameters()
+    }
+    regions = {
+        id(p): (slice(p.shape[0] - (p.shape[0] + 1) // 2, p.shape[0]),) for p in model.parameters()
+    }
     by_id = {id(p): halves[n] for n, p in model.named_parameters()}
-    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: regions[id(p)],
-                 local=lambda p: by_id[id(p)])
+    fill_weights(
+        model,
+        tiny_model_dir,
+        seed=0,
+        region_of=lambda p: regions[id(p)],
+        local=lambda p: by_id[id(p)],
+    )
     for name, half in halves.items():
-        torch.testing.assert_close(half, reference[name][-half.shape[0]:])
+        torch.testing.assert_close(half, reference[name][-half.shape[0] :])
     assert isinstance(model.lm_head, nn.Linear)

@@ -31,8 +31,9 @@ ALLOWED = {
 
 @pytest.fixture
 def data_file(tmp_path):
-    rows = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."}
-            for i in range(8)]
+    rows = [
+        {"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(8)
+    ]
     path = tmp_path / "qa.json"
     path.write_text(json.dumps(rows))
     return path
@@ -69,32 +70,43 @@ def reads_per_step(model_dir, data_file, out, monkeypatch, *overrides) -> dict[i
         per_step[step] = counter["reads"]
         counter.update(reads=0, on=False)
 
-    base = {"model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-            "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
-            "data": {"datasets": [str(data_file)], "cutoff_len": 64},
-            "train": {"max_steps": 6, "micro_batch_size": 1, "grad_accum": 2, "lr": 1e-2,
-                      "precision": "fp32", "threads": 1},
-            "output": {"dir": str(out), "log_every": 3}}
-    run_training(load_config(None, list(overrides), base=base), log=lambda _m: None,
-                 on_step_end=step_ends)
+    base = {
+        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
+        "data": {"datasets": [str(data_file)], "cutoff_len": 64},
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 1,
+            "grad_accum": 2,
+            "lr": 1e-2,
+            "precision": "fp32",
+            "threads": 1,
+        },
+        "output": {"dir": str(out), "log_every": 3},
+    }
+    run_training(
+        load_config(None, list(overrides), base=base), log=lambda _m: None, on_step_end=step_ends
+    )
     return per_step
 
 
-@pytest.mark.parametrize("overrides", [(), ("data.packing=true", "method.type=full",
-                                            "train.max_grad_norm=0")],
-                         ids=["lora-unpacked", "full-packed-noclip"])
-def test_no_host_reads_outside_logging_steps(tiny_model_dir, data_file, tmp_path, monkeypatch,
-                                             overrides):
-    per_step = reads_per_step(tiny_model_dir, data_file, tmp_path / "run", monkeypatch,
-                              *overrides)
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("data.packing=true", "method.type=full", "train.max_grad_norm=0")],
+    ids=["lora-unpacked", "full-packed-noclip"],
+)
+def test_no_host_reads_outside_logging_steps(
+    tiny_model_dir, data_file, tmp_path, monkeypatch, overrides
+):
+    per_step = reads_per_step(tiny_model_dir, data_file, tmp_path / "run", monkeypatch, *overrides)
     assert sorted(per_step) == [1, 2, 3, 4, 5, 6]
     assert {step: per_step[step] for step in (1, 2, 4, 5)} == {1: 0, 2: 0, 4: 0, 5: 0}
     assert per_step[3] > 0  # the logging step reads the losses of steps 1-3 at once
 
 
-def test_the_count_sees_reads_negative_control(tiny_model_dir, data_file, tmp_path,
-                                               monkeypatch):
+def test_the_count_sees_reads_negative_control(tiny_model_dir, data_file, tmp_path, monkeypatch):
     """Logging every step reads every step: the counter is not blind."""
-    per_step = reads_per_step(tiny_model_dir, data_file, tmp_path / "run", monkeypatch,
-                              "output.log_every=1")
+    per_step = reads_per_step(
+        tiny_model_dir, data_file, tmp_path / "run", monkeypatch, "output.log_every=1"
+    )
     assert all(per_step[step] > 0 for step in range(1, 7))

@@ -37,5 +37,7 @@ def test_chunked_without_grad():
     head = torch.nn.Linear(4, 6)
     hidden, targets = torch.randn(5, 4), torch.tensor([0, 1, 2, 3, 4])
     with torch.no_grad():
-        torch.testing.assert_close(chunked_cross_entropy(hidden, targets, head, chunk_size=2),
-                                   cross_entropy_sum(head(hidden), targets))
+        torch.testing.assert_close(
+            chunked_cross_entropy(hidden, targets, head, chunk_size=2),
+            cross_entropy_sum(head(hidden), targets),
+        )

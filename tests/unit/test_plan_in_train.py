@@ -21,11 +21,13 @@ TOO_SMALL = "distributed.device_memory=256MiB"  # the process alone needs ~0.5 G
 def base(tmp_path, tiny_model_dir) -> dict:
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(ROWS))
-    return {"model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
-            "method": {"type": "full"},
-            "data": {"datasets": [str(data)], "cutoff_len": 64},
-            "train": {"max_steps": 2, "micro_batch_size": 2, "precision": "fp32", "threads": 1},
-            "output": {"dir": str(tmp_path / "out")}}
+    return {
+        "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
+        "method": {"type": "full"},
+        "data": {"datasets": [str(data)], "cutoff_len": 64},
+        "train": {"max_steps": 2, "micro_batch_size": 2, "precision": "fp32", "threads": 1},
+        "output": {"dir": str(tmp_path / "out")},
+    }
 
 
 def test_a_run_that_does_not_fit_is_refused_before_loading(base, tmp_path, monkeypatch):
@@ -50,8 +52,9 @@ def test_the_plan_is_logged_when_it_fits(base):
 
 def test_distributed_plan_warn_trains_anyway(base):
     logs = []
-    result = run_training(load_config(None, [TOO_SMALL, "distributed.plan=warn"], base=base),
-                          log=logs.append)
+    result = run_training(
+        load_config(None, [TOO_SMALL, "distributed.plan=warn"], base=base), log=logs.append
+    )
     assert len(result.losses) == 2
     assert any(line.startswith("warning:") and "training anyway" in line for line in logs)
 
@@ -60,11 +63,21 @@ def test_force_on_the_command_line(base, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(base))
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    refused = subprocess.run([sys.executable, "-m", "keel", "train", str(config), TOO_SMALL],
-                             capture_output=True, text=True, env=env, timeout=300)
+    refused = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(config), TOO_SMALL],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "the smallest change that fits" in refused.stderr
-    forced = subprocess.run([sys.executable, "-m", "keel", "train", str(config), TOO_SMALL,
-                             "--force"], capture_output=True, text=True, env=env, timeout=300)
+    forced = subprocess.run(
+        [sys.executable, "-m", "keel", "train", str(config), TOO_SMALL, "--force"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert (tmp_path / "out/keel_run.json").is_file()

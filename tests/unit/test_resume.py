@@ -21,12 +21,20 @@ ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."}
 
 
 def base_config(model_dir, data, out) -> dict:
-    return {"model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-            "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-            "data": {"datasets": [str(data)], "cutoff_len": 64},
-            "train": {"max_steps": 2, "micro_batch_size": 2, "lr": 1e-2, "precision": "fp32",
-                      "threads": 1, "scheduler": "constant"},
-            "output": {"dir": str(out), "save_every": 2}}
+    return {
+        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+        "data": {"datasets": [str(data)], "cutoff_len": 64},
+        "train": {
+            "max_steps": 2,
+            "micro_batch_size": 2,
+            "lr": 1e-2,
+            "precision": "fp32",
+            "threads": 1,
+            "scheduler": "constant",
+        },
+        "output": {"dir": str(out), "save_every": 2},
+    }
 
 
 def quiet(_msg):
@@ -57,8 +65,7 @@ def copy_run(finished, tmp_path):
 
 def resume(base: dict, *overrides: str):
     """Train 4 steps from the step-2 checkpoint with `overrides` changed."""
-    return run_training(load_config(None, ["train.max_steps=4", *overrides], base=base),
-                        log=quiet)
+    return run_training(load_config(None, ["train.max_steps=4", *overrides], base=base), log=quiet)
 
 
 def test_the_same_run_resumes(finished, tmp_path):
@@ -66,15 +73,19 @@ def test_the_same_run_resumes(finished, tmp_path):
     assert len(resume(base).losses) == 2  # steps 3 and 4
 
 
-@pytest.mark.parametrize("override,key,old,new", [
-    ("method.type=full", "method.type", "'lora'", "'full'"),
-    ("method.lora.r=8", "method.lora.r", "4", "8"),
-    ("method.lora.targets=[q_proj]", "method.lora.targets", "'all-linear'", "['q_proj']"),
-    ("train.stage=pt", "train.stage", "'sft'", "'pt'"),
-    ("train.precision=bf16", "train.precision", "'fp32'", "'bf16'"),
-    ("train.global_batch_size=3", "train.global_batch_size", "2", "3"),
-    ("data.cutoff_len=60", "data:", None, None),
-], ids=["method", "lora-rank", "lora-targets", "stage", "precision", "global-batch", "data"])
+@pytest.mark.parametrize(
+    "override,key,old,new",
+    [
+        ("method.type=full", "method.type", "'lora'", "'full'"),
+        ("method.lora.r=8", "method.lora.r", "4", "8"),
+        ("method.lora.targets=[q_proj]", "method.lora.targets", "'all-linear'", "['q_proj']"),
+        ("train.stage=pt", "train.stage", "'sft'", "'pt'"),
+        ("train.precision=bf16", "train.precision", "'fp32'", "'bf16'"),
+        ("train.global_batch_size=3", "train.global_batch_size", "2", "3"),
+        ("data.cutoff_len=60", "data:", None, None),
+    ],
+    ids=["method", "lora-rank", "lora-targets", "stage", "precision", "global-batch", "data"],
+)
 def test_a_changed_setting_is_refused_naming_the_key(finished, tmp_path, override, key, old, new):
     out, base = copy_run(finished, tmp_path)
     before = listing(out)
@@ -106,9 +117,21 @@ def test_the_cli_refuses_with_exit_2_and_no_traceback(finished, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(base))
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run([sys.executable, "-m", "keel", "train", str(config),
-                           "method.lora.r=8", "train.max_steps=4"],
-                          capture_output=True, text=True, env=env, timeout=240)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "keel",
+            "train",
+            str(config),
+            "method.lora.r=8",
+            "train.max_steps=4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert "method.lora.r was 4 in the checkpoint, this run has 8" in done.stderr
     assert "Traceback" not in done.stderr
@@ -137,8 +160,7 @@ def test_pickled_metadata_is_refused_without_running_it(finished, tmp_path):
     assert marker.exists()
 
 
-def test_pickled_optimizer_value_is_refused_without_running_it(finished, tmp_path,
-                                                               monkeypatch):
+def test_pickled_optimizer_value_is_refused_without_running_it(finished, tmp_path, monkeypatch):
     """An optimizer hyperparameter stored by DCP as pickled bytes holding an object."""
     root, base = finished
     marker = tmp_path / "pwned"
@@ -178,8 +200,14 @@ def test_checkpoint_files_are_json_and_safetensors(finished):
     assert [p.name for p in (step / "rng").iterdir()] == ["rank-00000.safetensors"]
     meta = json.loads((step / "meta.json").read_text())
     assert meta["format"] == ckpt.FORMAT_VERSION and meta["global_batch"] == 2
-    assert set(meta["run"]) == {"model_path", "model_config_sha256", "method", "stage",
-                                "precision", "data_fingerprint"}
+    assert set(meta["run"]) == {
+        "model_path",
+        "model_config_sha256",
+        "method",
+        "stage",
+        "precision",
+        "data_fingerprint",
+    }
     assert not list(step.rglob("*.pt"))
 
 
@@ -204,13 +232,21 @@ def test_default_global_batch_counts_processes():
     assert default_global_batch(micro_batch_size=1, grad_accum=1, world_size=1) == 1
 
 
-@pytest.mark.parametrize("global_batch,world,mbs,idle", [
-    (8, 8, 1, None), (16, 8, 2, None), (4, 8, 4, "4 of 8 processes"), (1, 8, 1, "7 of 8"),
-    (5, 2, 2, "1 of 2 processes"), (4, 2, 1, None),
-])
+@pytest.mark.parametrize(
+    "global_batch,world,mbs,idle",
+    [
+        (8, 8, 1, None),
+        (16, 8, 2, None),
+        (4, 8, 4, "4 of 8 processes"),
+        (1, 8, 1, "7 of 8"),
+        (5, 2, 2, "1 of 2 processes"),
+        (4, 2, 1, None),
+    ],
+)
 def test_idle_warning(global_batch, world, mbs, idle):
-    plan = StepPlan(num_rows=100, global_batch=global_batch, micro_batch_size=mbs, seed=0,
-                    shuffle=False)
+    plan = StepPlan(
+        num_rows=100, global_batch=global_batch, micro_batch_size=mbs, seed=0, shuffle=False
+    )
     warning = plan.idle_warning(world)
     if idle is None:
         assert warning is None

@@ -9,10 +9,16 @@ from keel.errors import DataError, KeelError
 from keel.train import checkpoint as ckpt
 from keel.train.run import run_training
 
-QA = [("Who are you?", "I am Keel, a small assistant."), ("What is your name?", "My name is Keel."),
-      ("Add 2 and 3.", "5"), ("Say hello in French.", "Bonjour."),
-      ("Give a healthy tip.", "Sleep enough and move every day."),
-      ("Name a color.", "Blue."), ("What is 3 times 4?", "12"), ("Are you ChatGPT?", "No, I am Keel.")]
+QA = [
+    ("Who are you?", "I am Keel, a small assistant."),
+    ("What is your name?", "My name is Keel."),
+    ("Add 2 and 3.", "5"),
+    ("Say hello in French.", "Bonjour."),
+    ("Give a healthy tip.", "Sleep enough and move every day."),
+    ("Name a color.", "Blue."),
+    ("What is 3 times 4?", "12"),
+    ("Are you ChatGPT?", "No, I am Keel."),
+]
 
 
 class Crash(Exception):
@@ -27,12 +33,21 @@ def data_file(tmp_path):
 
 
 def config(model_dir, data_file, out, *overrides, method="lora"):
-    base = {"model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-            "method": {"type": method, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
-            "data": {"datasets": [str(data_file)], "cutoff_len": 128, "val_size": 2},
-            "train": {"max_steps": 6, "micro_batch_size": 2, "grad_accum": 2, "lr": 1e-2,
-                      "precision": "fp32", "threads": 1, "warmup_steps": 1},
-            "output": {"dir": str(out), "save_every": 2, "keep_last": 2}}
+    base = {
+        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+        "method": {"type": method, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
+        "data": {"datasets": [str(data_file)], "cutoff_len": 128, "val_size": 2},
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "lr": 1e-2,
+            "precision": "fp32",
+            "threads": 1,
+            "warmup_steps": 1,
+        },
+        "output": {"dir": str(out), "save_every": 2, "keep_last": 2},
+    }
     return load_config(None, list(overrides), base=base)
 
 
@@ -52,20 +67,31 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
     cfg_b = config(tiny_model_dir, data_file, tmp_path / "b", method=method)
     with pytest.raises(Crash):
         run_training(cfg_b, log=quiet, on_step_end=crash_at_5)
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "b")] == \
-        ["step-00000002", "step-00000004"]
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "b")] == [
+        "step-00000002",
+        "step-00000004",
+    ]
     resumed = run_training(cfg_b, log=quiet)
     assert len(resumed.losses) == 2  # steps 5 and 6, from the step-4 checkpoint
     assert resumed.losses == pytest.approx(full.losses[4:], rel=1e-6, abs=1e-7)
-    steps = [r["step"] for r in map(json.loads, (tmp_path / "b/metrics.jsonl").open())
-             if "loss" in r]
+    steps = [
+        r["step"] for r in map(json.loads, (tmp_path / "b/metrics.jsonl").open()) if "loss" in r
+    ]
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def test_outputs_of_a_finished_run(tiny_model_dir, data_file, tmp_path):
     out = tmp_path / "run"
-    result = run_training(config(tiny_model_dir, data_file, out, "output.merge_lora=true",
-                                 "output.loggers=[jsonl, tensorboard]"), log=quiet)
+    result = run_training(
+        config(
+            tiny_model_dir,
+            data_file,
+            out,
+            "output.merge_lora=true",
+            "output.loggers=[jsonl, tensorboard]",
+        ),
+        log=quiet,
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == list(range(1, 7))
@@ -118,7 +144,15 @@ def test_non_empty_output_dir_is_refused(tiny_model_dir, data_file, tmp_path):
 
 
 def test_bf16_autocast_training_runs(tiny_model_dir, data_file, tmp_path):
-    result = run_training(config(tiny_model_dir, data_file, tmp_path / "bf16",
-                                 "train.precision=bf16", "train.max_steps=2"), log=quiet)
+    result = run_training(
+        config(
+            tiny_model_dir,
+            data_file,
+            tmp_path / "bf16",
+            "train.precision=bf16",
+            "train.max_steps=2",
+        ),
+        log=quiet,
+    )
     assert result.summary["precision"] == "bf16"
     assert all(loss == loss and loss < 20 for loss in result.losses)  # finite, sane

@@ -14,8 +14,11 @@ from keel.train.precision import Precision
 
 ROWS = [
     {"instruction": "Who are you?", "input": "", "output": "I am Keel."},
-    {"instruction": "Give three tips for staying healthy.", "input": "",
-     "output": "Eat well, sleep enough, and move every day. Drink water."},
+    {
+        "instruction": "Give three tips for staying healthy.",
+        "input": "",
+        "output": "Eat well, sleep enough, and move every day. Drink water.",
+    },
     {"instruction": "Translate to French", "input": "hello world", "output": "Bonjour le monde."},
     {"instruction": "What is your name?", "input": "", "output": "My name is Keel."},
     {"instruction": "Add", "input": "2 + 3", "output": "5"},
@@ -30,10 +33,20 @@ def prepared(tokenizer, tmp_path, *, packing: bool, cutoff_len: int = 256):
     tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "d.json"
     path.write_text(json.dumps(ROWS))
-    cfg = DataConfig(datasets=[DatasetConfig(path=str(path), format="alpaca")],
-                     cutoff_len=cutoff_len, packing=packing)
-    return prepare_data(cfg, tokenizer, stage="sft", cache_dir=tmp_path / "cache",
-                        base_dir=tmp_path, seed=0, log=lambda _m: None)
+    cfg = DataConfig(
+        datasets=[DatasetConfig(path=str(path), format="alpaca")],
+        cutoff_len=cutoff_len,
+        packing=packing,
+    )
+    return prepare_data(
+        cfg,
+        tokenizer,
+        stage="sft",
+        cache_dir=tmp_path / "cache",
+        base_dir=tmp_path,
+        seed=0,
+        log=lambda _m: None,
+    )
 
 
 def checked(objective: CausalLMObjective) -> CausalLMObjective:
@@ -48,9 +61,15 @@ def make_trainer(model, lr=1.0):
     objective = checked(CausalLMObjective(model, chunk_size=7))
     optimizer = torch.optim.SGD([p for p in objective.parameters() if p.requires_grad], lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _s: 1.0)
-    return Trainer(objective=objective, optimizer=optimizer, scheduler=scheduler,
-                   precision=Precision("fp32", "test"), device=torch.device("cpu"), pad_id=0,
-                   max_grad_norm=0.0)
+    return Trainer(
+        objective=objective,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        precision=Precision("fp32", "test"),
+        device=torch.device("cpu"),
+        pad_id=0,
+        max_grad_norm=0.0,
+    )
 
 
 @pytest.mark.parametrize("fast_head", [True, False], ids=["fast-head", "full-forward"])
@@ -93,8 +112,10 @@ def test_fast_head_matches_hugging_face_forward(tiny_tokenizer, tiny_model_dir, 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-    batch = collate(rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train),
-                    tiny_tokenizer.pad_token_id)
+    batch = collate(
+        rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train),
+        tiny_tokenizer.pad_token_id,
+    )
     slow = CausalLMObjective(model)
     assert not slow.fast_head  # off until the probe has passed: the full HF forward
     fast = CausalLMObjective(model, chunk_size=7)  # several chunks
@@ -114,8 +135,11 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
     assert len(set(counts)) > 1  # uneven, or the test could not tell the two rules apart
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     one, accum = copy.deepcopy(base), copy.deepcopy(base)
-    whole = dict(window_targets=sum(r["num_targets"] for r in rows),
-                 window_tokens=sum(len(r["input_ids"]) for r in rows), filler=rows[0])
+    whole = dict(
+        window_targets=sum(r["num_targets"] for r in rows),
+        window_tokens=sum(len(r["input_ids"]) for r in rows),
+        filler=rows[0],
+    )
     r_one = make_trainer(one).train_step([rows], **whole)
     r_acc = make_trainer(accum).train_step([rows[:1], rows[1:]], **whole)
     assert float(r_one.loss_sum) == pytest.approx(float(r_acc.loss_sum), rel=1e-6)
@@ -132,8 +156,7 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
     assert any(not torch.allclose(g, m, atol=1e-6) for g, m in zip(grads_naive, moved))
 
 
-def test_a_process_without_rows_runs_a_zero_weight_filler(tiny_tokenizer, tiny_model_dir,
-                                                           tmp_path):
+def test_a_process_without_rows_runs_a_zero_weight_filler(tiny_tokenizer, tiny_model_dir, tmp_path):
     """The filler micro-batch of a process whose share of a window is empty (even on its
     very first step) runs forward and backward but changes nothing."""
     from transformers import AutoModelForCausalLM
@@ -141,8 +164,9 @@ def test_a_process_without_rows_runs_a_zero_weight_filler(tiny_tokenizer, tiny_m
     rows = rows_of(prepared(tiny_tokenizer, tmp_path, packing=False).train)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     before = copy.deepcopy(model.state_dict())
-    result = make_trainer(model).train_step([[]], window_targets=12, window_tokens=40,
-                                            filler=rows[0])
+    result = make_trainer(model).train_step(
+        [[]], window_targets=12, window_tokens=40, filler=rows[0]
+    )
     assert float(result.loss_sum) == 0.0 and result.target_tokens == 12
     assert result.rows == 0 and result.filler_micro_batches == 1
     for name, value in model.state_dict().items():

@@ -46,8 +46,13 @@ class Alarmed(Exception):
 
 
 def watchdog(tmp_path, *, world_size=2, store=None, hang=1.0, stall=None) -> Watchdog:
-    settings = WatchdogSettings(hang_timeout_s=hang, stall_timeout_s=stall, on_stall="warn",
-                                diagnostics_dir=tmp_path / "diagnostics", interval_s=0.05)
+    settings = WatchdogSettings(
+        hang_timeout_s=hang,
+        stall_timeout_s=stall,
+        on_stall="warn",
+        diagnostics_dir=tmp_path / "diagnostics",
+        interval_s=0.05,
+    )
     dog = Watchdog(settings, rank=0, world_size=world_size, store=store)
 
     def alarm(reason):
@@ -137,30 +142,48 @@ def test_a_stalled_step_is_reported_once(tmp_path, capsys):
 
 
 def beat(rank, step, point, collectives, where="x"):
-    return {"rank": rank, "beat": 1, "pid": 100 + rank, "ppid": 1, "host": "h", "step": step,
-            "point": point, "where": where, "idle_s": 9.0, "phase": "step",
-            "collectives": collectives}
+    return {
+        "rank": rank,
+        "beat": 1,
+        "pid": 100 + rank,
+        "ppid": 1,
+        "host": "h",
+        "step": step,
+        "point": point,
+        "where": where,
+        "idle_s": 9.0,
+        "phase": "step",
+        "collectives": collectives,
+    }
 
 
 def test_report_names_the_late_and_the_silent_ranks(tmp_path):
-    beats = {0: beat(0, 5, 40, [[3, "all_reduce_sum", "float64[1]", 5]]),
-             1: beat(1, 5, 12, [[2, "barrier", "", 4]], where="step 5: step begin"),
-             2: beat(2, 5, 33, [[3, "all_reduce_sum", "float64[1]", 5]])}
+    beats = {
+        0: beat(0, 5, 40, [[3, "all_reduce_sum", "float64[1]", 5]]),
+        1: beat(1, 5, 12, [[2, "barrier", "", 4]], where="step 5: step begin"),
+        2: beat(2, 5, 33, [[3, "all_reduce_sum", "float64[1]", 5]]),
+    }
     text = build_hang_report("stuck", beats, live={0, 1}, diagnostics=tmp_path)
     assert "not responding (no heartbeat; stopped, killed or frozen): rank(s) 2" in text
     assert "behind the others: rank(s) 1" in text
     assert "rank 2 (NOT RESPONDING, its last heartbeat" in text
-    assert "first differ at #3: rank 0: all_reduce_sum(float64[1]) at step 5; rank 1: not " \
-           "reached (still at step 5: step begin)" in text
+    assert (
+        "first differ at #3: rank 0: all_reduce_sum(float64[1]) at step 5; rank 1: not "
+        "reached (still at step 5: step begin)" in text
+    )
 
 
 def test_divergence_of_shapes_and_agreement():
     agree = {r: beat(r, 2, 10, [[0, "all_reduce_sum", "float64[2]", 2]]) for r in (0, 1)}
     assert "agree" in collective_divergence(agree)
-    differ = {0: beat(0, 2, 10, [[0, "gather_objects", "dict", 2]]),
-              1: beat(1, 2, 10, [[0, "gather_objects", "list", 2]])}
-    assert "first differ at #0: rank 0: gather_objects(dict) at step 2; rank 1: " \
-           "gather_objects(list) at step 2" in collective_divergence(differ)
+    differ = {
+        0: beat(0, 2, 10, [[0, "gather_objects", "dict", 2]]),
+        1: beat(1, 2, 10, [[0, "gather_objects", "list", 2]]),
+    }
+    assert (
+        "first differ at #0: rank 0: gather_objects(dict) at step 2; rank 1: "
+        "gather_objects(list) at step 2" in collective_divergence(differ)
+    )
 
 
 def test_the_guard_stops_mismatched_collectives_before_the_backend(tmp_path):
@@ -171,9 +194,12 @@ def test_the_guard_stops_mismatched_collectives_before_the_backend(tmp_path):
     store.set("fp/0/1", json.dumps(["all_reduce_sum", "float64[1]", 3]))
     assert guard.before("all_reduce_sum", "float64[1]")  # same call on both ranks
     store.set("fp/1/1", json.dumps(["all_reduce_sum", "float64[5]", 3]))
-    with pytest.raises(Alarmed, match=r"collective #1 differs: rank 0: all_reduce_sum"
-                                      r"\(float64\[2\]\) at step 3; rank 1: all_reduce_sum"
-                                      r"\(float64\[5\]\)"):
+    with pytest.raises(
+        Alarmed,
+        match=r"collective #1 differs: rank 0: all_reduce_sum"
+        r"\(float64\[2\]\) at step 3; rank 1: all_reduce_sum"
+        r"\(float64\[5\]\)",
+    ):
         guard.before("all_reduce_sum", "float64[2]")
 
 
@@ -184,10 +210,13 @@ def test_a_run_with_the_watchdog_off(tiny_model_dir, tmp_path):
 
     data = tmp_path / "qa.json"
     data.write_text(json.dumps([{"instruction": "Hi?", "output": "Hello."}] * 4))
-    base = {"model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
-            "data": {"datasets": [str(data)], "cutoff_len": 64},
-            "train": {"max_steps": 2, "precision": "fp32", "threads": 1},
-            "output": {"dir": str(tmp_path / "out")}}
-    result = run_training(load_config(None, ["watchdog.enabled=false"], base=base),
-                          log=lambda _m: None)
+    base = {
+        "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
+        "data": {"datasets": [str(data)], "cutoff_len": 64},
+        "train": {"max_steps": 2, "precision": "fp32", "threads": 1},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    result = run_training(
+        load_config(None, ["watchdog.enabled=false"], base=base), log=lambda _m: None
+    )
     assert len(result.losses) == 2

@@ -18,7 +18,20 @@ from keel.config.schema import (
 )
 
 __all__ = [
-    "DataConfig", "DatasetConfig", "DistributedConfig", "FreezeConfig", "FsdpConfig",
-    "LoraConfig", "MethodConfig", "ModelConfig", "OutputConfig", "RunConfig", "TrainConfig",
-    "WandbConfig", "WatchdogConfig", "apply_override", "config_to_dict", "load_config",
+    "DataConfig",
+    "DatasetConfig",
+    "DistributedConfig",
+    "FreezeConfig",
+    "FsdpConfig",
+    "LoraConfig",
+    "MethodConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "RunConfig",
+    "TrainConfig",
+    "WandbConfig",
+    "WatchdogConfig",
+    "apply_override",
+    "config_to_dict",
+    "load_config",
 ]

@@ -16,8 +16,9 @@ from keel.config.schema import DatasetConfig, RunConfig
 from keel.errors import ConfigError
 
 
-def load_config(path: str | Path | None, overrides: list[str] = (), *,
-                base: dict | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None
+) -> RunConfig:
     """Read a YAML file (or start from `base`), apply `key.sub=value` overrides, check it all.
 
     Raises ConfigError listing every problem, each with its key, value, location and fix.
@@ -58,8 +59,12 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError([f"{path} must hold a mapping of sections (model, data, ...), "
-                           f"found {type(raw).__name__}"])
+        raise ConfigError(
+            [
+                f"{path} must hold a mapping of sections (model, data, ...), "
+                f"found {type(raw).__name__}"
+            ]
+        )
     lines: dict[str, int] = {}
     _collect_lines(node, "", lines)
     return raw, lines
@@ -96,9 +101,9 @@ def apply_override(raw: dict, item: str) -> str | None:
         if nxt is None:
             nxt = {}
             if not _set_child(node, part, nxt):
-                return f"override {item!r}: cannot index {'.'.join(parts[:depth + 1])}"
+                return f"override {item!r}: cannot index {'.'.join(parts[: depth + 1])}"
         elif not isinstance(nxt, dict | list):
-            return f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section"
+            return f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a section"
         node = nxt
     if not _set_child(node, parts[-1], value):
         return f"override {item!r}: cannot set {key}"
@@ -142,16 +147,18 @@ class _Locator:
 def _build(cls, raw, prefix: str, problems: list[str], where: _Locator):
     """Build dataclass `cls` from `raw`, appending problems instead of raising."""
     if not isinstance(raw, dict):
-        problems.append(f"{where(prefix.rstrip('.')) or 'config'} must be a mapping, "
-                        f"got {raw!r}")
+        problems.append(f"{where(prefix.rstrip('.')) or 'config'} must be a mapping, got {raw!r}")
         return None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else \
-                f"; valid keys: {', '.join(fields)}"
+            hint = (
+                f"; did you mean '{prefix}{close[0]}'?"
+                if close
+                else f"; valid keys: {', '.join(fields)}"
+            )
             problems.append(f"unknown key {where(prefix + str(key))}{hint}")
     values = {}
     for name, f in fields.items():
@@ -170,8 +177,12 @@ _INVALID = object()
 
 
 def _missing_required(cls, raw) -> bool:
-    return any(f.name not in raw and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING for f in dataclasses.fields(cls))
+    return any(
+        f.name not in raw
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        for f in dataclasses.fields(cls)
+    )
 
 
 def _required_hint(key: str) -> str:
@@ -201,14 +212,16 @@ def _coerce(tp, value, key: str, problems: list[str], where: _Locator):
             return value
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        problems.append(f"{where(key)} = {value!r} is not one of "
-                        f"{', '.join(map(str, choices))}{hint}")
+        problems.append(
+            f"{where(key)} = {value!r} is not one of {', '.join(map(str, choices))}{hint}"
+        )
         return _INVALID
     if origin is list:
         return _coerce_list(typing.get_args(tp)[0], value, key, problems, where)
     if origin is dict:
-        if isinstance(value, dict) and all(isinstance(v, str | int | float | bool)
-                                           for v in value.values()):
+        if isinstance(value, dict) and all(
+            isinstance(v, str | int | float | bool) for v in value.values()
+        ):
             return {str(k): str(v) for k, v in value.items()}
         problems.append(f"{where(key)} must be a mapping of names to strings, got {value!r}")
         return _INVALID

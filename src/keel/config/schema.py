@@ -47,7 +47,9 @@ class MethodConfig:
 class DatasetConfig:
     path: str  # a file, a folder, a local HF datasets dir, or a name in dataset_info.json
     format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
-    columns: dict[str, str] = field(default_factory=dict)  # e.g. {prompt: question, response: answer}
+    columns: dict[str, str] = field(
+        default_factory=dict
+    )  # e.g. {prompt: question, response: answer}
     tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}
     split: str = "train"  # a file has one split, train; slices as in train[:1000] or train[:10%]
     max_samples: int | None = None  # use the first N rows (after split and num_samples)
@@ -119,7 +121,8 @@ class OutputConfig:
     log_every: int = 1
     # metrics.jsonl is always written; tensorboard and wandb add to it
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(
-        default_factory=lambda: ["jsonl"])
+        default_factory=lambda: ["jsonl"]
+    )
     wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in loggers
     merge_lora: bool = False  # also write a merged HF model to <dir>/merged
     overwrite: bool = False  # allow a fresh run into a non-empty dir
@@ -127,8 +130,12 @@ class OutputConfig:
 
 @dataclass(kw_only=True)
 class FsdpConfig:
-    reshard_after_forward: bool = True  # false: keep layers gathered until backward (faster, more memory)
-    cpu_offload: bool = False  # keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)
+    reshard_after_forward: bool = (
+        True  # false: keep layers gathered until backward (faster, more memory)
+    )
+    cpu_offload: bool = (
+        False  # keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)
+    )
 
 
 @dataclass(kw_only=True)

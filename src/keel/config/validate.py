@@ -10,8 +10,15 @@ from keel.config.schema import BUNDLED_PREFIX, RunConfig, WandbConfig
 
 def check_config(cfg: RunConfig) -> list[str]:
     """Every problem with a well-typed config, each naming its key, value and fix."""
-    return [*_check_model(cfg), *_check_method(cfg), *_check_data(cfg), *_check_train(cfg),
-            *_check_output(cfg), *_check_distributed(cfg), *_check_watchdog(cfg)]
+    return [
+        *_check_model(cfg),
+        *_check_method(cfg),
+        *_check_data(cfg),
+        *_check_train(cfg),
+        *_check_output(cfg),
+        *_check_distributed(cfg),
+        *_check_watchdog(cfg),
+    ]
 
 
 def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
@@ -26,8 +33,10 @@ def _check_model(cfg: RunConfig) -> list[str]:
     if path.startswith(BUNDLED_PREFIX):
         return []  # the name is checked where bundled models are known (keel.models)
     if not Path(path).expanduser().exists():
-        return [f"model.path = {path!r} does not exist; give an HF model directory or "
-                f"{BUNDLED_PREFIX}smollm2-135m-instruct"]
+        return [
+            f"model.path = {path!r} does not exist; give an HF model directory or "
+            f"{BUNDLED_PREFIX}smollm2-135m-instruct"
+        ]
     return []
 
 
@@ -37,11 +46,16 @@ def _check_method(cfg: RunConfig) -> list[str]:
     if not 0 <= lora.dropout < 1:
         problems.append(f"method.lora.dropout = {lora.dropout} must be in [0, 1)")
     if cfg.method.type == "freeze":
-        problems += _positive(freeze.trainable_layers, "method.freeze.trainable_layers",
-                              allow_zero=bool(freeze.trainable_modules))
+        problems += _positive(
+            freeze.trainable_layers,
+            "method.freeze.trainable_layers",
+            allow_zero=bool(freeze.trainable_modules),
+        )
     if cfg.output.merge_lora and cfg.method.type != "lora":
-        problems.append(f"output.merge_lora = true needs method.type = lora "
-                        f"(it is {cfg.method.type}); remove output.merge_lora")
+        problems.append(
+            f"output.merge_lora = true needs method.type = lora "
+            f"(it is {cfg.method.type}); remove output.merge_lora"
+        )
     return problems
 
 
@@ -53,20 +67,26 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if data.cutoff_len < 8:
         problems.append(f"data.cutoff_len = {data.cutoff_len} must be >= 8 tokens")
     if data.val_size < 0 or (data.val_size >= 1 and data.val_size != int(data.val_size)):
-        problems.append(f"data.val_size = {data.val_size} must be a fraction in [0, 1) "
-                        f"or a whole number of samples")
+        problems.append(
+            f"data.val_size = {data.val_size} must be a fraction in [0, 1) "
+            f"or a whole number of samples"
+        )
     problems += _positive(data.num_proc, "data.num_proc")
     for index, ds in enumerate(data.datasets):
         if ds.format == "text" and cfg.train.stage == "sft":
-            problems.append(f"data.datasets.{index}.format = text has no assistant turns to "
-                            f"learn; use train.stage = pt, or a chat format for sft")
+            problems.append(
+                f"data.datasets.{index}.format = text has no assistant turns to "
+                f"learn; use train.stage = pt, or a chat format for sft"
+            )
         if ds.max_samples is not None:
             problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
         if ds.num_samples is not None:
             problems += _positive(ds.num_samples, f"data.datasets.{index}.num_samples")
     if data.dataset_dir is not None and not Path(data.dataset_dir).is_dir():
-        problems.append(f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
-                        f"hold a dataset_info.json")
+        problems.append(
+            f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
+            f"hold a dataset_info.json"
+        )
     return problems
 
 
@@ -77,9 +97,11 @@ def _check_train(cfg: RunConfig) -> list[str]:
     if t.global_batch_size is not None:
         problems += _positive(t.global_batch_size, "train.global_batch_size")
         if t.grad_accum != 1:
-            problems.append(f"train.grad_accum = {t.grad_accum} and train.global_batch_size = "
-                            f"{t.global_batch_size} both set the batch; set only one (with "
-                            f"global_batch_size, keel derives the accumulation per process)")
+            problems.append(
+                f"train.grad_accum = {t.grad_accum} and train.global_batch_size = "
+                f"{t.global_batch_size} both set the batch; set only one (with "
+                f"global_batch_size, keel derives the accumulation per process)"
+            )
     problems += _positive(t.lr, "train.lr")
     problems += _positive(t.loss_chunk_size, "train.loss_chunk_size")
     problems += _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
@@ -96,8 +118,9 @@ def _check_train(cfg: RunConfig) -> list[str]:
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         problems.append(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1)")
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
-        problems.append(f"train.resume = {t.resume!r} must be auto, never, or an existing "
-                        f"checkpoint folder")
+        problems.append(
+            f"train.resume = {t.resume!r} must be auto, never, or an existing checkpoint folder"
+        )
     return problems
 
 
@@ -107,17 +130,23 @@ def _check_output(cfg: RunConfig) -> list[str]:
     problems += _positive(out.keep_last, "output.keep_last")
     problems += _positive(out.save_every, "output.save_every", allow_zero=True)
     if "tensorboard" in out.loggers and importlib.util.find_spec("tensorboard") is None:
-        problems.append("output.loggers includes tensorboard, which is not installed; "
-                        "pip install tensorboard (or keel[tensorboard]), or drop it")
+        problems.append(
+            "output.loggers includes tensorboard, which is not installed; "
+            "pip install tensorboard (or keel[tensorboard]), or drop it"
+        )
     if "wandb" in out.loggers:
         if importlib.util.find_spec("wandb") is None:
-            problems.append("output.loggers includes wandb, which is not installed; "
-                            "pip install 'keel[wandb]' (or wandb), or drop it")
+            problems.append(
+                "output.loggers includes wandb, which is not installed; "
+                "pip install 'keel[wandb]' (or wandb), or drop it"
+            )
         problems += _check_wandb(out.wandb)
     elif out.wandb != WandbConfig():
         # Settings without the logger are most likely a run the user expects on W&B.
-        problems.append("output.wandb is set but output.loggers does not include wandb; "
-                        "add it (output.loggers=[jsonl, wandb]), or remove output.wandb")
+        problems.append(
+            "output.wandb is set but output.loggers does not include wandb; "
+            "add it (output.loggers=[jsonl, wandb]), or remove output.wandb"
+        )
     return problems
 
 
@@ -127,8 +156,10 @@ def _check_wandb(w: WandbConfig) -> list[str]:
     problems = []
     if w.project is not None:
         if not 1 <= len(w.project) <= 128 or set(w.project) & set("/\\#?%:"):
-            problems.append(f"output.wandb.project = {w.project!r} must be 1 to 128 "
-                            f"characters without / \\ # ? % :")
+            problems.append(
+                f"output.wandb.project = {w.project!r} must be 1 to 128 "
+                f"characters without / \\ # ? % :"
+            )
     for index, tag in enumerate(w.tags):
         if not 1 <= len(tag) <= 64:
             problems.append(f"output.wandb.tags.{index} = {tag!r} must be 1 to 64 characters")
@@ -140,9 +171,11 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
     problems = _positive(d.timeout_s, "distributed.timeout_s")
     problems += _positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
     if d.strategy == "fsdp" and cfg.train.precision == "fp16":
-        problems.append("train.precision = fp16 with distributed.strategy = fsdp is not "
-                        "supported (fp16 loss scaling needs every shard's overflow check); "
-                        "use bf16, or strategy ddp")
+        problems.append(
+            "train.precision = fp16 with distributed.strategy = fsdp is not "
+            "supported (fp16 loss scaling needs every shard's overflow check); "
+            "use bf16, or strategy ddp"
+        )
     if d.device_memory != "auto":
         from keel.plan.devices import parse_memory
 

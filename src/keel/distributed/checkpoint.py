@@ -41,8 +41,11 @@ def save_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     """Write the trainable weights and optimizer state of `module` under `path` (collective)."""
     model_state, optim_state = get_state_dict(module, optimizer, options=_OPTIONS)
     with _single_process_is_intended():
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path),
-                 no_dist=not _distributed())
+        dcp.save(
+            {"model": model_state, "optimizer": optim_state},
+            checkpoint_id=str(path),
+            no_dist=not _distributed(),
+        )
 
 
 def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -52,19 +55,29 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     _check_metadata(path)  # before DCP, whose own errors would hide the reason
     with _single_process_is_intended():
         try:
-            dcp.load(state, storage_reader=AllowListReader(str(path)),
-                     planner=WeightsOnlyLoadPlanner(), no_dist=not _distributed())
+            dcp.load(
+                state,
+                storage_reader=AllowListReader(str(path)),
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=not _distributed(),
+            )
         except CheckpointException as exc:  # DCP gathers every rank's failure into one
             raise _first_failure(exc, path) from None
     # Not strict: frozen parameters are absent by design. A trainable one must not be.
-    result = set_state_dict(module, optimizer, model_state_dict=state["model"],
-                            optim_state_dict=state["optimizer"],
-                            options=StateDictOptions(ignore_frozen_params=True, strict=False))
+    result = set_state_dict(
+        module,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
     missing = [k for k in result.missing_keys if _strip_wrapper(k) in trainable]
     if missing or result.unexpected_keys:
-        raise ValueError(f"checkpoint {path} does not match this model: missing trainable "
-                         f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+        raise ValueError(
+            f"checkpoint {path} does not match this model: missing trainable "
+            f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+        )
 
 
 class UnsafeCheckpointError(ValueError):
@@ -72,8 +85,11 @@ class UnsafeCheckpointError(ValueError):
 
 
 def _dcp_metadata_classes() -> dict[tuple[str, str], object]:
-    allowed = {(dcp_metadata.__name__, name): value for name, value in vars(dcp_metadata).items()
-               if isinstance(value, type) and value.__module__ == dcp_metadata.__name__}
+    allowed = {
+        (dcp_metadata.__name__, name): value
+        for name, value in vars(dcp_metadata).items()
+        if isinstance(value, type) and value.__module__ == dcp_metadata.__name__
+    }
     allowed[(_StorageInfo.__module__, "_StorageInfo")] = _StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
@@ -96,9 +112,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             _MetadataUnpickler.allowed = _dcp_metadata_classes()
         found = self.allowed.get((module, name))
         if found is None:
-            raise UnsafeCheckpointError(f".metadata holds a pickled object of type "
-                                        f"{module}.{name}, which is not part of a "
-                                        f"checkpoint's metadata")
+            raise UnsafeCheckpointError(
+                f".metadata holds a pickled object of type "
+                f"{module}.{name}, which is not part of a "
+                f"checkpoint's metadata"
+            )
         return found
 
 
@@ -118,8 +136,9 @@ def _first_failure(exc: CheckpointException, path: Path) -> Exception:
     failures = [failure for failure, _trace in exc.failures.values()]
     for failure in failures:
         if isinstance(failure, UnsafeCheckpointError | pickle.UnpicklingError):
-            return UnsafeCheckpointError(f"{path} holds a pickled object that is not plain "
-                                         f"data ({failure})")
+            return UnsafeCheckpointError(
+                f"{path} holds a pickled object that is not plain data ({failure})"
+            )
     first = failures[0] if failures else exc
     return ValueError(f"{path} cannot be loaded: {type(first).__name__}: {first}")
 
@@ -149,8 +168,7 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                        loaded)
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
 
@@ -159,8 +177,9 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
 def _single_process_is_intended():
     """DCP warns on every single-process save/load, even when asked for one (no_dist)."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
         yield
 
 
@@ -172,12 +191,15 @@ def _strip_wrapper(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def gather_full_state(module: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def gather_full_state(
+    module: nn.Module, *, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The weights of `module` as full CPU tensors on rank 0 ({} elsewhere; collective).
 
     trainable_only: skip frozen weights (an adapter save needs only the adapter, and
     gathering a frozen base would put a whole model in rank 0's memory for nothing).
     """
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True,
-                               ignore_frozen_params=trainable_only)
+    options = StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+    )
     return get_model_state_dict(module, options=options)

@@ -10,16 +10,19 @@ from pathlib import Path
 import psutil
 
 
-def build_hang_report(reason: str, beats: dict[int, dict | None], *, live: set[int],
-                      diagnostics: Path) -> str:
+def build_hang_report(
+    reason: str, beats: dict[int, dict | None], *, live: set[int], diagnostics: Path
+) -> str:
     """The console/file report of a hang from every rank's last heartbeat."""
     lines = [f"keel watchdog: the run is stuck: {reason}"]
     silent = sorted(r for r in beats if r not in live)
     alive = {r: b for r, b in beats.items() if b and r in live}
     behind = _behind(alive)
     if silent:
-        lines.append(f"not responding (no heartbeat; stopped, killed or frozen): rank(s) "
-                     f"{', '.join(map(str, silent))}")
+        lines.append(
+            f"not responding (no heartbeat; stopped, killed or frozen): rank(s) "
+            f"{', '.join(map(str, silent))}"
+        )
     if behind:
         lines.append(f"behind the others: rank(s) {', '.join(map(str, behind))}")
     lines.append("each rank's last known position:")
@@ -31,13 +34,14 @@ def build_hang_report(reason: str, beats: dict[int, dict | None], *, live: set[i
         last = beat["collectives"][-1] if beat["collectives"] else None
         last_text = f"#{last[0]} {last[1]}({last[2]}) at step {last[3]}" if last else "none"
         state = "alive" if r in live else "NOT RESPONDING, its last heartbeat"
-        lines.append(f"  rank {r} ({state}, {beat['host']} pid {beat['pid']}): at "
-                     f"{beat['where']} (mark {beat['point']}), idle {beat['idle_s']} s; last "
-                     f"collective {last_text}")
+        lines.append(
+            f"  rank {r} ({state}, {beat['host']} pid {beat['pid']}): at "
+            f"{beat['where']} (mark {beat['point']}), idle {beat['idle_s']} s; last "
+            f"collective {last_text}"
+        )
     lines.append(collective_divergence(alive))
     stacks = [f"rank-{r:05d}-stacks.txt" for r in sorted(live)]
-    lines.append(f"stacks of every thread of the live ranks: {diagnostics}/ "
-                 f"({', '.join(stacks)})")
+    lines.append(f"stacks of every thread of the live ranks: {diagnostics}/ ({', '.join(stacks)})")
     return "\n".join(lines)
 
 
@@ -82,11 +86,15 @@ def collective_divergence(beats: dict[int, dict]) -> str:
         entries = {r: s.get(seq) for r, s in seqs.items()}
         if len({e for e in entries.values()}) > 1:
             steps = [e[2] for e in entries.values() if e]
-            shown = "; ".join(f"rank {r}: " + _entry_text(e, beats[r], min(steps))
-                              for r, e in sorted(entries.items()))
+            shown = "; ".join(
+                f"rank {r}: " + _entry_text(e, beats[r], min(steps))
+                for r, e in sorted(entries.items())
+            )
             return f"collective sequences first differ at #{seq}: {shown}"
-    return (f"collective sequences agree (up to #{min(lasts.values())}); the ranks are inside "
-            f"a collective (e.g. a gradient all-reduce or an FSDP all-gather) or compute")
+    return (
+        f"collective sequences agree (up to #{min(lasts.values())}); the ranks are inside "
+        f"a collective (e.g. a gradient all-reduce or an FSDP all-gather) or compute"
+    )
 
 
 def _entry_text(entry: tuple | None, beat: dict, step: int) -> str:

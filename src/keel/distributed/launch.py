@@ -61,22 +61,28 @@ class WorldInfo:
 def _int_var(environ: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
     value = environ.get(name)
     if value is None:
-        raise KeelError(f"{name} is not set, but the other launcher variables are; "
-                        f"set {name} or unset them all to run as a single process")
+        raise KeelError(
+            f"{name} is not set, but the other launcher variables are; "
+            f"set {name} or unset them all to run as a single process"
+        )
     try:
         number = int(value.strip())
     except ValueError:
         number = None
     if number is None or number < minimum:
-        raise KeelError(f"{name}={value!r} is not a whole number >= {minimum}; "
-                        "fix or unset it (torchrun and srun set it for you)")
+        raise KeelError(
+            f"{name}={value!r} is not a whole number >= {minimum}; "
+            "fix or unset it (torchrun and srun set it for you)"
+        )
     return number
 
 
 def _check_below(small_name: str, small: int, big_name: str, big: int) -> None:
     if small >= big:
-        raise KeelError(f"{small_name}={small} must be below {big_name}={big}; "
-                        "the launcher environment is inconsistent, unset both or fix them")
+        raise KeelError(
+            f"{small_name}={small} must be below {big_name}={big}; "
+            "the launcher environment is inconsistent, unset both or fix them"
+        )
 
 
 def _first_count(name: str, value: str) -> int:
@@ -98,8 +104,9 @@ def _slurm_tasks_on_this_node(environ: Mapping[str, str]) -> int:
     for part in value.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if not match:
-            raise KeelError(f"SLURM_TASKS_PER_NODE={value!r} is not a SLURM task list "
-                            "like '4' or '4(x2),1'")
+            raise KeelError(
+                f"SLURM_TASKS_PER_NODE={value!r} is not a SLURM task list like '4' or '4(x2),1'"
+            )
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     node = _int_var(environ, "SLURM_NODEID") if "SLURM_NODEID" in environ else 0
     return counts[node] if node < len(counts) else counts[0]
@@ -170,8 +177,10 @@ def first_host(nodelist: str) -> str:
     # Each [...] group stands for its members; the first host takes the first of each.
     host = re.sub(r"\[([^\[\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], head)
     if not host or not re.fullmatch(r"[A-Za-z0-9._-]+", host):
-        raise KeelError(f"SLURM node list {nodelist!r} has no host name keel can read; "
-                        "set MASTER_ADDR to the first node's address")
+        raise KeelError(
+            f"SLURM node list {nodelist!r} has no host name keel can read; "
+            "set MASTER_ADDR to the first node's address"
+        )
     return host
 
 
@@ -201,17 +210,31 @@ def slurm_rendezvous_env(environ: Mapping[str, str]) -> dict[str, str]:
     if not addr:
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         if not nodelist:
-            raise KeelError("neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; "
-                            "export MASTER_ADDR=<first node> before srun")
+            raise KeelError(
+                "neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; "
+                "export MASTER_ADDR=<first node> before srun"
+            )
         addr = first_host(nodelist)
-    return {"RANK": str(world.rank), "WORLD_SIZE": str(world.world_size),
-            "LOCAL_RANK": str(world.local_rank),
-            "LOCAL_WORLD_SIZE": str(world.local_world_size),
-            "MASTER_ADDR": addr, "MASTER_PORT": _master_port(environ)}
+    return {
+        "RANK": str(world.rank),
+        "WORLD_SIZE": str(world.world_size),
+        "LOCAL_RANK": str(world.local_rank),
+        "LOCAL_WORLD_SIZE": str(world.local_world_size),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": _master_port(environ),
+    }
 
 
-def torchrun_args(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-                  max_restarts: int, worker_args: list[str], module: str = "keel") -> list[str]:
+def torchrun_args(
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+    worker_args: list[str],
+    module: str = "keel",
+) -> list[str]:
     """Arguments for torch.distributed.run that start `python -m <module> *worker_args`.
 
     One node without an endpoint uses `--standalone` (torchrun picks a free port).
@@ -223,74 +246,130 @@ def torchrun_args(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str
     if rdzv_endpoint is None:
         args = ["--standalone"]
     else:
-        args = ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-                "--rdzv-id", RDZV_ID, "--nnodes", str(nnodes)]
-    return [*args, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--module", module, *worker_args]
+        args = [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            rdzv_endpoint,
+            "--rdzv-id",
+            RDZV_ID,
+            "--nnodes",
+            str(nnodes),
+        ]
+    return [
+        *args,
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "--module",
+        module,
+        *worker_args,
+    ]
 
 
-def check_launch_args(*, nproc: int, nnodes: int, node_rank: int,
-                      rdzv_endpoint: str | None, max_restarts: int) -> None:
+def check_launch_args(
+    *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int
+) -> None:
     """Raise KeelError naming the flag, its value and the fix for the first bad flag."""
     if nproc < 1:
-        raise KeelError(f"--nproc {nproc}: need at least 1 worker per node "
-                        "(usually one per GPU, e.g. --nproc 8)")
+        raise KeelError(
+            f"--nproc {nproc}: need at least 1 worker per node "
+            "(usually one per GPU, e.g. --nproc 8)"
+        )
     if nnodes < 1:
         raise KeelError(f"--nnodes {nnodes}: need at least 1 node")
     if not 0 <= node_rank < nnodes:
-        raise KeelError(f"--node-rank {node_rank}: must be between 0 and {nnodes - 1} "
-                        f"for --nnodes {nnodes}")
+        raise KeelError(
+            f"--node-rank {node_rank}: must be between 0 and {nnodes - 1} for --nnodes {nnodes}"
+        )
     if nnodes > 1 and rdzv_endpoint is None:
-        raise KeelError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT "
-                        "(the address of node 0, same on every node)")
+        raise KeelError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT "
+            "(the address of node 0, same on every node)"
+        )
     if rdzv_endpoint is not None:
         host, _, port = rdzv_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise KeelError(f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT, "
-                            "e.g. node0:29500 (the address of node 0, same on every node)")
+            raise KeelError(
+                f"--rdzv-endpoint {rdzv_endpoint!r}: expected HOST:PORT, "
+                "e.g. node0:29500 (the address of node 0, same on every node)"
+            )
     if max_restarts < 0:
         raise KeelError(f"--max-restarts {max_restarts}: must be 0 or more")
 
 
-def _given_flags(*, nproc: int | None, nnodes: int, node_rank: int,
-                 rdzv_endpoint: str | None, max_restarts: int) -> list[str]:
+def _given_flags(
+    *, nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int
+) -> list[str]:
     """The launcher flags that differ from their defaults, as the user typed them."""
-    flags = [("--nproc", nproc, None), ("--nnodes", nnodes, 1), ("--node-rank", node_rank, 0),
-             ("--rdzv-endpoint", rdzv_endpoint, None), ("--max-restarts", max_restarts, 0)]
+    flags = [
+        ("--nproc", nproc, None),
+        ("--nnodes", nnodes, 1),
+        ("--node-rank", node_rank, 0),
+        ("--rdzv-endpoint", rdzv_endpoint, None),
+        ("--max-restarts", max_restarts, 0),
+    ]
     return [f"{flag} {value}" for flag, value, default in flags if value != default]
 
 
-def needs_launch(world: WorldInfo, *, nproc: int | None, nnodes: int, node_rank: int,
-                 rdzv_endpoint: str | None, max_restarts: int) -> bool:
+def needs_launch(
+    world: WorldInfo,
+    *,
+    nproc: int | None,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+) -> bool:
     """Whether `keel train` must start workers through torchrun, given its flags and `world`.
 
     True for --nproc or --nnodes > 1 in a plain process, or in one `srun` task per node.
     Raises KeelError when the flags are bad or clash with the launcher that started us.
     """
-    given = _given_flags(nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
+    given = _given_flags(
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+    )
     wants = nproc is not None or nnodes != 1
     if world.launcher == "torchrun" and given:
-        raise KeelError(f"keel is already running under torchrun/srun (RANK={world.rank}); "
-                        f"drop {' '.join(given)} or launch with plain `keel train`")
+        raise KeelError(
+            f"keel is already running under torchrun/srun (RANK={world.rank}); "
+            f"drop {' '.join(given)} or launch with plain `keel train`"
+        )
     # One srun task per node may run torchrun; more tasks per node would fight over GPUs.
-    if world.launcher == "slurm" and wants and (
-            world.local_world_size > 1 or nnodes != world.world_size):
+    if (
+        world.launcher == "slurm"
+        and wants
+        and (world.local_world_size > 1 or nnodes != world.world_size)
+    ):
         raise KeelError(
             f"keel is already running under torchrun/srun (RANK={world.rank}, "
             f"{world.world_size} srun task(s), {world.local_world_size} on this node); "
             f"drop {' '.join(given)} to run one srun task per GPU, or start one task per "
-            "node (srun --ntasks-per-node=1) with --nnodes equal to the number of nodes")
+            "node (srun --ntasks-per-node=1) with --nnodes equal to the number of nodes"
+        )
     if given and not wants:
         if max_restarts:
-            raise KeelError(f"--max-restarts {max_restarts} needs the launcher: use "
-                            f"--nproc 1 --max-restarts {max_restarts} "
-                            "(torchrun does the elastic restarts)")
+            raise KeelError(
+                f"--max-restarts {max_restarts} needs the launcher: use "
+                f"--nproc 1 --max-restarts {max_restarts} "
+                "(torchrun does the elastic restarts)"
+            )
         raise KeelError(f"{given[0]} needs --nproc N (worker processes per node)")
     if wants:
-        check_launch_args(nproc=1 if nproc is None else nproc, nnodes=nnodes,
-                          node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                          max_restarts=max_restarts)
+        check_launch_args(
+            nproc=1 if nproc is None else nproc,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            rdzv_endpoint=rdzv_endpoint,
+            max_restarts=max_restarts,
+        )
     return wants
 
 
@@ -299,8 +378,11 @@ def _worker_env(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
     if "OMP_NUM_THREADS" not in env:
         # torchrun would force 1 thread per worker; share this process's cores instead.
         # sched_getaffinity honours cgroup/taskset limits but is Linux-only.
-        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                 else os.cpu_count() or 1)
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
         env["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     return env
 
@@ -319,32 +401,53 @@ def _wait_after_interrupt(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def launch(*, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
-           max_restarts: int, worker_args: list[str],
-           log: Callable[[str], None] = print) -> int:
+def launch(
+    *,
+    nproc: int,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    max_restarts: int,
+    worker_args: list[str],
+    log: Callable[[str], None] = print,
+) -> int:
     """Run torchrun in a subprocess to start `nproc` keel workers on this node.
 
     Returns torchrun's exit code (it exits 1 whatever code a failed worker had), or 130
     after Ctrl-C. Raises KeelError for bad flags before anything starts.
     """
-    check_launch_args(nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                      rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)
-    args = torchrun_args(nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                         rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts,
-                         worker_args=worker_args)
+    check_launch_args(
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+    )
+    args = torchrun_args(
+        nproc=nproc,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_endpoint=rdzv_endpoint,
+        max_restarts=max_restarts,
+        worker_args=worker_args,
+    )
     env = _worker_env(os.environ, nproc)
-    where = (f"node {node_rank} of {nnodes}, rendezvous {rdzv_endpoint}"
-             if rdzv_endpoint else "this node")
-    log(f"keel: launching {nproc} worker(s) on {where} via torchrun "
+    where = (
+        f"node {node_rank} of {nnodes}, rendezvous {rdzv_endpoint}"
+        if rdzv_endpoint
+        else "this node"
+    )
+    log(
+        f"keel: launching {nproc} worker(s) on {where} via torchrun "
         f"(max {max_restarts} restart(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']}): "
-        f"python -m keel {' '.join(worker_args)}")
+        f"python -m keel {' '.join(worker_args)}"
+    )
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env)
     try:
         return proc.wait()
     except KeyboardInterrupt:
         # The terminal sent SIGINT to torchrun too; it forwards it to the workers and
         # reaps them. Killing torchrun here would orphan workers that still hold GPUs.
-        log("keel: interrupted; waiting for torchrun to stop the workers "
-            "(Ctrl-C again to kill it)")
+        log("keel: interrupted; waiting for torchrun to stop the workers (Ctrl-C again to kill it)")
         _wait_after_interrupt(proc)
         return 130

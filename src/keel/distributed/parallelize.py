@@ -27,13 +27,21 @@ def apply_ddp(module: nn.Module, ctx: DistContext) -> nn.Module:
     # it only registers hooks for parameters that require grad. Gradients as views into the
     # all-reduce buckets: otherwise DDP holds a second full copy of them (measured +1.5 GB
     # per rank on a 0.4B model).
-    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False,
-                                   gradient_as_bucket_view=True)
+    return DistributedDataParallel(
+        module, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True
+    )
 
 
-def apply_fsdp(model: nn.Module, layers: Iterable[nn.Module], ctx: DistContext, *,
-               param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-               reshard_after_forward: bool, cpu_offload: bool) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    layers: Iterable[nn.Module],
+    ctx: DistContext,
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> nn.Module:
     """Shard each of `layers` as its own FSDP2 unit, then `model` as the root unit.
 
     Works on a model still on the meta device: call `model.to_empty(device=...)` afterwards
@@ -74,8 +82,9 @@ def local_region(param: torch.Tensor) -> tuple[slice, ...] | None:
     """
     if not isinstance(param, DTensor):
         return None
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
@@ -88,8 +97,9 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def choose_strategy(requested: str, world_size: int, replica_bytes: int,
-                    device_bytes: int) -> tuple[str, str]:
+def choose_strategy(
+    requested: str, world_size: int, replica_bytes: int, device_bytes: int
+) -> tuple[str, str]:
     """("none" | "ddp" | "fsdp", why). auto: fsdp only when a full replica would not fit.
 
     `replica_bytes` is weights + gradients + optimizer state of one full copy; 80% of the
@@ -100,8 +110,10 @@ def choose_strategy(requested: str, world_size: int, replica_bytes: int,
     if requested != "auto":
         return requested, "set by distributed.strategy"
     gib = 2**30
-    figures = (f"a full replica needs ~{replica_bytes / gib:.2f} GiB of "
-               f"{device_bytes / gib:.2f} GiB per device")
+    figures = (
+        f"a full replica needs ~{replica_bytes / gib:.2f} GiB of "
+        f"{device_bytes / gib:.2f} GiB per device"
+    )
     if replica_bytes > 0.8 * device_bytes:
         return "fsdp", f"auto: {figures}, more than 80%: shard it"
     return "ddp", f"auto: {figures}: it fits, replicate"

@@ -37,7 +37,8 @@ def choose_device(local_rank: int) -> torch.device:
         if local_rank >= count:
             raise KeelError(
                 f"local rank {local_rank} has no GPU: this node has {count}; launch at most "
-                f"{count} processes per node (--nproc {count})")
+                f"{count} processes per node (--nproc {count})"
+            )
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -89,8 +90,7 @@ class DistContext:
 
     def broadcast_object(self, obj, *, src: int = 0, slow: bool = False):
         """Rank `src`'s `obj` on every rank (any picklable object)."""
-        if not self.distributed or not self._enter("broadcast_object", f"from {src}",
-                                                   slow=slow):
+        if not self.distributed or not self._enter("broadcast_object", f"from {src}", slow=slow):
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.slow_group if slow else None)
@@ -115,15 +115,22 @@ class CollectiveGuard:
     store, where the watchdog sees it.
     """
 
-    def __init__(self, *, rank: int, world_size: int, store, watchdog, fault=None,
-                 slow_limit_s: float = 86400.0):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store,
+        watchdog,
+        fault=None,
+        slow_limit_s: float = 86400.0,
+    ):
         self.rank, self.world_size, self.store = rank, world_size, store
         self.watchdog, self.fault, self.slow_limit_s = watchdog, fault, slow_limit_s
 
     def before(self, op: str, signature: str, *, slow: bool = False) -> bool:
         progress = self.watchdog.progress
-        if self.fault is not None and self.fault.due("skip_collective", progress.step,
-                                                      self.rank):
+        if self.fault is not None and self.fault.due("skip_collective", progress.step, self.rank):
             progress.mark(f"skipped {op} (KEEL_FAULT)")
             return False
         record = self.watchdog.collectives.record(op, signature, progress.step)
@@ -137,8 +144,9 @@ class CollectiveGuard:
         theirs = {r: json.loads(self.store.get(keys[r])) for r in range(self.world_size)}
         differ = {r: v for r, v in theirs.items() if v != mine}
         if differ:
-            shown = "; ".join(f"rank {r}: {v[0]}({v[1]}) at step {v[2]}"
-                              for r, v in sorted(theirs.items()))
+            shown = "; ".join(
+                f"rank {r}: {v[0]}({v[1]}) at step {v[2]}" for r, v in sorted(theirs.items())
+            )
             self.watchdog.alarm(f"the ranks' collective #{record.seq} differs: {shown}")
         if record.seq >= 2:  # every rank has read #seq-2 before anyone writes #seq
             self.store.delete_key(f"fp/{record.seq - 2}/{self.rank}")
@@ -150,9 +158,16 @@ class CollectiveGuard:
         return limit if limit is not None else self.slow_limit_s
 
 
-def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
-                     timeout_s: float, preprocess_timeout_s: float,
-                     log: Log = print) -> DistContext:
+def init_distributed(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    timeout_s: float,
+    preprocess_timeout_s: float,
+    log: Log = print,
+) -> DistContext:
     """Join the process group described by torchrun's (or SLURM-derived) env:// variables.
 
     The device is decided here, before the first collective, and checked by one: every
@@ -164,25 +179,39 @@ def init_distributed(*, rank: int, world_size: int, local_rank: int, local_world
     backend = backend_for(device.type)
     timeout = timedelta(seconds=timeout_s)
     try:
-        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                           timeout=timeout))
+        store, _, _ = next(
+            dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout)
+        )
         # After an elastic restart the workers reuse torchrun's store, which still holds
         # the dead attempt's gloo addresses: a per-attempt prefix keeps them apart.
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         keel_store = dist.PrefixStore(f"keel/{attempt}", store)
-        dist.init_process_group(backend=backend, store=keel_store,
-                                rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend=backend,
+            store=keel_store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
     except (RuntimeError, ValueError, dist.DistStoreError) as exc:
         raise KeelError(explain_startup_error(exc, world_size)) from exc
     slow = dist.new_group(backend="gloo", timeout=timedelta(seconds=preprocess_timeout_s))
-    ctx = DistContext(rank=rank, world_size=world_size, local_rank=local_rank,
-                      local_world_size=local_world_size, device=device, slow_group=slow,
-                      store=keel_store)
+    ctx = DistContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        slow_group=slow,
+        store=keel_store,
+    )
     _check_placement(ctx)
     if ctx.is_main:
-        log(f"process group: {world_size} processes, backend {backend}, device {device.type}, "
-            f"collective timeout {timeout_s:.0f}s")
+        log(
+            f"process group: {world_size} processes, backend {backend}, device {device.type}, "
+            f"collective timeout {timeout_s:.0f}s"
+        )
     return ctx
 
 
@@ -192,14 +221,18 @@ def _check_placement(ctx: DistContext) -> None:
     everyone = ctx.gather_objects(mine)
     types = {d for _, d, _ in everyone}
     if len(types) > 1:
-        raise KeelError(f"ranks disagree on the device type ({sorted(types)}): some nodes see "
-                        f"a GPU and some do not; run every node on the same kind of machine")
+        raise KeelError(
+            f"ranks disagree on the device type ({sorted(types)}): some nodes see "
+            f"a GPU and some do not; run every node on the same kind of machine"
+        )
     if "cuda" in types:
         seen: dict[tuple, int] = {}
         for r, (host, _, index) in enumerate(everyone):
             if (host, index) in seen:
-                raise KeelError(f"ranks {seen[(host, index)]} and {r} both use cuda:{index} on "
-                                f"{host}; use one process per GPU")
+                raise KeelError(
+                    f"ranks {seen[(host, index)]} and {r} both use cuda:{index} on "
+                    f"{host}; use one process per GPU"
+                )
             seen[(host, index)] = r
 
 
@@ -209,15 +242,21 @@ def explain_startup_error(exc: BaseException, world_size: int) -> str:
     lowered = text.lower()
     addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
     if "address already in use" in lowered or "eaddrinuse" in lowered:
-        hint = (f"the rendezvous port {addr} is already in use (another job, or a previous run "
-                f"that did not exit); pick another port in --rdzv-endpoint or stop that process")
+        hint = (
+            f"the rendezvous port {addr} is already in use (another job, or a previous run "
+            f"that did not exit); pick another port in --rdzv-endpoint or stop that process"
+        )
     elif "timed out" in lowered or "timeout" in lowered:
-        hint = (f"not all {world_size} processes joined the rendezvous at {addr} in time; "
-                f"check every node runs the same command with the same --nnodes/--nproc and "
-                f"can reach {addr}")
+        hint = (
+            f"not all {world_size} processes joined the rendezvous at {addr} in time; "
+            f"check every node runs the same command with the same --nnodes/--nproc and "
+            f"can reach {addr}"
+        )
     elif "world_size" in lowered or "world size" in lowered or "rank" in lowered:
-        hint = (f"the processes disagree on the world size ({world_size} expected here); "
-                f"launch every node with the same --nnodes and --nproc")
+        hint = (
+            f"the processes disagree on the world size ({world_size} expected here); "
+            f"launch every node with the same --nnodes and --nproc"
+        )
     else:
         hint = "could not set up the process group"
     return f"{hint} (torch.distributed said: {text.splitlines()[0] if text else type(exc)})"

@@ -152,19 +152,28 @@ def memory_state() -> dict[str, float]:
     state = {"rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         mb = 2**20
-        state.update(cuda_alloc_mb=round(torch.cuda.memory_allocated() / mb, 1),
-                     cuda_peak_mb=round(torch.cuda.max_memory_allocated() / mb, 1),
-                     cuda_reserved_mb=round(torch.cuda.memory_reserved() / mb, 1),
-                     cuda_peak_reserved_mb=round(torch.cuda.max_memory_reserved() / mb, 1))
+        state.update(
+            cuda_alloc_mb=round(torch.cuda.memory_allocated() / mb, 1),
+            cuda_peak_mb=round(torch.cuda.max_memory_allocated() / mb, 1),
+            cuda_reserved_mb=round(torch.cuda.memory_reserved() / mb, 1),
+            cuda_peak_reserved_mb=round(torch.cuda.max_memory_reserved() / mb, 1),
+        )
     return state
 
 
 class Watchdog:
     """The watchdog thread of one process; see the module docstring."""
 
-    def __init__(self, settings: WatchdogSettings, *, rank: int = 0, world_size: int = 1,
-                 store=None, progress: Progress | None = None,
-                 collectives: CollectiveLog | None = None):
+    def __init__(
+        self,
+        settings: WatchdogSettings,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        store=None,
+        progress: Progress | None = None,
+        collectives: CollectiveLog | None = None,
+    ):
         self.settings, self.rank, self.world_size = settings, rank, world_size
         self.store = store  # a c10d store shared by all ranks (None: one process)
         self.progress = progress or Progress()
@@ -194,8 +203,11 @@ class Watchdog:
             try:
                 self._tick()
             except Exception as exc:  # the watchdog must never take training down
-                print(f"keel watchdog (rank {self.rank}): {type(exc).__name__}: {exc}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"keel watchdog (rank {self.rank}): {type(exc).__name__}: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def _tick(self) -> None:
         self.beat += 1
@@ -212,12 +224,21 @@ class Watchdog:
         progress = self.progress
         now = time.monotonic()
         phase = progress.phases[-1] if progress.phases else None
-        return {"rank": self.rank, "beat": self.beat, "pid": os.getpid(), "ppid": os.getppid(),
-                "host": socket.gethostname(), "step": progress.step, "point": progress.point,
-                "where": progress.describe(), "idle_s": round(now - progress.changed, 2),
-                "phase": phase[0] if phase else None,
-                "collectives": [[c.seq, c.op, c.signature, c.step]
-                                for c in list(self.collectives.recent)]}
+        return {
+            "rank": self.rank,
+            "beat": self.beat,
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "host": socket.gethostname(),
+            "step": progress.step,
+            "point": progress.point,
+            "where": progress.describe(),
+            "idle_s": round(now - progress.changed, 2),
+            "phase": phase[0] if phase else None,
+            "collectives": [
+                [c.seq, c.op, c.signature, c.step] for c in list(self.collectives.recent)
+            ],
+        }
 
     def _publish(self) -> None:
         self.store.set(f"hb/{self.rank}", json.dumps(self.heartbeat()))
@@ -232,8 +253,10 @@ class Watchdog:
         name, limit, _since = progress.phases[-1]
         idle = time.monotonic() - progress.changed
         if limit is not None and idle > limit:
-            self.alarm(f"rank {self.rank} made no progress for {idle:.1f} s (limit {limit:.0f} s,"
-                       f" phase '{name}') at {progress.describe()}")
+            self.alarm(
+                f"rank {self.rank} made no progress for {idle:.1f} s (limit {limit:.0f} s,"
+                f" phase '{name}') at {progress.describe()}"
+            )
 
     def _check_peer(self) -> None:
         """Watch the next rank's heartbeat (a ring: every rank is watched by one other, so
@@ -251,9 +274,11 @@ class Watchdog:
         if self._peer_beat is None or self._peer_beat[0] != beat:
             self._peer_beat = (beat, now)
         elif now - self._peer_beat[1] > self.settings.hang_timeout_s:
-            self.alarm(f"rank {peer} sent no heartbeat for {now - self._peer_beat[1]:.1f} s "
-                       f"(limit {self.settings.hang_timeout_s:.0f} s): its process is stopped,"
-                       f" killed or frozen")
+            self.alarm(
+                f"rank {peer} sent no heartbeat for {now - self._peer_beat[1]:.1f} s "
+                f"(limit {self.settings.hang_timeout_s:.0f} s): its process is stopped,"
+                f" killed or frozen"
+            )
 
     def stall_limit(self) -> tuple[float, str]:
         """(seconds, why) a step may run before it counts as stalled."""
@@ -263,8 +288,9 @@ class Watchdog:
         if not settled:
             return WARMUP_STALL_S, "auto, during warm-up"
         median = statistics.median(settled)
-        return max(MIN_STALL_S, 10 * median), f"auto: max({MIN_STALL_S:.0f} s, 10 x median " \
-                                               f"step {median:.2f} s)"
+        return max(
+            MIN_STALL_S, 10 * median
+        ), f"auto: max({MIN_STALL_S:.0f} s, 10 x median step {median:.2f} s)"
 
     def _check_stall(self) -> None:
         started, step = self.progress.step_started, self.progress.step
@@ -276,15 +302,24 @@ class Watchdog:
             return
         self._stalled_step = step
         abort = self.settings.on_stall == "abort"
-        head = (f"keel watchdog: step {step} has run for {running:.1f} s, over the stall "
-                f"limit of {limit:.1f} s ({why}) on rank {self.rank}; at "
-                f"{self.progress.describe()}; memory {memory_state()}; "
-                + ("aborting (watchdog.on_stall=abort)" if abort else
-                   "still waiting (watchdog.on_stall=warn)"))
-        path = self._write(f"stall-step-{step:08d}-rank-{self.rank:05d}.txt",
-                           f"{head}\n\n{format_stacks()}")
-        print(f"{head}\nstacks of every thread: {path}\n{format_stacks()}", file=sys.stderr,
-              flush=True)
+        head = (
+            f"keel watchdog: step {step} has run for {running:.1f} s, over the stall "
+            f"limit of {limit:.1f} s ({why}) on rank {self.rank}; at "
+            f"{self.progress.describe()}; memory {memory_state()}; "
+            + (
+                "aborting (watchdog.on_stall=abort)"
+                if abort
+                else "still waiting (watchdog.on_stall=warn)"
+            )
+        )
+        path = self._write(
+            f"stall-step-{step:08d}-rank-{self.rank:05d}.txt", f"{head}\n\n{format_stacks()}"
+        )
+        print(
+            f"{head}\nstacks of every thread: {path}\n{format_stacks()}",
+            file=sys.stderr,
+            flush=True,
+        )
         if abort:
             os._exit(EXIT_STALL)
 
@@ -325,8 +360,10 @@ class Watchdog:
 
     def _dump_stacks(self) -> None:
         self._dumped = True
-        text = f"rank {self.rank} (pid {os.getpid()}), {self.progress.describe()}, memory " \
-               f"{memory_state()}\n\n{format_stacks()}"
+        text = (
+            f"rank {self.rank} (pid {os.getpid()}), {self.progress.describe()}, memory "
+            f"{memory_state()}\n\n{format_stacks()}"
+        )
         self._write(f"rank-{self.rank:05d}-stacks.txt", text)
         self._store_set(f"dumped/{self.rank}", "1")
 
@@ -336,24 +373,33 @@ class Watchdog:
         time.sleep(2 * self.settings.interval_s + 0.5)  # long enough for live ranks to beat
         second = self._heartbeats()
         deadline = time.monotonic() + 5.0
-        live = [r for r in second if self._store_has_safe(f"dumped/{r}") or (
-            second[r] and first.get(r) and second[r]["beat"] != first[r]["beat"])]
+        live = [
+            r
+            for r in second
+            if self._store_has_safe(f"dumped/{r}")
+            or (second[r] and first.get(r) and second[r]["beat"] != first[r]["beat"])
+        ]
         while time.monotonic() < deadline and not all(
-                self._store_has_safe(f"dumped/{r}") for r in live):
+            self._store_has_safe(f"dumped/{r}") for r in live
+        ):
             time.sleep(0.2)
         beats = {r: second.get(r) or first.get(r) for r in range(self.world_size)}
         beats[self.rank] = self.heartbeat()
         live_set = set(live) | {self.rank}
-        report = build_hang_report(reason, beats, live=live_set,
-                                   diagnostics=self.settings.diagnostics_dir)
+        report = build_hang_report(
+            reason, beats, live=live_set, diagnostics=self.settings.diagnostics_dir
+        )
         return report, beats, live_set
 
     def _heartbeats(self) -> dict[int, dict | None]:
         found: dict[int, dict | None] = {}
         for r in range(self.world_size):
             try:
-                found[r] = json.loads(self.store.get(f"hb/{r}")) if self.store and \
-                    self._store_has(f"hb/{r}") else None
+                found[r] = (
+                    json.loads(self.store.get(f"hb/{r}"))
+                    if self.store and self._store_has(f"hb/{r}")
+                    else None
+                )
             except Exception:
                 found[r] = None
         return found
@@ -385,7 +431,11 @@ def watchdog_store(timeout_s: float):
     import torch.distributed as dist
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                           is_master=False, timeout=timedelta(seconds=timeout_s),
-                           wait_for_workers=False)
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
     return dist.PrefixStore(f"keel/{attempt}/watchdog", client)

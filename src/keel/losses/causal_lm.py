@@ -22,18 +22,27 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 
     logits [..., V], targets [...] (already aligned: targets[i] is what position i predicts).
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
-def _head_cross_entropy(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                        targets: torch.Tensor) -> torch.Tensor:
+def _head_cross_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
     return cross_entropy_sum(head(hidden), targets)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor,
-                          head: Callable[[torch.Tensor], torch.Tensor], *,
-                          chunk_size: int = 1024) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
     """Summed cross-entropy of `head(hidden)` against `targets`, chunk by chunk.
 
     hidden [N, H] (only the positions that have a target), targets [N]. Each chunk's logits
@@ -45,8 +54,8 @@ def chunked_cross_entropy(hidden: torch.Tensor, targets: torch.Tensor,
     assert hidden.shape[0] == targets.shape[0], (hidden.shape, targets.shape)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
-        h = hidden[start:start + chunk_size]  # [c, H]
-        t = targets[start:start + chunk_size]  # [c]
+        h = hidden[start : start + chunk_size]  # [c, H]
+        t = targets[start : start + chunk_size]  # [c]
         if torch.is_grad_enabled() and h.requires_grad:
             total = total + checkpoint(_head_cross_entropy, head, h, t, use_reentrant=False)
         else:

@@ -27,8 +27,13 @@ from keel.errors import ModelError
 _PEFT_PREFIX = "base_model.model."
 
 
-def build_empty_model(model_dir: Path, *, dtype: torch.dtype, attn_implementation: str = "sdpa",
-                      trust_remote_code: bool = False) -> nn.Module:
+def build_empty_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+) -> nn.Module:
     """An `AutoModelForCausalLM` with the architecture of `model_dir`, on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -37,8 +42,11 @@ def build_empty_model(model_dir: Path, *, dtype: torch.dtype, attn_implementatio
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn_implementation,
-                trust_remote_code=trust_remote_code)
+                config,
+                dtype=dtype,
+                attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code,
+            )
     except (OSError, ValueError, ImportError) as e:
         hint = ""
         if "does not support an attention implementation" in str(e):
@@ -62,8 +70,11 @@ def _check_checkpoint_names(model: nn.Module, model_dir: Path) -> None:
     """
     reader = CheckpointReader(model_dir)
     try:
-        missing = [name for name, _ in materialized_tensors(model)
-                   if reader.shape(checkpoint_key(name)) is None]
+        missing = [
+            name
+            for name, _ in materialized_tensors(model)
+            if reader.shape(checkpoint_key(name)) is None
+        ]
     finally:
         reader.close()
     if not missing:
@@ -75,12 +86,17 @@ def _check_checkpoint_names(model: nn.Module, model_dir: Path) -> None:
         converted = bool(get_model_conversion_mapping(model, add_legacy=False))
     except (ImportError, TypeError):
         converted = False
-    why = (f"transformers converts {model_type} checkpoints while loading them (renamed or "
-           f"fused tensors, e.g. per-expert MoE weights), a conversion keel's loader does "
-           f"not do: keel cannot train model_type {model_type} yet" if converted else
-           "the checkpoint does not match the architecture in its config.json")
-    raise ModelError(f"{model_dir}: {len(missing)} of the model's tensors are not in the "
-                     f"checkpoint (e.g. {', '.join(missing[:3])}); {why}")
+    why = (
+        f"transformers converts {model_type} checkpoints while loading them (renamed or "
+        f"fused tensors, e.g. per-expert MoE weights), a conversion keel's loader does "
+        f"not do: keel cannot train model_type {model_type} yet"
+        if converted
+        else "the checkpoint does not match the architecture in its config.json"
+    )
+    raise ModelError(
+        f"{model_dir}: {len(missing)} of the model's tensors are not in the "
+        f"checkpoint (e.g. {', '.join(missing[:3])}); {why}"
+    )
 
 
 def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
@@ -91,9 +107,16 @@ def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
 
 
 _SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -113,8 +136,10 @@ class CheckpointReader:
         else:
             files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
         if not files:
-            raise ModelError(f"{model_dir} holds no *.safetensors weights; keel trains from "
-                             f"safetensors (convert with save_pretrained(safe_serialization=True))")
+            raise ModelError(
+                f"{model_dir} holds no *.safetensors weights; keel trains from "
+                f"safetensors (convert with save_pretrained(safe_serialization=True))"
+            )
         self._stack = ExitStack()
         self._where: dict[str, tuple[object, int, dict]] = {}
         for name in files:
@@ -124,8 +149,10 @@ class CheckpointReader:
             header.pop("__metadata__", None)
             for key, info in header.items():
                 if info["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ModelError(f"{model_dir / name}: tensor {key} has dtype "
-                                     f"{info['dtype']}, which keel cannot train from")
+                    raise ModelError(
+                        f"{model_dir / name}: tensor {key} has dtype "
+                        f"{info['dtype']}, which keel cannot train from"
+                    )
                 self._where[key] = (handle, 8 + header_len, info)
         self.model_dir = model_dir
 
@@ -139,8 +166,11 @@ class CheckpointReader:
         shape, dtype = list(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
         rows = slice(0, shape[0] if shape else 1)
-        if region is not None and shape and all(r == slice(0, n) for r, n in
-                                                zip(region[1:], shape[1:])):
+        if (
+            region is not None
+            and shape
+            and all(r == slice(0, n) for r, n in zip(region[1:], shape[1:]))
+        ):
             rows, region = region[0], None  # a range of rows is one contiguous byte range
         row_bytes = (end - begin) // max(shape[0], 1) if shape else end - begin
         count = rows.stop - rows.start
@@ -178,8 +208,10 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
     if ".lora_B." in name:
         return torch.zeros(shape)
-    raise ModelError(f"parameter {name} is neither in the checkpoint nor a LoRA adapter "
-                     f"weight; keel does not know how to initialise it")
+    raise ModelError(
+        f"parameter {name} is neither in the checkpoint nor a LoRA adapter "
+        f"weight; keel does not know how to initialise it"
+    )
 
 
 def materialized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -221,9 +253,14 @@ def init_computed_buffers(lm: nn.Module) -> None:
             lm._init_weights(module)
 
 
-def fill_weights(model: nn.Module, model_dir: Path, *, seed: int,
-                 region_of: Callable[[torch.Tensor], tuple[slice, ...] | None],
-                 local: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+def fill_weights(
+    model: nn.Module,
+    model_dir: Path,
+    *,
+    seed: int,
+    region_of: Callable[[torch.Tensor], tuple[slice, ...] | None],
+    local: Callable[[torch.Tensor], torch.Tensor],
+) -> list[str]:
     """Copy this process's part of each checkpoint tensor into the allocated model.
 
     `region_of(param)` says which part of the full tensor this process holds (None: all)
@@ -244,8 +281,10 @@ def fill_weights(model: nn.Module, model_dir: Path, *, seed: int,
                     value = value if region is None else value[region]
                     initialised.append(name)
                 elif stored != tuple(tensor.shape):
-                    raise ModelError(f"{name}: checkpoint shape {stored} differs from the "
-                                     f"model's {tuple(tensor.shape)} in {model_dir}")
+                    raise ModelError(
+                        f"{name}: checkpoint shape {stored} differs from the "
+                        f"model's {tuple(tensor.shape)} in {model_dir}"
+                    )
                 else:
                     value = reader.get(key, region)
                 local(tensor).copy_(value)

@@ -225,20 +225,41 @@ def lighter(plan: Plan, option: Option, most: int = 4) -> list[str]:
     work = plan.work
     candidates = []
     if not option.gradient_checkpointing:
-        candidates.append(("train.gradient_checkpointing=true",
-                           plan.estimate(option.strategy, option.method, True)))
-    for key, name in (("train.micro_batch_size", "micro_batch_size"),
-                      ("data.cutoff_len", "cutoff_len")):
+        candidates.append(
+            (
+                "train.gradient_checkpointing=true",
+                plan.estimate(option.strategy, option.method, True),
+            )
+        )
+    for key, name in (
+        ("train.micro_batch_size", "micro_batch_size"),
+        ("data.cutoff_len", "cutoff_len"),
+    ):
         value = getattr(work, name) // 2
         if value >= 1 and (name != "cutoff_len" or value >= 8):
-            candidates.append((f"{key}={value}", plan.estimate(
-                option.strategy, option.method, option.gradient_checkpointing,
-                work=replace(work, **{name: value}))))
+            candidates.append(
+                (
+                    f"{key}={value}",
+                    plan.estimate(
+                        option.strategy,
+                        option.method,
+                        option.gradient_checkpointing,
+                        work=replace(work, **{name: value}),
+                    ),
+                )
+            )
     if option.method == "full":
-        candidates.append(("method.type=lora",
-                           plan.estimate(option.strategy, "lora", option.gradient_checkpointing)))
+        candidates.append(
+            (
+                "method.type=lora",
+                plan.estimate(option.strategy, "lora", option.gradient_checkpointing),
+            )
+        )
     now = option.per_device.total
-    better = sorted((c for c in candidates if c[1].per_device.total < now),
-                    key=lambda c: c[1].per_device.total)
-    return [f"{change} ({gib(tried.per_device.total)} GiB per device, now {gib(now)})"
-            for change, tried in better[:most]]
+    better = sorted(
+        (c for c in candidates if c[1].per_device.total < now), key=lambda c: c[1].per_device.total
+    )
+    return [
+        f"{change} ({gib(tried.per_device.total)} GiB per device, now {gib(now)})"
+        for change, tried in better[:most]
+    ]

@@ -106,9 +106,17 @@ def commit_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
-def save_checkpoint(output_dir: Path, step: int, *, module: nn.Module,
-                    optimizer: torch.optim.Optimizer, scheduler: dict, meta: dict,
-                    keep_last: int, dist: DistContext) -> Path:
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: dict,
+    meta: dict,
+    keep_last: int,
+    dist: DistContext,
+) -> Path:
     """Write a complete checkpoint for `step` (every process calls this together)."""
     root = output_dir / CHECKPOINTS
     final = root / f"step-{step:08d}"
@@ -122,8 +130,9 @@ def save_checkpoint(output_dir: Path, step: int, *, module: nn.Module,
     dist.barrier()
     if dist.is_main:
         (tmp / TRAINER).write_text(json.dumps({"step": step, "scheduler": scheduler}))
-        (tmp / META).write_text(json.dumps({**meta, "format": FORMAT_VERSION, "step": step},
-                                           indent=2))
+        (tmp / META).write_text(
+            json.dumps({**meta, "format": FORMAT_VERSION, "step": step}, indent=2)
+        )
         if final.exists():  # a previous run died after this step's save; ours is as good
             shutil.rmtree(final)
         commit_dir(tmp, final)
@@ -132,29 +141,36 @@ def save_checkpoint(output_dir: Path, step: int, *, module: nn.Module,
     return final
 
 
-def load_checkpoint(checkpoint: Path, *, module: nn.Module, optimizer: torch.optim.Optimizer,
-                    dist: DistContext) -> TrainState:
+def load_checkpoint(
+    checkpoint: Path, *, module: nn.Module, optimizer: torch.optim.Optimizer, dist: DistContext
+) -> TrainState:
     """Load weights and optimizer state (resharded to this run's processes) and the rest."""
     if not (checkpoint / STATE_DIR).is_dir():
-        raise CheckpointError(f"{checkpoint} has no {STATE_DIR}/ folder: it was written by an "
-                              f"older keel or is damaged; set train.resume=never to start over")
+        raise CheckpointError(
+            f"{checkpoint} has no {STATE_DIR}/ folder: it was written by an "
+            f"older keel or is damaged; set train.resume=never to start over"
+        )
     try:
         load_sharded(checkpoint / STATE_DIR, module, optimizer)
     except UnsafeCheckpointError as exc:
         raise CheckpointError(
             f"refusing to load {checkpoint}: {exc}. keel checkpoints hold tensors and plain "
             f"data only, so this one was not written by keel or was altered; nothing in it "
-            f"was run. Set train.resume=never to start over") from None
+            f"was run. Set train.resume=never to start over"
+        ) from None
     except ValueError as exc:
-        raise CheckpointError(f"{exc}; set train.resume=never to start over, or resume from "
-                              f"another checkpoint") from None
+        raise CheckpointError(
+            f"{exc}; set train.resume=never to start over, or resume from another checkpoint"
+        ) from None
     trainer = _read_json(checkpoint / TRAINER)
     rng_file = checkpoint / RNG_DIR / f"rank-{dist.rank:05d}.safetensors"
     try:
         rng = load_rng(rng_file) if rng_file.is_file() else None
     except (KeyError, ValueError, OSError, SafetensorError) as exc:
-        raise CheckpointError(f"{rng_file} is damaged ({exc}); set train.resume=never to "
-                              f"start over, or resume from another checkpoint") from None
+        raise CheckpointError(
+            f"{rng_file} is damaged ({exc}); set train.resume=never to "
+            f"start over, or resume from another checkpoint"
+        ) from None
     return TrainState(step=trainer["step"], scheduler=trainer["scheduler"], rng=rng)
 
 
@@ -162,8 +178,10 @@ def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is missing or damaged ({exc}); set train.resume=never "
-                              f"to start over, or resume from another checkpoint") from None
+        raise CheckpointError(
+            f"{path} is missing or damaged ({exc}); set train.resume=never "
+            f"to start over, or resume from another checkpoint"
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} should hold a JSON object; the checkpoint is damaged")
     return value
@@ -183,8 +201,11 @@ def clear_partial_checkpoints(output_dir: Path) -> list[Path]:
     root = output_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    partial = [p for p in root.iterdir() if p.name.startswith(".tmp-")
-               or (_STEP_DIR.match(p.name) and not (p / META).is_file())]
+    partial = [
+        p
+        for p in root.iterdir()
+        if p.name.startswith(".tmp-") or (_STEP_DIR.match(p.name) and not (p / META).is_file())
+    ]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return partial
@@ -199,13 +220,16 @@ def read_meta(checkpoint: Path) -> dict:
     """meta.json of a complete checkpoint written by this checkpoint format."""
     meta_path = checkpoint / META
     if not meta_path.is_file():
-        raise CheckpointError(f"{checkpoint} is not a complete keel checkpoint (no {META}); "
-                              f"point train.resume at a checkpoints/step-* folder")
+        raise CheckpointError(
+            f"{checkpoint} is not a complete keel checkpoint (no {META}); "
+            f"point train.resume at a checkpoints/step-* folder"
+        )
     meta = _read_json(meta_path)
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(
             f"{checkpoint} was written by an older keel (checkpoint format "
             f"{meta.get('format', 1)}, this keel reads format {FORMAT_VERSION}, which "
             f"stores no pickled objects); it cannot be resumed. Set train.resume=never (and "
-            f"output.overwrite=true, or a new output.dir) to start over")
+            f"output.overwrite=true, or a new output.dir) to start over"
+        )
     return meta

@@ -51,7 +51,7 @@ class StepPlan:
         """Row indices of optimizer step `step`'s global batch (0-based step)."""
         epoch, index = divmod(step, self.steps_per_epoch)
         first = index * self.global_batch
-        return self._order(epoch)[first:min(first + self.global_batch, self.num_rows)]
+        return self._order(epoch)[first : min(first + self.global_batch, self.num_rows)]
 
     def micro_batches(self, step: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
         """This process's micro-batches of step `step`; empty lists are filler."""
@@ -68,8 +68,9 @@ class StepPlan:
         """
         size = min(self.global_batch, self.num_rows)
         window = list(range(size))
-        per_rank = [split_for_rank(window, r, world_size, self.micro_batch_size)
-                    for r in range(world_size)]
+        per_rank = [
+            split_for_rank(window, r, world_size, self.micro_batch_size) for r in range(world_size)
+        ]
         idle = [r for r, mbs in enumerate(per_rank) if any(not mb for mb in mbs)]
         if not idle:
             return None
@@ -77,12 +78,14 @@ class StepPlan:
         fillers = sum(not mb for mbs in per_rank for mb in mbs)
         unit = world_size * self.micro_batch_size
         better = max(unit, math.ceil(size / unit) * unit)
-        return (f"{len(idle)} of {world_size} processes run zero-weight filler micro-batches "
-                f"on every step ({fillers} of {slots} micro-batches per step do no work): a "
-                f"global batch of {size} rows over {world_size} processes x micro_batch_size "
-                f"{self.micro_batch_size}. Use a multiple of {unit} rows (e.g. "
-                f"train.global_batch_size={better}), or leave train.global_batch_size unset "
-                f"(then it is micro_batch_size x grad_accum x processes), or fewer processes")
+        return (
+            f"{len(idle)} of {world_size} processes run zero-weight filler micro-batches "
+            f"on every step ({fillers} of {slots} micro-batches per step do no work): a "
+            f"global batch of {size} rows over {world_size} processes x micro_batch_size "
+            f"{self.micro_batch_size}. Use a multiple of {unit} rows (e.g. "
+            f"train.global_batch_size={better}), or leave train.global_batch_size unset "
+            f"(then it is micro_batch_size x grad_accum x processes), or fewer processes"
+        )
 
     @lru_cache(maxsize=2)  # noqa: B019 - the plan is immutable and lives as long as the run
     def _order(self, epoch: int) -> list[int]:
@@ -99,7 +102,7 @@ def split_for_rank(rows: list, rank: int, world_size: int, micro_batch_size: int
     """Rank `rank`'s micro-batches of `rows`; the same count on every rank (padded with [])."""
     mine = rows[rank::world_size]
     count = max(1, math.ceil(math.ceil(len(rows) / world_size) / micro_batch_size))
-    return [mine[i * micro_batch_size:(i + 1) * micro_batch_size] for i in range(count)]
+    return [mine[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
 
 
 @dataclass
@@ -138,8 +141,7 @@ class Trainer:
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
-        self.scaler = torch.amp.GradScaler(self.device.type,
-                                           enabled=self.precision.name == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.name == "fp16")
         self.current_rows: list[dict] = []  # the micro-batch running now (for OOM reports)
 
     def _batch(self, rows: list[dict]) -> dict[str, torch.Tensor | None]:
@@ -149,11 +151,18 @@ class Trainer:
             # invisible to real tokens), and without position ids transformers neither
             # builds a mask nor reads a device value back to check for packed rows.
             batch["position_ids"] = None
-        return {k: v if v is None else v.to(self.device, non_blocking=True)
-                for k, v in batch.items()}
+        return {
+            k: v if v is None else v.to(self.device, non_blocking=True) for k, v in batch.items()
+        }
 
-    def train_step(self, micro_batches: list[list[dict]], *, window_targets: int,
-                   window_tokens: int, filler: dict) -> StepResult:
+    def train_step(
+        self,
+        micro_batches: list[list[dict]],
+        *,
+        window_targets: int,
+        window_tokens: int,
+        filler: dict,
+    ) -> StepResult:
         """One optimizer update from this process's micro-batches.
 
         The loss is normalised by `window_targets`, the target tokens of the whole global
@@ -187,10 +196,15 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, grad_norm=grad_norm, lr=lr,
-                          target_tokens=window_targets, real_tokens=window_tokens,
-                          rows=sum(len(rows) for rows in micro_batches),
-                          filler_micro_batches=sum(not rows for rows in micro_batches))
+        return StepResult(
+            loss_sum=loss_sum,
+            grad_norm=grad_norm,
+            lr=lr,
+            target_tokens=window_targets,
+            real_tokens=window_tokens,
+            rows=sum(len(rows) for rows in micro_batches),
+            filler_micro_batches=sum(not rows for rows in micro_batches),
+        )
 
     def reduce_losses(self, results: list[StepResult]) -> tuple[list[float], list[float]]:
         """(global loss, grad norm) of each step in `results`: one host sync and one small

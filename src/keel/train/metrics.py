@@ -36,8 +36,15 @@ class MetricsLog:
     and W&B when `output.loggers` asks for them. On resume, drops entries past the resume
     step so the file reads as one uninterrupted run."""
 
-    def __init__(self, output_dir: Path, *, resume_step: int, output: OutputConfig,
-                 run_config: dict | None = None, log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        resume_step: int,
+        output: OutputConfig,
+        run_config: dict | None = None,
+        log: Callable[[str], None] = print,
+    ):
         """`run_config` (the resolved config as plain data) becomes the W&B run's config;
         `log` reports a W&B failure during the run. Raises KeelError when W&B cannot start."""
         self.path = output_dir / METRICS_FILE
@@ -46,23 +53,30 @@ class MetricsLog:
         # and failing here leaves no open file behind.
         self._wandb = None
         if "wandb" in output.loggers:
-            self._wandb = _WandbRun(output_dir, output.wandb, run_config or {},
-                                    resume_step=resume_step, logged_through=logged_through,
-                                    log=log)
+            self._wandb = _WandbRun(
+                output_dir,
+                output.wandb,
+                run_config or {},
+                resume_step=resume_step,
+                logged_through=logged_through,
+                log=log,
+            )
         self._handle = open(self.path, "a", encoding="utf-8")
         self._tb = None
         if "tensorboard" in output.loggers:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"),
-                                     purge_step=resume_step + 1)
+            self._tb = SummaryWriter(
+                log_dir=str(output_dir / "tensorboard"), purge_step=resume_step + 1
+            )
 
     def _truncate_after(self, step: int) -> int:
         """Drop entries past `step`; return the last step the file held before (0: none)."""
         if not self.path.exists():
             return 0
-        lines = [line for line in self.path.read_text(encoding="utf-8").splitlines()
-                 if line.strip()]
+        lines = [
+            line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()
+        ]
         steps = [json.loads(line).get("step", 0) for line in lines]
         kept = [line for line, at in zip(lines, steps) if at <= step]
         self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
@@ -72,8 +86,11 @@ class MetricsLog:
         """Log one step's record (train or eval), which holds its `step`."""
         self._handle.write(json.dumps(record) + "\n")
         self._handle.flush()
-        scalars = {_scalar_name(key): value for key, value in record.items()
-                   if key != "step" and isinstance(value, int | float)}
+        scalars = {
+            _scalar_name(key): value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, int | float)
+        }
         if self._tb is not None:
             for name, value in scalars.items():
                 self._tb.add_scalar(name, value, record["step"])
@@ -103,8 +120,16 @@ class _WandbRun:
     """Rank 0's W&B run. A resumed keel run continues the W&B run whose id is kept in
     output.dir/wandb_run_id; a run starting at step 0 is a new W&B run."""
 
-    def __init__(self, output_dir: Path, settings: WandbConfig, run_config: dict, *,
-                 resume_step: int, logged_through: int, log: Callable[[str], None]):
+    def __init__(
+        self,
+        output_dir: Path,
+        settings: WandbConfig,
+        run_config: dict,
+        *,
+        resume_step: int,
+        logged_through: int,
+        log: Callable[[str], None],
+    ):
         import wandb  # imported only when asked for: an optional extra, and slow to import
 
         self._log_message = log
@@ -121,16 +146,24 @@ class _WandbRun:
         # them needs W&B's server-side rewind, which offline runs cannot use.)
         self._skip_through = logged_through if reuse else 0
         try:
-            self._run = wandb.init(project=settings.project, entity=settings.entity,
-                                   name=settings.name or output_dir.name, tags=settings.tags,
-                                   mode=settings.mode, dir=str(output_dir), config=run_config,
-                                   id=run_id, resume="allow")
+            self._run = wandb.init(
+                project=settings.project,
+                entity=settings.entity,
+                name=settings.name or output_dir.name,
+                tags=settings.tags,
+                mode=settings.mode,
+                dir=str(output_dir),
+                config=run_config,
+                id=run_id,
+                resume="allow",
+            )
         except Exception as exc:  # fail before training, not after hours of unlogged steps
             raise KeelError(
                 f"W&B could not start a run ({type(exc).__name__}: {exc}). Log in with "
                 f"`wandb login`, or set output.wandb.mode=offline (upload later with "
                 f"`wandb sync {output_dir}/wandb/offline-run-*`), or remove wandb from "
-                f"output.loggers") from exc
+                f"output.loggers"
+            ) from exc
         id_file.write_text(run_id + "\n", encoding="utf-8")
 
     def log(self, scalars: dict, step: int) -> None:
@@ -156,13 +189,16 @@ class _WandbRun:
         # A broken metrics sink must not end hours of training: metrics.jsonl still has
         # every record. Say so once, then stop calling W&B.
         self._run = None
-        self._log_message(f"warning: W&B {what} failed ({type(exc).__name__}: {exc}); "
-                          f"no more W&B logging for this run, {METRICS_FILE} has every step")
+        self._log_message(
+            f"warning: W&B {what} failed ({type(exc).__name__}: {exc}); "
+            f"no more W&B logging for this run, {METRICS_FILE} has every step"
+        )
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    return [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
 
 
 def plot_losses(metrics_path: Path, out_png: Path) -> bool:
@@ -197,15 +233,23 @@ class Progress:
         from tqdm.auto import tqdm
 
         self.enabled = enabled
-        self._bar = tqdm(total=total, initial=initial, desc="train", unit="step",
-                         file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            disable=not enabled,
+            dynamic_ncols=True,
+        )
 
     def update(self, loss: float | None, lr: float, tokens_per_s: float) -> None:
         """One step done; `loss` is None on steps that are not logged (reading it would be a
         host sync), and the bar keeps showing the last logged values."""
         if loss is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
-                                  tok_s=f"{tokens_per_s:.0f}", refresh=False)
+            self._bar.set_postfix(
+                loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False
+            )
         self._bar.update(1)
 
     def write(self, text: str) -> None:

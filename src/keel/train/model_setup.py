@@ -45,18 +45,27 @@ def replica_bytes(model: nn.Module) -> int:
     return weights + sum(p.numel() * (p.element_size() + 8) for p in trainable)
 
 
-def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
-                         precision: Precision, log, *, strategy: str | None = None
-                         ) -> TrainingModel:
+def build_training_model(
+    cfg: RunConfig,
+    model_dir: Path,
+    dist: DistContext,
+    precision: Precision,
+    log,
+    *,
+    strategy: str | None = None,
+) -> TrainingModel:
     """The model to train, placed on `dist.device`, sharded or replicated.
 
     `strategy` is the memory plan's choice (single | ddp | fsdp | fsdp_offload); None
     decides here from the size of a replica (when no plan could be made).
     """
     dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
-    model = build_empty_model(model_dir, dtype=dtype,
-                              attn_implementation=cfg.model.attn_implementation,
-                              trust_remote_code=cfg.model.trust_remote_code)
+    model = build_empty_model(
+        model_dir,
+        dtype=dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
     # The preflight has built this on the meta device too and logged what trains. New
@@ -64,19 +73,31 @@ def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
     with torch.device("meta"):
         model = apply_method(model, cfg.method, log=lambda _message: None)
     if strategy is None:
-        strategy, why = choose_strategy(cfg.distributed.strategy, dist.world_size,
-                                        replica_bytes(model), device_memory_bytes(dist))
+        strategy, why = choose_strategy(
+            cfg.distributed.strategy,
+            dist.world_size,
+            replica_bytes(model),
+            device_memory_bytes(dist),
+        )
         log(f"strategy: {strategy} ({why})")
-    offload = strategy == "fsdp_offload" or (strategy == "fsdp" and
-                                             cfg.distributed.fsdp.cpu_offload)
+    offload = strategy == "fsdp_offload" or (
+        strategy == "fsdp" and cfg.distributed.fsdp.cpu_offload
+    )
     strategy = {"single": "none", "fsdp_offload": "fsdp"}.get(strategy, strategy)
     objective = CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size)
     init_device = dist.device
     if strategy == "fsdp":
         # The objective is the root unit: its forward is what runs (it calls the decoder and
         # output layer directly), so its hooks are the ones that gather the root's weights.
-        init_device = _shard(objective, model, cfg.distributed.fsdp.reshard_after_forward,
-                             dist, precision, offload, log)
+        init_device = _shard(
+            objective,
+            model,
+            cfg.distributed.fsdp.reshard_after_forward,
+            dist,
+            precision,
+            offload,
+            log,
+        )
     allocate(objective, init_device)
     lm = causal_lm_of(model)
     init_computed_buffers(lm)
@@ -84,8 +105,7 @@ def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.device != dist.device:
                 module._buffers[name] = buf.to(dist.device)
-    fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region,
-                 local=local_tensor)
+    fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
     # Every rank probes (under FSDP the probe gathers the root's weights); rank 0's verdict
     # decides, so all ranks run the same forward.
     ok, why = dist.broadcast_object(objective.check_fast_head(dist.device))
@@ -96,8 +116,15 @@ def build_training_model(cfg: RunConfig, model_dir: Path, dist: DistContext,
     return TrainingModel(model=model, objective=objective, strategy=strategy)
 
 
-def _shard(root: nn.Module, model: nn.Module, reshard_after_forward: bool,
-           dist: DistContext, precision: Precision, offload: bool, log) -> torch.device:
+def _shard(
+    root: nn.Module,
+    model: nn.Module,
+    reshard_after_forward: bool,
+    dist: DistContext,
+    precision: Precision,
+    offload: bool,
+    log,
+) -> torch.device:
     cpu_offload = offload and dist.device.type == "cuda"
     if offload and not cpu_offload:
         log("distributed.fsdp.cpu_offload: ignored, parameters are already in CPU memory")
@@ -110,8 +137,14 @@ def _shard(root: nn.Module, model: nn.Module, reshard_after_forward: bool,
         # norm) is not gathered together with a second vocabulary-sized matrix. Tied ones
         # must stay in the root with the output layer that shares them.
         units.insert(0, embeddings)
-    apply_fsdp(root, units, dist,
-               param_dtype=low, reduce_dtype=torch.float32 if low is not None else None,
-               reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    apply_fsdp(
+        root,
+        units,
+        dist,
+        param_dtype=low,
+        reduce_dtype=torch.float32 if low is not None else None,
+        reshard_after_forward=reshard_after_forward,
+        cpu_offload=cpu_offload,
+    )
     # Offloaded shards live in CPU memory; FSDP2 moves each layer to the GPU when it runs.
     return torch.device("cpu") if cpu_offload else dist.device

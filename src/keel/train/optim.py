@@ -16,8 +16,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     assert groups, "no trainable parameters"
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
@@ -45,9 +47,11 @@ def lr_factor(step: int, *, total_steps: int, warmup: int, kind: str) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = warmup_steps_for(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, total_steps=total_steps, warmup=warmup,
-                                          kind=cfg.scheduler))
+        optimizer,
+        lambda step: lr_factor(step, total_steps=total_steps, warmup=warmup, kind=cfg.scheduler),
+    )

@@ -23,9 +23,19 @@ from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
 FINAL_MARKER = "keel_run.json"
 
 
-def write_final_outputs(cfg: RunConfig, out: Path, built, tokenizer, model_dir: Path,
-                        dist: DistContext, log, *, steps: int, stats: dict,
-                        precision: str) -> dict:
+def write_final_outputs(
+    cfg: RunConfig,
+    out: Path,
+    built,
+    tokenizer,
+    model_dir: Path,
+    dist: DistContext,
+    log,
+    *,
+    steps: int,
+    stats: dict,
+    precision: str,
+) -> dict:
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
     full_state = None
     if built.strategy == "fsdp":
@@ -44,16 +54,19 @@ def write_final_outputs(cfg: RunConfig, out: Path, built, tokenizer, model_dir: 
         tmp.rmdir()
         plot_losses(out / METRICS_FILE, out / "loss.png")
         (out / FINAL_MARKER).write_text(json.dumps(summary, indent=2))
-        log(f"done: {steps} steps, {summary['real_tokens']} tokens in "
+        log(
+            f"done: {steps} steps, {summary['real_tokens']} tokens in "
             f"{summary['train_seconds']:.1f}s ({summary['tokens_per_s']} tokens/s), final loss "
             f"{stats['loss']}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
-            f"-> {out}")
+            f"-> {out}"
+        )
     dist.barrier()
     return summary
 
 
-def _save_model(cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path,
-                full_state: dict | None, log) -> None:
+def _save_model(
+    cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path, full_state: dict | None, log
+) -> None:
     if full_state is None:  # one process or DDP: the live module holds full tensors
         save_model_dir(model, tokenizer, tmp)
         if cfg.output.merge_lora:
@@ -62,23 +75,35 @@ def _save_model(cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path,
     save_model_dir(model, tokenizer, tmp, state_dict=full_state)
     if cfg.output.merge_lora:
         # The sharded live model cannot be merged in place: rebuild base + adapter on CPU.
-        rebuilt, _ = load_for_inference(str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir,
-                                        log=log)
+        rebuilt, _ = load_for_inference(
+            str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir, log=log
+        )
         save_model_dir(rebuilt.merge_and_unload(), tokenizer, tmp / "merged")
 
 
 def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict:
     seconds = stats["train_seconds"]
     # Per process: memory is the point of sharding, and the maximum alone hides imbalance.
-    per_rank = dist.gather_objects({"peak_rss_mb": round(peak_rss_mb(), 1),
-                                    "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1),
-                                    "rows": stats["rows"],
-                                    "filler_micro_batches": stats["filler_micro_batches"]})
+    per_rank = dist.gather_objects(
+        {
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1),
+            "rows": stats["rows"],
+            "filler_micro_batches": stats["filler_micro_batches"],
+        }
+    )
     peak = max(r["peak_rss_mb"] for r in per_rank)
-    return {"steps": steps, "final_loss": stats["loss"], "precision": precision,
-            "processes": dist.world_size,
-            "real_tokens": stats["real_tokens"], "target_tokens": stats["target_tokens"],
-            "train_seconds": round(seconds, 2),
-            "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
-            "peak_rss_mb": round(peak, 1), "per_rank": per_rank, "keel_version": __version__,
-            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return {
+        "steps": steps,
+        "final_loss": stats["loss"],
+        "precision": precision,
+        "processes": dist.world_size,
+        "real_tokens": stats["real_tokens"],
+        "target_tokens": stats["target_tokens"],
+        "train_seconds": round(seconds, 2),
+        "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
+        "peak_rss_mb": round(peak, 1),
+        "per_rank": per_rank,
+        "keel_version": __version__,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }

@@ -60,8 +60,9 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
     """
     if requested != "auto":
         if requested == "fp16" and device.type == "cpu":
-            raise ConfigError(["train.precision = fp16 is not supported on a CPU; use bf16, "
-                               "fp32 or auto"])
+            raise ConfigError(
+                ["train.precision = fp16 is not supported on a CPU; use bf16, fp32 or auto"]
+            )
         return Precision(requested, "set by train.precision")
     if device.type == "cuda":
         # Emulated bf16 (V100, T4) runs far slower than fp16 there: only native counts.

@@ -37,16 +37,21 @@ class RunIdentity:
         return {"run": dataclasses.asdict(self)}
 
 
-def run_identity(cfg: RunConfig, model_dir: Path, precision: str,
-                 data_fingerprint: str) -> RunIdentity:
+def run_identity(
+    cfg: RunConfig, model_dir: Path, precision: str, data_fingerprint: str
+) -> RunIdentity:
     config_bytes = (Path(model_dir) / "config.json").read_bytes()
     method = {"type": cfg.method.type}
     if cfg.method.type in ("lora", "freeze"):
         method[cfg.method.type] = dataclasses.asdict(getattr(cfg.method, cfg.method.type))
-    return RunIdentity(model_path=str(Path(model_dir).resolve()),
-                       model_config_sha256=hashlib.sha256(config_bytes).hexdigest(),
-                       method=method, stage=cfg.train.stage, precision=precision,
-                       data_fingerprint=data_fingerprint)
+    return RunIdentity(
+        model_path=str(Path(model_dir).resolve()),
+        model_config_sha256=hashlib.sha256(config_bytes).hexdigest(),
+        method=method,
+        stage=cfg.train.stage,
+        precision=precision,
+        data_fingerprint=data_fingerprint,
+    )
 
 
 # meta.json field -> (config key users change, what the value is)
@@ -66,14 +71,15 @@ def identity_differences(saved: dict, current: RunIdentity) -> list[str]:
     for field, value in now.items():
         old = saved.get(field)
         if field == "method" and (old or {}).get("type") != value["type"]:
-            problems.append(f"method.type was {(old or {}).get('type')!r} in the checkpoint, "
-                            f"this run has {value['type']!r}")
+            problems.append(
+                f"method.type was {(old or {}).get('type')!r} in the checkpoint, "
+                f"this run has {value['type']!r}"
+            )
         elif field == "method":
             problems += _method_differences(old or {}, value)
         elif old != value:
             key, what = _KEYS[field]
-            problems.append(f"{key}: {what} was {old!r} in the checkpoint, this run has "
-                            f"{value!r}")
+            problems.append(f"{key}: {what} was {old!r} in the checkpoint, this run has {value!r}")
     return problems
 
 
@@ -95,8 +101,9 @@ class ResumePoint:
     global_batch: int  # the checkpoint's: a resumed run keeps its batch
 
 
-def find_resume_point(cfg: RunConfig, out: Path, identity: RunIdentity, global_batch: int,
-                      log: Callable[[str], None]) -> ResumePoint | None:
+def find_resume_point(
+    cfg: RunConfig, out: Path, identity: RunIdentity, global_batch: int, log: Callable[[str], None]
+) -> ResumePoint | None:
     """The checkpoint to resume (None: start fresh), after checking it is this run's.
 
     `global_batch` is what this config gives. When train.global_batch_size is unset, the
@@ -116,16 +123,21 @@ def find_resume_point(cfg: RunConfig, out: Path, identity: RunIdentity, global_b
     problems = identity_differences(meta.get("run", {}), identity)
     saved_batch = meta["global_batch"]
     if saved_batch != global_batch and cfg.train.global_batch_size is not None:
-        problems.append(f"train.global_batch_size was {saved_batch} in the checkpoint, this "
-                        f"run has {global_batch}; set train.global_batch_size={saved_batch} to "
-                        f"continue it (any number of processes works)")
+        problems.append(
+            f"train.global_batch_size was {saved_batch} in the checkpoint, this "
+            f"run has {global_batch}; set train.global_batch_size={saved_batch} to "
+            f"continue it (any number of processes works)"
+        )
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointError(
             f"{chosen} is a checkpoint of a different run, so it cannot be resumed:\n{listed}\n"
-            f"Restore those settings to continue it, or {START_OVER}")
+            f"Restore those settings to continue it, or {START_OVER}"
+        )
     if saved_batch != global_batch:
-        log(f"resume: keeping the checkpoint's global batch of {saved_batch} rows (this "
+        log(
+            f"resume: keeping the checkpoint's global batch of {saved_batch} rows (this "
             f"config's default, micro_batch_size x grad_accum x processes, is {global_batch}); "
-            f"set train.global_batch_size={saved_batch} to say so explicitly")
+            f"set train.global_batch_size={saved_batch} to say so explicitly"
+        )
     return ResumePoint(checkpoint=chosen, global_batch=saved_batch)

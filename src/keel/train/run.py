@@ -57,9 +57,13 @@ class RunResult:
     summary: dict
 
 
-def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
-                 log: Callable[[str], None] = print,
-                 on_step_end: StepCallback | None = None) -> RunResult:
+def run_training(
+    cfg: RunConfig,
+    *,
+    base_dir: Path | None = None,
+    log: Callable[[str], None] = print,
+    on_step_end: StepCallback | None = None,
+) -> RunResult:
     """Train as `cfg` says, in this process or as one rank of a torchrun/srun job.
 
     Raises KeelError subclasses for anything the user can fix. The watchdog (see
@@ -73,17 +77,25 @@ def run_training(cfg: RunConfig, *, base_dir: Path | None = None,
     if world.launcher == "single":
         dist = DistContext()
     else:
-        dist = init_distributed(rank=world.rank, world_size=world.world_size,
-                                local_rank=world.local_rank,
-                                local_world_size=world.local_world_size,
-                                timeout_s=cfg.distributed.timeout_s,
-                                preprocess_timeout_s=cfg.distributed.preprocess_timeout_s,
-                                log=log)
+        dist = init_distributed(
+            rank=world.rank,
+            world_size=world.world_size,
+            local_rank=world.local_rank,
+            local_world_size=world.local_world_size,
+            timeout_s=cfg.distributed.timeout_s,
+            preprocess_timeout_s=cfg.distributed.preprocess_timeout_s,
+            log=log,
+        )
     try:
         with watching(cfg, dist, fault) as watchdog:
             # Only rank 0 talks; the others would repeat every line world_size times.
-            env = _RunEnv(dist=dist, log=log if dist.is_main else _quiet,
-                          on_step_end=on_step_end, watchdog=watchdog, fault=fault)
+            env = _RunEnv(
+                dist=dist,
+                log=log if dist.is_main else _quiet,
+                on_step_end=on_step_end,
+                watchdog=watchdog,
+                fault=fault,
+            )
             return _train(cfg, base_dir or Path.cwd(), env)
     finally:
         shutdown(dist)
@@ -123,29 +135,40 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         log(f"precision: {precision.name} ({precision.reason})")
         identity = run_identity(cfg, model_dir, precision.name, data.fingerprint)
         configured_batch = cfg.train.global_batch_size or default_global_batch(
-            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.world_size)
-        resume = on_main(dist,
-                         lambda: find_resume_point(cfg, out, identity, configured_batch, log))
+            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.world_size
+        )
+        resume = on_main(dist, lambda: find_resume_point(cfg, out, identity, configured_batch, log))
         planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision.name, log))
     global_batch = resume.global_batch if resume else configured_batch
 
     with env.phase("load", slow):
-        built = build_training_model(cfg, model_dir, dist, precision, log,
-                                     strategy=planned.strategy)
+        built = build_training_model(
+            cfg, model_dir, dist, precision, log, strategy=planned.strategy
+        )
     if cfg.watchdog.enabled or env.fault is not None:
         instrument(built.model, env.watchdog, env.fault, dist.rank)
     loaded_peak_mb = peak_rss_mb()  # the loading high-water mark, before any training
     log(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
-    plan = StepPlan(num_rows=len(data.train), global_batch=global_batch,
-                    micro_batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed,
-                    shuffle=cfg.data.shuffle)
+    plan = StepPlan(
+        num_rows=len(data.train),
+        global_batch=global_batch,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+    )
     total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
     optimizer = build_optimizer(built.objective, cfg.train)
-    trainer = Trainer(objective=built.objective, optimizer=optimizer,
-                      scheduler=build_scheduler(optimizer, cfg.train, total_steps),
-                      precision=precision, device=dist.device, pad_id=tokenizer.pad_token_id,
-                      max_grad_norm=cfg.train.max_grad_norm, dist=dist,
-                      progress=env.watchdog.progress)
+    trainer = Trainer(
+        objective=built.objective,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.train, total_steps),
+        precision=precision,
+        device=dist.device,
+        pad_id=tokenizer.pad_token_id,
+        max_grad_norm=cfg.train.max_grad_norm,
+        dist=dist,
+        progress=env.watchdog.progress,
+    )
     resume_from = resume.checkpoint if resume else None
     with env.phase("checkpoint load", slow):
         start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
@@ -159,22 +182,34 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         for partial in on_main(dist, prepare):
             log(f"removed an interrupted checkpoint save: {partial}")
     per_process = math.ceil(global_batch / dist.world_size)
-    log(f"training: {len(data.train)} rows, global batch {global_batch} rows over "
+    log(
+        f"training: {len(data.train)} rows, global batch {global_batch} rows over "
         f"{dist.world_size} process(es) (~{per_process} per process, micro-batches of "
         f"{cfg.train.micro_batch_size}), {plan.steps_per_epoch} steps/epoch, {total_steps} "
-        f"steps, starting at step {start_step}")
+        f"steps, starting at step {start_step}"
+    )
     idle = plan.idle_warning(dist.world_size)
     if idle:
         log(f"warning: {idle}")
     env.memory_advice = planned.lighter
     loop = _Loop(cfg, out, trainer, plan, data, env)
-    losses, stats = loop.run(start_step, total_steps,
-                             {"global_batch": global_batch, **identity.to_meta()})
+    losses, stats = loop.run(
+        start_step, total_steps, {"global_batch": global_batch, **identity.to_meta()}
+    )
     stats["load_peak_rss_mb"] = loaded_peak_mb
     with env.phase("outputs", slow):
-        summary = write_final_outputs(cfg, out, built, tokenizer, model_dir, dist, log,
-                                      steps=total_steps, stats=stats,
-                                      precision=precision.name)
+        summary = write_final_outputs(
+            cfg,
+            out,
+            built,
+            tokenizer,
+            model_dir,
+            dist,
+            log,
+            steps=total_steps,
+            stats=stats,
+            precision=precision.name,
+        )
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
 
 
@@ -196,7 +231,8 @@ def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> 
         if not cfg.output.overwrite:
             raise KeelError(
                 f"output.dir {out} is not empty and there is no checkpoint to resume from; "
-                f"choose another output.dir, or set output.overwrite=true to replace it")
+                f"choose another output.dir, or set output.overwrite=true to replace it"
+            )
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     removed = ckpt.clear_partial_checkpoints(out)
@@ -204,8 +240,9 @@ def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> 
 
 
 def _restore(trainer: Trainer, checkpoint: Path, dist: DistContext, log) -> int:
-    state = ckpt.load_checkpoint(checkpoint, module=trainer.objective,
-                                 optimizer=trainer.optimizer, dist=dist)
+    state = ckpt.load_checkpoint(
+        checkpoint, module=trainer.objective, optimizer=trainer.optimizer, dist=dist
+    )
     trainer.scheduler.load_state_dict(state.scheduler)
     if state.rng is not None:
         ckpt.restore_rng(state.rng)
@@ -216,8 +253,15 @@ def _restore(trainer: Trainer, checkpoint: Path, dist: DistContext, log) -> int:
 class _Loop:
     """Steps, logging, evaluation and periodic checkpoints for one run (every process)."""
 
-    def __init__(self, cfg: RunConfig, out: Path, trainer: Trainer, plan: StepPlan,
-                 data: PreparedData, env: _RunEnv):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        out: Path,
+        trainer: Trainer,
+        plan: StepPlan,
+        data: PreparedData,
+        env: _RunEnv,
+    ):
         self.cfg, self.out, self.trainer, self.plan, self.data = cfg, out, trainer, plan, data
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
         # Every process knows every row's size, so the global batch's target count needs
@@ -231,13 +275,28 @@ class _Loop:
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], dict]:
         out_cfg = self.cfg.output
         main = self.dist.is_main
-        metrics = MetricsLog(self.out, resume_step=start, output=out_cfg,
-                             run_config=config_to_dict(self.cfg), log=self.log) if main else None
+        metrics = (
+            MetricsLog(
+                self.out,
+                resume_step=start,
+                output=out_cfg,
+                run_config=config_to_dict(self.cfg),
+                log=self.log,
+            )
+            if main
+            else None
+        )
         bar = Progress(total=total, initial=start, enabled=main)
         progress = self.env.watchdog.progress
         losses: list[float] = []
-        stats = {"real_tokens": 0, "target_tokens": 0, "train_seconds": 0.0, "loss": None,
-                 "rows": 0, "filler_micro_batches": 0}
+        stats = {
+            "real_tokens": 0,
+            "target_tokens": 0,
+            "train_seconds": 0.0,
+            "loss": None,
+            "rows": 0,
+            "filler_micro_batches": 0,
+        }
         pending: list[StepResult] = []  # steps whose losses have not been read yet
         window = {"real": 0, "seconds": 0.0}  # since the last logged step
         try:
@@ -255,10 +314,13 @@ class _Loop:
                         pending = []
                     seconds = time.perf_counter() - began
                     progress.step_end(seconds)
-                for key, value in (("real_tokens", result.real_tokens),
-                                   ("target_tokens", result.target_tokens),
-                                   ("train_seconds", seconds), ("rows", result.rows),
-                                   ("filler_micro_batches", result.filler_micro_batches)):
+                for key, value in (
+                    ("real_tokens", result.real_tokens),
+                    ("target_tokens", result.target_tokens),
+                    ("train_seconds", seconds),
+                    ("rows", result.rows),
+                    ("filler_micro_batches", result.filler_micro_batches),
+                ):
                     stats[key] += value
                 window["real"] += result.real_tokens
                 window["seconds"] += seconds
@@ -266,10 +328,16 @@ class _Loop:
                 record = None
                 if logged:
                     stats["loss"] = step_losses[-1]
-                    record = {"step": done, "epoch": round(self.plan.epoch_of(done), 4),
-                              "loss": step_losses[-1], "lr": result.lr,
-                              "grad_norm": grad_norms[-1], "tokens_per_s": tokens_per_s,
-                              "target_tokens": result.target_tokens, **memory_now()}
+                    record = {
+                        "step": done,
+                        "epoch": round(self.plan.epoch_of(done), 4),
+                        "loss": step_losses[-1],
+                        "lr": result.lr,
+                        "grad_norm": grad_norms[-1],
+                        "tokens_per_s": tokens_per_s,
+                        "target_tokens": result.target_tokens,
+                        **memory_now(),
+                    }
                     window = {"real": 0, "seconds": 0.0}
                     if metrics is not None:
                         metrics.write(record)
@@ -292,18 +360,24 @@ class _Loop:
         at_step_start(self.env.fault, step + 1, self.dist.rank)
         try:
             return self.trainer.train_step(
-                rows, window_targets=sum(self.row_targets[i] for i in window),
+                rows,
+                window_targets=sum(self.row_targets[i] for i in window),
                 window_tokens=sum(self.row_tokens[i] for i in window),
-                filler=self.data.train[window[0]])
+                filler=self.data.train[window[0]],
+            )
         except (torch.OutOfMemoryError, HostOutOfMemory) as exc:
             newest = ckpt.complete_checkpoints(self.out)
-            raise out_of_memory(exc, step=step + 1, rank=self.dist.rank,
-                                rows=self.trainer.current_rows, cfg=self.cfg,
-                                checkpoint=newest[-1] if newest else None,
-                                lighter=self.env.memory_advice) from None
+            raise out_of_memory(
+                exc,
+                step=step + 1,
+                rank=self.dist.rank,
+                rows=self.trainer.current_rows,
+                cfg=self.cfg,
+                checkpoint=newest[-1] if newest else None,
+                lighter=self.env.memory_advice,
+            ) from None
 
-    def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None,
-                    progress: Progress):
+    def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None, progress: Progress):
         if not self.eval_rows:
             return
         every = self.cfg.train.eval_every
@@ -312,17 +386,22 @@ class _Loop:
                 result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
             if metrics is not None:
                 metrics.write({"step": done, **result})
-            progress.write(f"step {done}: eval_loss {result['eval_loss']:.4f} "
-                           f"ppl {result['eval_ppl']:.2f}")
+            progress.write(
+                f"step {done}: eval_loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f}"
+            )
 
     def _save(self, step: int, meta: dict) -> None:
         with self.env.phase("checkpoint save", self.cfg.watchdog.slow_phase_timeout_s):
             self._save_now(step, meta)
 
     def _save_now(self, step: int, meta: dict) -> None:
-        ckpt.save_checkpoint(self.out, step, module=self.trainer.objective,
-                             optimizer=self.trainer.optimizer,
-                             scheduler=self.trainer.scheduler.state_dict(),
-                             meta={**meta, "keel_version": __version__,
-                                   "world_size": self.dist.world_size},
-                             keep_last=self.cfg.output.keep_last, dist=self.dist)
+        ckpt.save_checkpoint(
+            self.out,
+            step,
+            module=self.trainer.objective,
+            optimizer=self.trainer.optimizer,
+            scheduler=self.trainer.scheduler.state_dict(),
+            meta={**meta, "keel_version": __version__, "world_size": self.dist.world_size},
+            keep_last=self.cfg.output.keep_last,
+            dist=self.dist,
+        )

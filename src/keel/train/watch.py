@@ -46,7 +46,8 @@ def watching(cfg: RunConfig, dist: DistContext, fault: Fault | None):
         stall_timeout_s=None if w.stall_timeout_s == "auto" else float(w.stall_timeout_s),
         on_stall=w.on_stall,
         diagnostics_dir=Path(cfg.output.dir).expanduser() / DIAGNOSTICS,
-        rss_limit_bytes=rss_limit(dist))
+        rss_limit_bytes=rss_limit(dist),
+    )
     store = watchdog_store(w.hang_timeout_s) if dist.distributed and w.enabled else None
     watchdog = Watchdog(settings, rank=dist.rank, world_size=dist.world_size, store=store)
 
@@ -54,17 +55,23 @@ def watching(cfg: RunConfig, dist: DistContext, fault: Fault | None):
         if watchdog.rss_exceeded is not None:
             rss, limit = watchdog.rss_exceeded
             watchdog.rss_exceeded = None
-            raise HostOutOfMemory(f"resident memory {rss / 2**30:.2f} GiB is over this "
-                                  f"process's limit of {limit / 2**30:.2f} GiB")
+            raise HostOutOfMemory(
+                f"resident memory {rss / 2**30:.2f} GiB is over this "
+                f"process's limit of {limit / 2**30:.2f} GiB"
+            )
 
     watchdog.progress.alarm = alarm_in_main_thread
     if store is not None and dist.store is not None:
         from torch.distributed import PrefixStore
 
-        dist.guard = CollectiveGuard(rank=dist.rank, world_size=dist.world_size,
-                                     store=PrefixStore("watchdog", dist.store),
-                                     watchdog=watchdog, fault=fault,
-                                     slow_limit_s=cfg.distributed.preprocess_timeout_s)
+        dist.guard = CollectiveGuard(
+            rank=dist.rank,
+            world_size=dist.world_size,
+            store=PrefixStore("watchdog", dist.store),
+            watchdog=watchdog,
+            fault=fault,
+            slow_limit_s=cfg.distributed.preprocess_timeout_s,
+        )
     if w.enabled:
         watchdog.start()
     try:
@@ -81,8 +88,10 @@ def instrument(model: nn.Module, watchdog: Watchdog, fault: Fault | None, rank: 
     lm = causal_lm_of(model)
     for index, layer in enumerate(decoder_layers(lm)):
         layer.register_forward_pre_hook(
-            lambda _module, _args, index=index: progress.mark(("layer", index, "forward")))
+            lambda _module, _args, index=index: progress.mark(("layer", index, "forward"))
+        )
     if fault is not None and fault.kind == "oom":
+
         def raise_oom(_module, _args):
             if fault.due("oom", progress.step, rank):
                 raise torch.OutOfMemoryError("KEEL_FAULT: out of memory (injected)")
@@ -99,20 +108,26 @@ class PlannedRun:
     lighter: list[str]  # changes that need less memory, each with its estimate
 
 
-def plan_memory(cfg: RunConfig, model_dir: Path, dist: DistContext, precision: str,
-                log) -> PlannedRun:
+def plan_memory(
+    cfg: RunConfig, model_dir: Path, dist: DistContext, precision: str, log
+) -> PlannedRun:
     """Plan the run's memory before any weight is loaded (keel.plan): the strategy to use,
     or a refusal (exit 2) when it does not fit and distributed.plan is enforce."""
-    devices = devices_for_run(dist.device.type, world_size=dist.world_size,
-                              local_world_size=dist.local_world_size,
-                              device_memory=cfg.distributed.device_memory)
+    devices = devices_for_run(
+        dist.device.type,
+        world_size=dist.world_size,
+        local_world_size=dist.local_world_size,
+        device_memory=cfg.distributed.device_memory,
+    )
     try:
         plan = plan_run(cfg, model_dir, devices=devices, precision=precision)
     except KeelError:
         raise
     except Exception as exc:  # an architecture the estimator cannot read: train anyway
-        log(f"plan: no memory plan for this model ({type(exc).__name__}: {exc}); the "
-            f"strategy follows the size of a replica instead")
+        log(
+            f"plan: no memory plan for this model ({type(exc).__name__}: {exc}); the "
+            f"strategy follows the size of a replica instead"
+        )
         return PlannedRun(strategy=None, lighter=[])
     decision = decide(plan)
     if not decision.fits:
@@ -124,20 +139,31 @@ def plan_memory(cfg: RunConfig, model_dir: Path, dist: DistContext, precision: s
     return PlannedRun(strategy=decision.strategy, lighter=lighter(plan, decision.option))
 
 
-def out_of_memory(exc: BaseException, *, step: int, rank: int, rows: list[dict],
-                  cfg: RunConfig, checkpoint: Path | None,
-                  lighter: list[str] = ()) -> OutOfMemory:
+def out_of_memory(
+    exc: BaseException,
+    *,
+    step: int,
+    rank: int,
+    rows: list[dict],
+    cfg: RunConfig,
+    checkpoint: Path | None,
+    lighter: list[str] = (),
+) -> OutOfMemory:
     """The user-facing error for an out-of-memory step: what ran, and what to change."""
     longest = max((len(r["input_ids"]) for r in rows), default=0)
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    resume = (f"the newest complete checkpoint, {checkpoint}, is intact: run the same command "
-              f"to resume from it" if checkpoint else "no checkpoint was written yet "
-              "(output.save_every)")
+    resume = (
+        f"the newest complete checkpoint, {checkpoint}, is intact: run the same command "
+        f"to resume from it"
+        if checkpoint
+        else "no checkpoint was written yet (output.save_every)"
+    )
     return OutOfMemory(
         f"out of memory in step {step} on rank {rank}, in a micro-batch of {len(rows)} "
         f"row(s), the longest {longest} tokens (train.micro_batch_size="
         f"{cfg.train.micro_batch_size}, data.cutoff_len={cfg.data.cutoff_len}): "
-        f"{first_line}.\n{_what_to_change(cfg, lighter)}\n{resume}")
+        f"{first_line}.\n{_what_to_change(cfg, lighter)}\n{resume}"
+    )
 
 
 def _what_to_change(cfg: RunConfig, lighter: list[str]) -> str:
@@ -152,8 +178,10 @@ def suggest_smaller(cfg: RunConfig) -> str:
     t = cfg.train
     options = []
     if t.micro_batch_size > 1:
-        options.append(f"train.micro_batch_size={max(1, t.micro_batch_size // 2)} (the "
-                       f"global batch stays the same with train.global_batch_size set)")
+        options.append(
+            f"train.micro_batch_size={max(1, t.micro_batch_size // 2)} (the "
+            f"global batch stays the same with train.global_batch_size set)"
+        )
     if not t.gradient_checkpointing:
         options.append("train.gradient_checkpointing=true")
     options.append(f"data.cutoff_len={max(8, cfg.data.cutoff_len // 2)}")
