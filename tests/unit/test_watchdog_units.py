@@ -220,3 +220,24 @@ def test_a_run_with_the_watchdog_off(tiny_model_dir, tmp_path):
         load_config(None, ["watchdog.enabled=false"], base=base), log=lambda _m: None
     )
     assert len(result.losses) == 2
+
+
+class DeadStore(MemoryStore):
+    def set(self, key, value):
+        raise TimeoutError("store did not answer")
+
+
+def test_a_store_that_stops_answering_is_a_hang_too(tmp_path):
+    """Under srun the store lives in rank 0's process; if it is stopped, so is the store."""
+    dog = watchdog(tmp_path, store=DeadStore(), hang=0.2)
+    raised = []
+
+    def alarm(reason):
+        raised.append(reason)
+        dog._stop.set()
+
+    dog.alarm = alarm
+    dog.start()
+    dog._thread.join(timeout=10)
+    assert raised and "the rendezvous store has not answered" in raised[0]
+    assert dog.store is None  # the report is written without it

@@ -199,15 +199,28 @@ class Watchdog:
 
     # -- the thread ------------------------------------------------------------------
     def _run(self) -> None:
+        failing_since = None  # when the store stopped answering
         while not self._stop.wait(self.settings.interval_s):
             try:
                 self._tick()
+                failing_since = None
             except Exception as exc:  # the watchdog must never take training down
                 print(
                     f"keel watchdog (rank {self.rank}): {type(exc).__name__}: {exc}",
                     file=sys.stderr,
                     flush=True,
                 )
+                failing_since = failing_since or time.monotonic()
+                silent = time.monotonic() - failing_since
+                if self.store is not None and silent > self.settings.hang_timeout_s:
+                    # Under srun the store lives in rank 0's process: if that process is
+                    # stopped, so is the side channel. Report what this rank knows.
+                    self.store = None
+                    self.alarm(
+                        f"the rendezvous store has not answered for {silent:.0f} s (the "
+                        f"process that hosts it, rank 0 under srun, may be stopped or dead): "
+                        f"{type(exc).__name__}: {exc}"
+                    )
 
     def _tick(self) -> None:
         self.beat += 1
