@@ -119,7 +119,109 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON document on stdout (messages go to stderr)",
     )
+    _add_export(sub)
+    _add_serve(sub)
     return parser
+
+
+def _add_export(sub) -> None:
+    export = sub.add_parser(
+        "export",
+        help="merge an adapter or checkpoint into its base; write one Hugging Face model dir",
+    )
+    export.add_argument(
+        "--model",
+        required=True,
+        help="HF model dir, keel output dir, checkpoints/step-N dir, or bundled:NAME",
+    )
+    export.add_argument(
+        "--adapter",
+        help="PEFT adapter dir, keel output dir of a LoRA run, or checkpoints/step-N dir "
+        "to merge into --model",
+    )
+    export.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    export.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        help="bfloat16, float16 or float32 (default: the base model's)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB or 2GiB (default 5GB)",
+    )
+    export.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
+    )
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (continuous batching, LoRA adapters) and a web chat",
+    )
+    serve.add_argument(
+        "--model",
+        required=True,
+        help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct",
+    )
+    serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter at PATH as model NAME (repeatable)",
+    )
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require the header Authorization: Bearer KEY on /v1 routes",
+    )
+    serve.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="sequences decoded together (default 16)",
+    )
+    serve.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=64,
+        metavar="N",
+        help="requests in flight, running or queued; more get HTTP 429 (default 64)",
+    )
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="largest max_tokens a request may ask for (default 2048)",
+    )
+    serve.add_argument(
+        "--backend",
+        choices=["keel", "vllm"],
+        default="keel",
+        help="keel (default, any device) or vllm (needs vLLM and a CUDA GPU)",
+    )
+    serve.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
+    )
+
+
+def _size(text: str) -> int:
+    from keel.plan.devices import parse_memory
+
+    try:
+        return parse_memory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _train(args) -> int:
@@ -220,7 +322,52 @@ def _doctor(args) -> int:
     return run_doctor(as_json=args.json, cpu_bf16_speedup=cpu_bf16_speedup)
 
 
-COMMANDS = {"train": _train, "validate": _validate, "chat": _chat, "plan": _plan, "doctor": _doctor}
+def _export(args) -> int:
+    from keel.models.export import ExportRequest, export_model
+
+    request = ExportRequest(
+        model=args.model,
+        adapter=args.adapter,
+        out=Path(args.out),
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        cache_dir=args.cache_dir,
+    )
+    export_model(request)
+    return 0
+
+
+def _serve(args) -> int:
+    from keel.infer.serve.limits import ServeLimits
+    from keel.infer.serve.server import ServeOptions, run_server
+
+    limits = ServeLimits(
+        max_batch_size=args.max_batch_size,
+        max_concurrency=args.max_concurrency,
+        max_tokens=args.max_tokens,
+    )
+    options = ServeOptions(
+        model=args.model,
+        adapters=tuple(args.adapter),
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        limits=limits,
+        backend=args.backend,
+        cache_dir=args.cache_dir,
+    )
+    return run_server(options)
+
+
+COMMANDS = {
+    "train": _train,
+    "validate": _validate,
+    "chat": _chat,
+    "plan": _plan,
+    "doctor": _doctor,
+    "export": _export,
+    "serve": _serve,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

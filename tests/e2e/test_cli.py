@@ -16,6 +16,11 @@ SMALL_EXAMPLES = [
     "llamafactory_lora.yaml",
     "identity_lora.yaml",
     "fsdp_full.yaml",
+    "dpo_bundled.yaml",
+    "orpo_bundled.yaml",
+    "simpo_bundled.yaml",
+    "kto_bundled.yaml",
+    "llamafactory_dpo.yaml",
 ]
 
 

@@ -28,6 +28,26 @@ EXPECTED = {
     },
     "plan": {"config", "overrides", "--gpus", "--nodes", "--gpu-memory", "--json"},
     "doctor": {"--json"},
+    "export": {
+        "--model",
+        "--adapter",
+        "--out",
+        "--dtype",
+        "--max-shard-size",
+        "--cache-dir",
+    },
+    "serve": {
+        "--model",
+        "--adapter",
+        "--host",
+        "--port",
+        "--api-key",
+        "--max-batch-size",
+        "--max-concurrency",
+        "--max-tokens",
+        "--backend",
+        "--cache-dir",
+    },
 }
 
 

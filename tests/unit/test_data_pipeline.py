@@ -108,6 +108,14 @@ def test_zero_usable_samples(run):
         run([conversation(0, answer="")], on_invalid="skip")
 
 
+def test_sharegpt_messages_in_a_messages_column_are_read(run, tiny_tokenizer):
+    # detected as sharegpt by its from/value tags, read from the column it was found in
+    row = {"messages": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    data = run([row])
+    trained = [t for t in data.train[0]["targets"] if t != -100]
+    assert tiny_tokenizer.decode(trained) == "a<|im_end|>"
+
+
 def test_sft_on_plain_text_asks_for_pretraining(run):
     with pytest.raises(DataError, match="train.stage: pt"):
         run([{"text": "hello"}])

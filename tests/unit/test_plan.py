@@ -276,3 +276,23 @@ def test_bf16_frozen_weights_what_if_matches_a_real_bf16_build(tmp_path):
     fp32 = take_census(build_meta_model(arch, dtype=torch.float32), MethodConfig())
     bf16 = take_census(build_meta_model(arch, dtype=torch.bfloat16), MethodConfig())
     assert fp32.with_frozen_itemsize(2) == bf16
+
+
+def test_preference_stages_plan_pairs_and_the_reference_copy(tmp_path):
+    """A DPO row is two sequences; full DPO with a live reference holds a second copy of the
+    weights, LoRA does not (its reference is the base with adapters off), precompute not."""
+    model_dir = config_only_dir(tmp_path, "small", SMALL)
+    devices = detect_devices(gpus=1, memory="24GiB")
+
+    def option(method: str, *overrides: str):
+        cfg = load_config(run_yaml(tmp_path, model_dir, method), list(overrides))
+        return plan_run(cfg, devices=devices).option_for("single", method, False).per_device
+
+    sft, dpo = option("full"), option("full", "train.stage=dpo")
+    assert dpo.params == 2 * sft.params and dpo.grads == sft.grads
+    assert dpo.activations > 1.9 * sft.activations  # twice the tokens per row
+    precomputed = option("full", "train.stage=dpo", "preference.reference=precompute")
+    assert precomputed.params == sft.params
+    assert option("lora", "train.stage=dpo").params == option("lora").params
+    kto = option("full", "train.stage=kto")
+    assert kto.params == 2 * sft.params and kto.activations == sft.activations

@@ -207,6 +207,7 @@ def test_checkpoint_files_are_json_and_safetensors(finished):
         "stage",
         "precision",
         "data_fingerprint",
+        "preference",
     }
     assert not list(step.rglob("*.pt"))
 

@@ -156,3 +156,18 @@ def test_bf16_autocast_training_runs(tiny_model_dir, data_file, tmp_path):
     )
     assert result.summary["precision"] == "bf16"
     assert all(loss == loss and loss < 20 for loss in result.losses)  # finite, sane
+
+
+def test_the_saved_tokenizer_keeps_the_training_template(tiny_model_dir, data_file, tmp_path):
+    """Trained with data.template=chatml (no default system prompt, unlike the tokenizer's
+    own): chat, serve and export must render prompts the way training did."""
+    from transformers import AutoTokenizer
+
+    from keel.data.template import CHATML_TEMPLATE
+
+    out = tmp_path / "out"
+    cfg = config(tiny_model_dir, data_file, out, "data.template=chatml", "train.max_steps=1")
+    run_training(cfg, log=quiet)
+    saved = AutoTokenizer.from_pretrained(out).chat_template
+    assert saved == CHATML_TEMPLATE
+    assert AutoTokenizer.from_pretrained(tiny_model_dir).chat_template != CHATML_TEMPLATE

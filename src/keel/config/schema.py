@@ -46,10 +46,13 @@ class MethodConfig:
 @dataclass(kw_only=True)
 class DatasetConfig:
     path: str  # a file, a folder, a local HF datasets dir, or a name in dataset_info.json
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "text"] = "auto"
-    columns: dict[str, str] = field(
-        default_factory=dict
-    )  # e.g. {prompt: question, response: answer}
+    # auto (from the first row, for the stage), alpaca, sharegpt, messages, text (pt only);
+    # preference (TRL's prompt/chosen/rejected: dpo, orpo, simpo), kto (prompt/completion/
+    # label). In a preference stage alpaca, sharegpt and messages read chosen and rejected
+    # (LLaMA-Factory's ranking data) or kto_tag as well.
+    format: Literal["auto", "alpaca", "sharegpt", "messages", "text", "preference", "kto"] = "auto"
+    # e.g. {prompt: question, response: answer}; preference data: chosen, rejected, kto_tag
+    columns: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}
     split: str = "train"  # a file has one split, train; slices as in train[:1000] or train[:10%]
     max_samples: int | None = None  # use the first N rows (after split and num_samples)
@@ -63,7 +66,9 @@ class DataConfig:
     datasets: list[DatasetConfig]
     dataset_dir: str | None = None  # folder with a LLaMA-Factory dataset_info.json
     template: str = "auto"  # auto (the tokenizer's own), chatml, or a path to a .jinja file
-    cutoff_len: int = 1024  # tokens per sample (and per packed row)
+    # tokens per sample (and per packed row); preference stages: per prompt + one answer,
+    # packed rows of pairs up to 2 x cutoff_len
+    cutoff_len: int = 1024
     packing: bool = False
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
     overlength: Literal["drop", "truncate", "error"] = "drop"
@@ -74,7 +79,8 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    stage: Literal["pt", "sft"] = "sft"
+    # pt: pretraining, sft: supervised, dpo/orpo/simpo: preference pairs, kto: labelled samples
+    stage: Literal["pt", "sft", "dpo", "orpo", "simpo", "kto"] = "sft"
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs when set
     micro_batch_size: int = 1  # rows per forward pass, per process (per device)
@@ -98,6 +104,27 @@ class TrainConfig:
     resume: str = "auto"  # auto (newest complete checkpoint in output.dir), never, or a path
     threads: int = 0  # CPU threads for torch; 0: all cores of this process
     loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
+
+
+PREFERENCE_STAGES = ("dpo", "orpo", "simpo", "kto")
+
+
+@dataclass(kw_only=True)
+class PreferenceConfig:
+    # Used with train.stage dpo, orpo, simpo or kto. A row is a pair (KTO: a sample);
+    # train.micro_batch_size and the global batch count pairs.
+    beta: float = 0.1  # DPO/KTO: KL strength; ORPO: the paper's lambda; SimPO: reward scale
+    # DPO loss: sigmoid (the paper), robust (noise-robust with label_smoothing), ipo
+    # (length-normalised log-ratios), hinge (SLiC)
+    loss_type: Literal["sigmoid", "robust", "ipo", "hinge"] = "sigmoid"
+    label_smoothing: float = 0.0  # DPO sigmoid/robust and SimPO: assumed label noise, [0, 0.5)
+    gamma: float = 0.5  # SimPO: the target reward margin
+    # DPO/KTO reference log-probs: live (LoRA: the base with adapters off; full/freeze: a
+    # frozen copy sharded like the policy) or precompute (one pass before training, cached);
+    # auto: live. ORPO and SimPO use no reference.
+    reference: Literal["auto", "live", "precompute"] = "auto"
+    desirable_weight: float = 1.0  # KTO: weight of desirable samples' losses
+    undesirable_weight: float = 1.0  # KTO: weight of undesirable samples' losses
 
 
 @dataclass(kw_only=True)
@@ -177,5 +204,6 @@ class RunConfig:
     output: OutputConfig
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)

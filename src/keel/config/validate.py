@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from keel.config.schema import BUNDLED_PREFIX, RunConfig, WandbConfig
+from keel.config.schema import (
+    BUNDLED_PREFIX,
+    PREFERENCE_STAGES,
+    PreferenceConfig,
+    RunConfig,
+    WandbConfig,
+)
 
 
 def check_config(cfg: RunConfig) -> list[str]:
@@ -15,6 +21,7 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_method(cfg),
         *_check_data(cfg),
         *_check_train(cfg),
+        *_check_preference(cfg),
         *_check_output(cfg),
         *_check_distributed(cfg),
         *_check_watchdog(cfg),
@@ -72,11 +79,22 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"or a whole number of samples"
         )
     problems += _positive(data.num_proc, "data.num_proc")
+    stage = cfg.train.stage
     for index, ds in enumerate(data.datasets):
-        if ds.format == "text" and cfg.train.stage == "sft":
+        if ds.format == "text" and stage != "pt":
             problems.append(
                 f"data.datasets.{index}.format = text has no assistant turns to "
-                f"learn; use train.stage = pt, or a chat format for sft"
+                f"learn; use train.stage = pt, or a chat format for {stage}"
+            )
+        if ds.format == "preference" and stage not in ("dpo", "orpo", "simpo"):
+            problems.append(
+                f"data.datasets.{index}.format = preference holds pairs for train.stage "
+                f"dpo, orpo or simpo (it is {stage}); set train.stage, or the format"
+            )
+        if ds.format == "kto" and stage != "kto":
+            problems.append(
+                f"data.datasets.{index}.format = kto holds labelled samples for train.stage "
+                f"kto (it is {stage}); set train.stage = kto, or the format"
             )
         if ds.max_samples is not None:
             problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
@@ -120,6 +138,46 @@ def _check_train(cfg: RunConfig) -> list[str]:
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         problems.append(
             f"train.resume = {t.resume!r} must be auto, never, or an existing checkpoint folder"
+        )
+    return problems
+
+
+def _check_preference(cfg: RunConfig) -> list[str]:
+    p, stage = cfg.preference, cfg.train.stage
+    if stage not in PREFERENCE_STAGES:
+        if p != PreferenceConfig():
+            return [
+                f"preference is set but train.stage = {stage}; it applies to stages "
+                f"{', '.join(PREFERENCE_STAGES)}: set train.stage, or remove preference"
+            ]
+        return []
+    problems = _positive(p.beta, "preference.beta")
+    if not 0 <= p.label_smoothing < 0.5:
+        problems.append(f"preference.label_smoothing = {p.label_smoothing} must be in [0, 0.5)")
+    if p.loss_type != "sigmoid" and stage != "dpo":
+        problems.append(
+            f"preference.loss_type = {p.loss_type} applies to train.stage dpo only "
+            f"(this run is {stage}); remove it"
+        )
+    if p.label_smoothing and (stage in ("orpo", "kto") or p.loss_type in ("ipo", "hinge")):
+        what = stage if stage != "dpo" else f"the {p.loss_type} loss"
+        problems.append(
+            f"preference.label_smoothing = {p.label_smoothing} has no meaning for {what}; "
+            f"it applies to dpo (sigmoid, robust) and simpo; remove it"
+        )
+    if p.gamma != PreferenceConfig().gamma and stage != "simpo":
+        problems.append("preference.gamma applies to train.stage simpo only; remove it")
+    if p.reference != "auto" and stage in ("orpo", "simpo"):
+        problems.append(
+            f"preference.reference = {p.reference}: {stage} uses no reference model "
+            f"(its loss compares the policy's own log-probs); remove it"
+        )
+    if stage == "kto":
+        problems += _positive(p.desirable_weight, "preference.desirable_weight")
+        problems += _positive(p.undesirable_weight, "preference.undesirable_weight")
+    elif (p.desirable_weight, p.undesirable_weight) != (1.0, 1.0):
+        problems.append(
+            "preference.desirable_weight / undesirable_weight apply to train.stage kto only"
         )
     return problems
 

@@ -23,17 +23,61 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     pseudo-sequence. There is deliberately no attention_mask: with causal attention and right
     padding real tokens never attend to pads, and transformers separates packed samples by
     position_ids only when attention_mask is None.
+
+    Preference rows (they carry `labels`, one per sequence) also get `labels` [S] (the
+    sequences of all rows, in order), `sequence_index` [B, T] (which of those S sequences a
+    token belongs to, -1 for padding), the same for their KTO mismatched sequences under a
+    `kl_` prefix, and `reference_logps` / `reference_kl_logps` [S] when the rows carry
+    precomputed reference log-probs.
     """
     assert rows, "collate needs at least one row"
-    width = max(len(r["input_ids"]) for r in rows)
+    batch = _pad(rows, "", pad_id)
+    if not rows[0].get("labels"):
+        return batch
+    batch["labels"] = torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)
+    batch["sequence_index"] = _sequence_index(rows, "", batch["input_ids"].shape[1])
+    if rows[0].get("kl_input_ids"):
+        batch |= _pad(rows, "kl_", pad_id)
+        width = batch["kl_input_ids"].shape[1]
+        batch["kl_sequence_index"] = _sequence_index(rows, "kl_", width)
+    for key in ("reference_logps", "reference_kl_logps"):
+        if key in rows[0]:
+            values = [x for row in rows for x in row[key]]
+            batch[key] = torch.tensor(values, dtype=torch.float32)
+    return batch
+
+
+def _pad(rows: list[dict], prefix: str, pad_id: int) -> dict[str, torch.Tensor]:
+    """{prefix}input_ids, {prefix}targets, {prefix}position_ids, each [B, T], right-padded."""
+    ids_key, targets_key, positions_key = (
+        f"{prefix}input_ids",
+        f"{prefix}targets",
+        f"{prefix}position_ids",
+    )
+    width = max(len(r[ids_key]) for r in rows)
     batch = len(rows)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, T]
     targets = torch.full((batch, width), IGNORE_INDEX, dtype=torch.long)  # [B, T]
     position_ids = torch.zeros((batch, width), dtype=torch.long)  # [B, T]
     for b, row in enumerate(rows):
-        n = len(row["input_ids"])
-        input_ids[b, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
-        targets[b, :n] = torch.as_tensor(row["targets"], dtype=torch.long)
-        position_ids[b, :n] = torch.as_tensor(row["position_ids"], dtype=torch.long)
+        n = len(row[ids_key])
+        input_ids[b, :n] = torch.as_tensor(row[ids_key], dtype=torch.long)
+        targets[b, :n] = torch.as_tensor(row[targets_key], dtype=torch.long)
+        position_ids[b, :n] = torch.as_tensor(row[positions_key], dtype=torch.long)
         position_ids[b, n:] = torch.arange(width - n)
-    return {"input_ids": input_ids, "targets": targets, "position_ids": position_ids}
+    return {ids_key: input_ids, targets_key: targets, positions_key: position_ids}
+
+
+def _sequence_index(rows: list[dict], prefix: str, width: int) -> torch.Tensor:
+    """[B, T]: the batch-wide number of the sequence each token belongs to; -1 on padding.
+
+    A sequence starts where its position id is 0, so a row's k-th sequence (in row order) is
+    number k plus the sequences of the rows before it."""
+    index = torch.full((len(rows), width), -1, dtype=torch.long)
+    offset = 0
+    for b, row in enumerate(rows):
+        positions = torch.as_tensor(row[f"{prefix}position_ids"], dtype=torch.long)
+        local = torch.cumsum(positions == 0, 0) - 1  # [n]
+        index[b, : len(positions)] = local + offset
+        offset += int(local[-1]) + 1 if len(positions) else 0
+    return index

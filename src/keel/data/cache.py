@@ -21,7 +21,7 @@ from keel.data.report import DataReport
 from keel.data.sources import Source
 from keel.data.template import ChatTemplate
 
-DATA_FORMAT_VERSION = 2  # bump when the layout or meaning of prepared rows changes
+DATA_FORMAT_VERSION = 3  # bump when the layout or meaning of prepared rows changes
 _HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
 
 

@@ -16,8 +16,15 @@ converter.py, processor/pretrain.py):
   refuses entries that would lose text that way instead of dropping it silently.
 - `num_samples`, `split`, `folder`, `subset`: see `resolve_entry` and keel.data.sampling.
 
-keel reads local files only and trains no preference stage yet, so hub entries, `ranking`
-and `kto_tag` entries, multimodal and tool-calling entries are refused with the reason.
+- Preference data: an entry with `"ranking": true` holds pairs (chosen and rejected
+  columns; for sharegpt the conversation ends with a user turn and each answer is one
+  message object) and trains with train.stage dpo, orpo or simpo; an entry with a
+  `kto_tag` column holds labelled samples (the answer is `response` for alpaca, the last
+  message for sharegpt) and trains with kto. Each is refused for other stages, and entries
+  that are neither are refused for those stages, as LLaMA-Factory's loader does.
+
+keel reads local files only, so hub entries, multimodal and tool-calling entries are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.data.formats import COLUMN_KEYS, DEFAULT_TAGS
+from keel.data.preference import PAIR_STAGES, PREFERENCE_STAGES
 from keel.errors import DataError
 from keel.files import read_text
 
@@ -112,8 +120,8 @@ def resolve_entry(
 ) -> InfoEntry:
     """Turn entry `name` into an InfoEntry, refusing what keel cannot train on as asked.
 
-    stage: sft or pt; the entry's meaning depends on it (None: checks that need it are left
-    to the call that knows it). config_format: the config's `format` for this dataset; not
+    stage: pt, sft, dpo, orpo, simpo or kto; the entry's meaning depends on it (None:
+    checks that need it are left to the call that knows it). config_format: the config's `format` for this dataset; not
     auto, it replaces LLaMA-Factory's reading of the entry by keel's own for that format (the
     entry's columns and tags then only rename keel's defaults).
     """
@@ -122,6 +130,7 @@ def resolve_entry(
     if not isinstance(entry, dict):
         raise DataError(f"{where}: expected an object with file_name, formatting, columns")
     _refuse_unsupported(entry, where)
+    _check_stage(entry, where, stage)
     notes = _unknown_key_notes(entry, where)
     path = _local_path(entry, dataset_dir, where, notes)
     if config_format == "auto":
@@ -149,16 +158,6 @@ def resolve_entry(
 
 def _refuse_unsupported(entry: dict, where: str) -> None:
     columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
-    if entry.get("ranking"):
-        raise DataError(
-            f"{where} is preference data (ranking: true); it needs a preference stage "
-            f"(DPO/ORPO/SimPO), which is not available in this version of keel"
-        )
-    if columns.get("kto_tag"):
-        raise DataError(
-            f"{where} is KTO preference data (columns.kto_tag); it needs a preference stage, "
-            f"which is not available in this version of keel"
-        )
     media = [k for k in _MEDIA if columns.get(k)]
     if media:
         raise DataError(
@@ -170,6 +169,42 @@ def _refuse_unsupported(entry: dict, where: str) -> None:
             f"{where} is tool-calling data (columns.tools: '{columns['tools']}'); keel does "
             f"not train tool calls yet: remove columns.tools to train on its other rows "
             f"(messages with function-call or observation roles are still refused)"
+        )
+
+
+def _check_stage(entry: dict, where: str, stage: str | None) -> None:
+    """Ranking entries train dpo/orpo/simpo, kto_tag entries kto, the others pt and sft."""
+    columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
+    ranking, kto_tag = bool(entry.get("ranking")), columns.get("kto_tag")
+    if ranking and kto_tag:
+        raise DataError(
+            f"{where} has both ranking: true and columns.kto_tag; an entry holds pairs "
+            f"(ranking) or labelled samples (kto_tag): remove one"
+        )
+    if stage is None:
+        return
+    this_run = f"this run is train.stage {stage}"
+    if ranking and stage not in PAIR_STAGES:
+        raise DataError(
+            f"{where} is preference data (ranking: true); it needs a preference stage: "
+            f"train.stage dpo, orpo or simpo ({this_run})"
+        )
+    if kto_tag and stage != "kto":
+        raise DataError(
+            f"{where} is KTO data (columns.kto_tag: '{kto_tag}'); it needs the preference "
+            f"stage train.stage kto ({this_run})"
+        )
+    if stage in PAIR_STAGES and not ranking:
+        raise DataError(
+            f'{where} is not preference data (no "ranking": true); train.stage {stage} '
+            f'trains on pairs: use an entry with "ranking": true and columns chosen and '
+            f"rejected, or train.stage sft for this one"
+        )
+    if stage == "kto" and not kto_tag:
+        raise DataError(
+            f"{where} has no columns.kto_tag; train.stage kto trains on samples labelled "
+            f"true/false: name the label column in columns.kto_tag, or use train.stage sft "
+            f"for this entry"
         )
 
 
@@ -274,6 +309,8 @@ def _lf_reading(entry: dict, where: str, stage: str | None):
     columns = {
         k: (_LF_DEFAULT_COLUMNS if declared is None else declared).get(k) for k in COLUMN_KEYS
     }
+    if stage in PREFERENCE_STAGES:
+        _check_answer_columns(columns, formatting, where, stage)
     if formatting == "alpaca":
         return _alpaca_reading(columns, declared is None, where, stage)
     declared_tags = _names(entry, "tags", LF_TAGS, where)
@@ -298,6 +335,23 @@ def _lf_reading(entry: dict, where: str, stage: str | None):
             f'("columns": {{"prompt": "text"}}) for pretraining'
         )
     return "sharegpt", columns, tags
+
+
+def _check_answer_columns(columns: dict, formatting: str, where: str, stage: str) -> None:
+    """The columns a preference entry must name: chosen and rejected, or kto's answer."""
+    if stage in PAIR_STAGES:
+        missing = [f"columns.{k}" for k in ("chosen", "rejected") if columns[k] is None]
+        if missing:
+            raise DataError(
+                f"{where} is ranking data but names no {' or '.join(missing)} (LLaMA-Factory "
+                f"cannot read such an entry either); name the columns of the better and the "
+                f"worse answer"
+            )
+    elif formatting == "alpaca" and columns["response"] is None:
+        raise DataError(
+            f"{where} names no columns.response: KTO needs the answer its kto_tag labels "
+            f"(the last message, in sharegpt entries)"
+        )
 
 
 def _alpaca_reading(columns: dict, defaults: bool, where: str, stage: str | None):

@@ -3,6 +3,8 @@
 `RowEncoder` is the function given to `Dataset.map`. It never raises for a bad row: each
 output row carries a `status` (ok, truncated, dropped, overlength, rejected, template) and a
 `reason`, so the pipeline can report every problem at once, with its file and row.
+`RowEncoder` encodes SFT and pretraining rows; keel.data.encode_preference adds pairs and
+KTO samples.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ IGNORE_INDEX = -100
 KEPT = ("ok", "truncated")
 
 
-def output_features():
+def output_features(extra: dict | None = None):
+    """The encoded columns: tokens, targets and the row's status, plus `extra` features."""
     from datasets import Features, List, Value
 
     return Features(
@@ -33,13 +36,14 @@ def output_features():
             "status": Value("string"),
             "reason": Value("string"),
             "length": Value("int64"),
+            **(extra or {}),
         }
     )
 
 
 @dataclass(frozen=True)
 class EncodeSettings:
-    stage: str  # sft or pt
+    stage: str  # pt, sft, dpo, orpo, simpo or kto
     spec: FormatSpec
     template: ChatTemplate | None
     cutoff_len: int
@@ -47,41 +51,47 @@ class EncodeSettings:
 
 
 class RowEncoder:
-    """Batched `Dataset.map` function; picklable so `num_proc` > 1 works."""
+    """Batched `Dataset.map` function; picklable so `num_proc` > 1 works.
+
+    Subclasses encode other kinds of rows: `encode_row` returns a dict with some of the
+    `features()` columns (status at least); a column it leaves out is empty (or 0)."""
 
     def __init__(self, tokenizer, settings: EncodeSettings):
         self.tokenizer = tokenizer
         self.settings = settings
 
+    def features(self):
+        return output_features()
+
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {
-            k: [] for k in ("input_ids", "targets", "status", "reason", "length")
+        from datasets import Value
+
+        empty = {
+            k: ([] if not isinstance(f, Value) else "" if f.dtype == "string" else 0)
+            for k, f in self.features().items()
         }
+        out: dict[str, list] = {k: [] for k in empty}
         n = len(next(iter(batch.values()))) if batch else 0
         for i in range(n):
-            status, reason, length, ids, targets = self.encode_row(
-                {k: v[i] for k, v in batch.items()}
-            )
-            out["status"].append(status)
-            out["reason"].append(reason)
-            out["length"].append(length)
-            out["input_ids"].append(ids)
-            out["targets"].append(targets)
+            encoded = self.encode_row({k: v[i] for k, v in batch.items()})
+            for k in out:
+                out[k].append(encoded.get(k, empty[k]))
         return out
 
-    def encode_row(self, row: dict) -> tuple[str, str, int, list[int], list[int]]:
-        """(status, reason, full length, input_ids, targets) for one row."""
+    def encode_row(self, row: dict) -> dict:
+        """SFT/PT: status, reason, full length, input_ids and targets of one row."""
         s = self.settings
         try:
             ids, mask = self._tokens(row_to_example(row, s.spec))
         except RowError as e:
-            return "rejected", str(e), 0, [], []
+            return {"status": "rejected", "reason": str(e)}
         except TemplateMismatch as e:
-            return "template", str(e), 0, [], []
+            return {"status": "template", "reason": str(e)}
         length, status = len(ids), "ok"
         if length > s.cutoff_len:
             if s.overlength in ("drop", "error"):
-                return ("dropped" if s.overlength == "drop" else "overlength"), "", length, [], []
+                status = "dropped" if s.overlength == "drop" else "overlength"
+                return {"status": status, "length": length}
             ids, mask, status = ids[: s.cutoff_len], mask[: s.cutoff_len], "truncated"
         targets = shift_targets(ids, mask)
         if all(t == IGNORE_INDEX for t in targets):
@@ -92,8 +102,8 @@ class RowEncoder:
                 )
             else:
                 reason = "all labels masked: no assistant tokens to train on"
-            return "rejected", reason, length, [], []
-        return status, "", length, ids, targets
+            return {"status": "rejected", "reason": reason, "length": length}
+        return {"status": status, "length": length, "input_ids": ids, "targets": targets}
 
     def _tokens(self, example: list[dict] | str) -> tuple[list[int], list[bool]]:
         s = self.settings
@@ -105,15 +115,15 @@ class RowEncoder:
         return encode_sft(self.tokenizer, s.template, example)
 
 
-def encode_dataset(ds, tokenizer, settings: EncodeSettings, num_proc: int, fingerprint: str):
-    """Encode every row of `ds`; the result has one output row per input row, in order."""
+def encode_dataset(ds, encoder: RowEncoder, num_proc: int, fingerprint: str):
+    """Encode every row of `ds` with `encoder`; one output row per input row, in order."""
     procs = min(num_proc, len(ds)) if num_proc > 1 else None
     return ds.map(
-        RowEncoder(tokenizer, settings),
+        encoder,
         batched=True,
         batch_size=64,
         remove_columns=ds.column_names,
-        features=output_features(),
+        features=encoder.features(),
         keep_in_memory=True,
         num_proc=procs,
         new_fingerprint=fingerprint,  # our own cache key; skips hashing the tokenizer

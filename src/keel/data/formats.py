@@ -9,6 +9,13 @@ override renames these defaults:
 - messages (OpenAI): messages=messages; tags role/content, user/assistant/system
 - text: prompt=text (pretraining only); with a query column too, prompt and query joined
   by "\\n" (how LLaMA-Factory pretrains on an alpaca entry)
+- preference (TRL's preference format, dpo/orpo/simpo): prompt, chosen, rejected, system;
+  each text or a list of messages (tags role/content, user/assistant/system)
+- kto (TRL's unpaired preference format): prompt, response=completion, kto_tag=label, system
+
+In the preference stages alpaca, sharegpt and messages also read chosen and rejected
+(LLaMA-Factory's ranking data) or kto_tag; keel.data.preference turns such rows into pairs
+and labelled samples.
 
 A column or tag mapped to None is not read: a LLaMA-Factory entry that names its columns
 or tags replaces the defaults (keel.data.dataset_info), as it does in LLaMA-Factory.
@@ -23,8 +30,9 @@ from difflib import get_close_matches
 
 from keel.errors import DataError
 
-FORMATS = ("messages", "sharegpt", "alpaca", "text")
+FORMATS = ("messages", "sharegpt", "alpaca", "text", "preference", "kto")
 _MEDIA = ("images", "videos", "audios")
+_RANKING = {"chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag"}  # preference stages
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {
         "prompt": "instruction",
@@ -32,10 +40,18 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "response": "output",
         "system": "system",
         "history": "history",
+        **_RANKING,
     },
-    "sharegpt": {"messages": "conversations", "system": "system"},
-    "messages": {"messages": "messages", "system": "system"},
+    "sharegpt": {"messages": "conversations", "system": "system", **_RANKING},
+    "messages": {"messages": "messages", "system": "system", **_RANKING},
     "text": {"prompt": "text"},
+    "preference": {
+        "prompt": "prompt",
+        "chosen": "chosen",
+        "rejected": "rejected",
+        "system": "system",
+    },
+    "kto": {"prompt": "prompt", "response": "completion", "kto_tag": "label", "system": "system"},
 }
 for _cols in DEFAULT_COLUMNS.values():
     _cols.update({"tools": "tools", **{m: m for m in _MEDIA}})
@@ -59,6 +75,8 @@ DEFAULT_TAGS: dict[str, dict[str, str]] = {
         "system_tag": "system",
     },
 }
+# TRL's preference formats hold OpenAI-style messages when they are conversational
+DEFAULT_TAGS["preference"] = DEFAULT_TAGS["kto"] = DEFAULT_TAGS["messages"]
 COLUMN_KEYS = sorted({k for cols in DEFAULT_COLUMNS.values() for k in cols})
 TAG_KEYS = sorted(DEFAULT_TAGS["sharegpt"])
 
@@ -104,7 +122,7 @@ def detect_format(row: dict, columns: dict, tags: dict, where: str) -> str:
     message_cols = [columns["messages"]] if "messages" in columns else ["messages", "conversations"]
     for col in message_cols:
         if col in present:
-            return _chat_flavour(row[col], col, tags)
+            return chat_flavour(row[col], col, tags)
     if (
         columns.get("prompt", "instruction") in present
         and columns.get("response", "output") in present
@@ -119,7 +137,7 @@ def detect_format(row: dict, columns: dict, tags: dict, where: str) -> str:
     )
 
 
-def _chat_flavour(conversation, col: str, tags: dict) -> str:
+def chat_flavour(conversation, col: str, tags: dict) -> str:
     """sharegpt (from/value) or OpenAI messages (role/content), judged from the first message."""
     if tags:
         return "sharegpt"
@@ -136,7 +154,7 @@ def row_to_example(row: dict, spec: FormatSpec) -> list[dict] | str:
     """A validated conversation, or the text for the text format. Raises RowError."""
     if spec.format == "text":
         return _text(row, spec.columns)
-    _refuse_unsupported(row, spec.columns)
+    refuse_unsupported(row, spec.columns)
     if spec.format == "alpaca":
         messages = _alpaca(row, spec.columns)
     else:
@@ -145,7 +163,8 @@ def row_to_example(row: dict, spec: FormatSpec) -> list[dict] | str:
     return messages
 
 
-def _refuse_unsupported(row: dict, columns: dict) -> None:
+def refuse_unsupported(row: dict, columns: dict) -> None:
+    """Refuse rows with media or tool definitions (RowError)."""
     for key in _MEDIA:
         col = columns.get(key)
         if col and row.get(col):
@@ -157,7 +176,7 @@ def _refuse_unsupported(row: dict, columns: dict) -> None:
         )
 
 
-def _required_text(row: dict, col: str, what: str = "field") -> str:
+def required_text(row: dict, col: str, what: str = "field") -> str:
     value = row.get(col)
     if value is None:
         raise RowError(f"missing field '{col}'")
@@ -171,16 +190,16 @@ def _required_text(row: dict, col: str, what: str = "field") -> str:
 def _text(row: dict, c: dict) -> str:
     prompt, query = c["prompt"], c.get("query")
     if query is None:
-        return _required_text(row, prompt, what="text")
+        return required_text(row, prompt, what="text")
     if row.get(prompt) is None and row.get(query) is None:
         raise RowError(f"missing field '{prompt}'")
-    text = "\n".join(x for x in (_optional_text(row, prompt), _optional_text(row, query)) if x)
+    text = "\n".join(x for x in (optional_text(row, prompt), optional_text(row, query)) if x)
     if not text.strip():
         raise RowError(f"empty text (fields '{prompt}' and '{query}')")
     return text
 
 
-def _optional_text(row: dict, col: str | None) -> str:
+def optional_text(row: dict, col: str | None) -> str:
     value = row.get(col) if col else None
     if value is None:
         return ""
@@ -190,10 +209,16 @@ def _optional_text(row: dict, col: str | None) -> str:
 
 
 def _alpaca(row: dict, c: dict) -> list[dict]:
-    prompt = _required_text(row, c["prompt"])
-    response = _required_text(row, c["response"])
-    query = _optional_text(row, c.get("query"))
-    system = _optional_text(row, c.get("system"))
+    prompt = alpaca_prompt(row, c)
+    return [*prompt, {"role": "assistant", "content": required_text(row, c["response"])}]
+
+
+def alpaca_prompt(row: dict, c: dict) -> list[dict]:
+    """An alpaca row's turns before its answer: system, the history pairs, then the user turn
+    (prompt and query joined by a newline)."""
+    prompt = required_text(row, c["prompt"])
+    query = optional_text(row, c.get("query"))
+    system = optional_text(row, c.get("system"))
     history = row.get(c.get("history")) if c.get("history") else None
     messages = [{"role": "system", "content": system}] if system else []
     for i, pair in enumerate(history or [], 1):
@@ -206,8 +231,7 @@ def _alpaca(row: dict, c: dict) -> list[dict]:
             {"role": "assistant", "content": pair[1]},
         ]
     user = "\n".join(x for x in (prompt, query) if x)
-    messages += [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
-    return messages
+    return [*messages, {"role": "user", "content": user}]
 
 
 def _chat(row: dict, c: dict, t: dict) -> list[dict]:
@@ -215,42 +239,54 @@ def _chat(row: dict, c: dict, t: dict) -> list[dict]:
     conversation = row.get(col)
     if conversation is None:
         raise RowError(f"missing field '{col}'")
+    return with_system(parse_messages(conversation, col, t), row, c)
+
+
+def with_system(messages: list[dict], row: dict, c: dict) -> list[dict]:
+    """`messages` with the row's system column in front, unless they start with a system turn."""
+    system = optional_text(row, c.get("system"))
+    if system and not (messages and messages[0]["role"] == "system"):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def parse_messages(conversation, col: str, t: dict) -> list[dict]:
+    """The messages of column `col` as {role, content}, roles mapped by the tags `t`."""
     if not isinstance(conversation, list):
         raise RowError(
             f"field '{col}' must be a list of messages, got {type(conversation).__name__}"
         )
+    return [parse_message(m, i, col, t) for i, m in enumerate(conversation, 1)]
+
+
+def parse_message(m, i: int, col: str, t: dict) -> dict:
+    """Message `i` of column `col` as {role, content}; tool turns and unknown roles refused."""
     roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
     roles.pop(None, None)  # a tag mapped to None: that role is not expected
     tool_roles = {t["observation_tag"], t["function_tag"]} - {None}
-    messages = []
-    for i, m in enumerate(conversation, 1):
-        if not isinstance(m, dict):
-            raise RowError(f"message {i} of '{col}' is not an object")
-        role = m.get(t["role_tag"])
-        if role is None:
-            raise RowError(f"message {i} of '{col}': missing field '{t['role_tag']}'")
-        if role in tool_roles or m.get("tool_calls"):
-            raise RowError(
-                f"message {i} of '{col}' is a tool/function-call turn (role '{role}'); "
-                f"tool-calling data is not supported yet"
+    if not isinstance(m, dict):
+        raise RowError(f"message {i} of '{col}' is not an object")
+    role = m.get(t["role_tag"])
+    if role is None:
+        raise RowError(f"message {i} of '{col}': missing field '{t['role_tag']}'")
+    if role in tool_roles or m.get("tool_calls"):
+        raise RowError(
+            f"message {i} of '{col}' is a tool/function-call turn (role '{role}'); "
+            f"tool-calling data is not supported yet"
+        )
+    if role not in roles:
+        hint = ""
+        if role == "system" and t["system_tag"] is None:
+            hint = (
+                "; the dataset's tags name no system_tag, so a system message is not "
+                'expected (LLaMA-Factory skips such rows): add "system_tag": "system"'
             )
-        if role not in roles:
-            hint = ""
-            if role == "system" and t["system_tag"] is None:
-                hint = (
-                    "; the dataset's tags name no system_tag, so a system message is not "
-                    'expected (LLaMA-Factory skips such rows): add "system_tag": "system"'
-                )
-            raise RowError(
-                f"message {i} of '{col}': unknown role '{role}' "
-                f"(expected one of {', '.join(roles)}){hint}"
-            )
-        content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
-        messages.append({"role": roles[role], "content": content})
-    system = _optional_text(row, c.get("system"))
-    if system and not (messages and messages[0]["role"] == "system"):
-        messages.insert(0, {"role": "system", "content": system})
-    return messages
+        raise RowError(
+            f"message {i} of '{col}': unknown role '{role}' "
+            f"(expected one of {', '.join(roles)}){hint}"
+        )
+    content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
+    return {"role": roles[role], "content": content}
 
 
 def _message_content(content, i: int, tag: str, role: str) -> str:

@@ -1,8 +1,10 @@
 """Validation split, packing, and building the final rows (vectorized over Arrow buffers).
 
-A row is one sample (unpacked) or several samples concatenated (packed) with position_ids
-restarting at 0 for each. Targets are pre-shifted inside each sample and its last target is
--100, so concatenation never trains one sample to predict the next one's first token.
+A row is one unit (unpacked) or several units concatenated (packed): a unit is a sample
+(pt, sft), a pair (dpo, orpo, simpo: two sequences) or a KTO sample; units are never split.
+position_ids restart at 0 with each sequence. Targets are pre-shifted inside each sequence
+and its last target is -100, so concatenation never trains one sequence to predict the next
+one's first token.
 """
 
 from __future__ import annotations
@@ -60,44 +62,86 @@ def first_fit(lengths: np.ndarray, capacity: int, seed: int) -> tuple[np.ndarray
     return flat, np.array([len(r) for r in rows], dtype=np.int64)
 
 
-def build_rows(samples: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Table:
-    """Rows of input_ids, targets, position_ids, num_targets from samples taken in `order`,
-    `per_row[r]` consecutive samples making row r."""
-    lengths = pc.list_value_length(samples.column("input_ids")).to_numpy().astype(np.int64)
-    ids = pc.list_flatten(samples.column("input_ids")).to_numpy()
-    tgt = pc.list_flatten(samples.column("targets")).to_numpy()
+def gather_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Indices that lay the ranges [starts[k], starts[k] + lens[k]) end to end."""
+    out_starts = np.cumsum(lens) - lens
+    return np.repeat(starts - out_starts, lens) + np.arange(int(lens.sum()))
+
+
+def restart_positions(seq_lens: np.ndarray) -> np.ndarray:
+    """Position ids of sequences of `seq_lens` tokens laid end to end: 0.. in each."""
+    starts = np.cumsum(seq_lens) - seq_lens
+    return (np.arange(int(seq_lens.sum())) - np.repeat(starts, seq_lens)).astype(np.int32)
+
+
+def _regroup(column, order: np.ndarray, bounds: np.ndarray):
+    """Concatenate the lists of `column` taken in `order`, rows ending at unit `bounds`:
+    (values, each taken list's length, each row's end offset into values)."""
+    lengths = pc.list_value_length(column).to_numpy().astype(np.int64)
+    flat = pc.list_flatten(column).to_numpy()
     starts = np.cumsum(lengths) - lengths
     lens = lengths[order]
-    total = int(lens.sum())
-    assert total < 2**31, "a split over 2^31 tokens needs 64-bit offsets"
-    out_starts = np.cumsum(lens) - lens
-    gather = np.repeat(starts[order] - out_starts, lens) + np.arange(total)
-    new_tgt = tgt[gather].astype(np.int32)
-    positions = (np.arange(total) - np.repeat(out_starts, lens)).astype(np.int32)
-    row_ends = np.cumsum(lens)[np.cumsum(per_row) - 1] if len(per_row) else np.zeros(0, np.int64)
-    offsets = pa.array(np.concatenate([[0], row_ends]).astype(np.int32))
-    trained = (new_tgt != IGNORE_INDEX).astype(np.int64)
-    num_targets = np.add.reduceat(trained, offsets.to_numpy()[:-1]) if len(per_row) else trained[:0]
-
-    def as_list(values: np.ndarray) -> pa.ListArray:
-        return pa.ListArray.from_arrays(offsets, pa.array(values, type=pa.int32()))
-
-    return pa.table(
-        {
-            "input_ids": as_list(ids[gather].astype(np.int32)),
-            "targets": as_list(new_tgt),
-            "position_ids": as_list(positions),
-            "num_targets": pa.array(num_targets, type=pa.int64()),
-        }
-    )
+    values = flat[gather_ranges(starts[order], lens)]
+    ends = np.concatenate([[0], np.cumsum(lens)])[bounds]
+    return values, lens, ends
 
 
-def make_rows(samples: pa.Table, packing: bool, capacity: int, seed: int) -> pa.Table:
-    """Pack `samples` into rows of at most `capacity` tokens, or keep one sample per row."""
-    n = samples.num_rows
+def _as_list(ends: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    assert ends[-1] < 2**31, "a split over 2^31 tokens needs 64-bit offsets"
+    offsets = pa.array(ends.astype(np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(values.astype(np.int32), type=pa.int32()))
+
+
+def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Table:
+    """Rows from `units` taken in `order`, `per_row[r]` consecutive units making row r.
+
+    A unit is a sample (pt, sft), a pair or a KTO sample; its `input_ids`/`targets` hold
+    its sequences laid end to end, `seq_lens` their lengths (absent: one sequence). Rows get
+    input_ids, targets, position_ids (restarting at 0 with each sequence) and num_targets:
+    the trained tokens, or with `labels` (preference units) the units in the row; then
+    labels, and kl_input_ids/kl_targets/kl_position_ids when the units have KL sequences.
+    """
+    names = units.column_names
+    bounds = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
+    ids, lens, ends = _regroup(units.column("input_ids"), order, bounds)
+    targets = _regroup(units.column("targets"), order, bounds)[0]
+    if "seq_lens" in names:
+        lens = _regroup(units.column("seq_lens"), order, bounds)[0].astype(np.int64)
+    out = {
+        "input_ids": _as_list(ends, ids),
+        "targets": _as_list(ends, targets),
+        "position_ids": _as_list(ends, restart_positions(lens)),
+    }
+    if "labels" in names:
+        out["num_targets"] = pa.array(np.asarray(per_row, dtype=np.int64), type=pa.int64())
+        labels, _, label_ends = _regroup(units.column("labels"), order, bounds)
+        out["labels"] = _as_list(label_ends, labels)
+    else:
+        trained = (targets != IGNORE_INDEX).astype(np.int64)
+        num_targets = np.add.reduceat(trained, ends[:-1]) if len(per_row) else trained[:0]
+        out["num_targets"] = pa.array(num_targets, type=pa.int64())
+    if "kl_input_ids" in names:
+        kl_ids, kl_lens, kl_ends = _regroup(units.column("kl_input_ids"), order, bounds)
+        out["kl_input_ids"] = _as_list(kl_ends, kl_ids)
+        out["kl_targets"] = _as_list(
+            kl_ends, _regroup(units.column("kl_targets"), order, bounds)[0]
+        )
+        out["kl_position_ids"] = _as_list(kl_ends, restart_positions(kl_lens))
+    return pa.table(out)
+
+
+def make_rows(units: pa.Table, packing: bool, capacity: int, seed: int) -> pa.Table:
+    """Pack `units` into rows of at most `capacity` tokens, or keep one unit per row.
+
+    A KTO sample and its KL sequence both fit: packing uses the longer of the two, so the
+    KL sequences of a row fit `capacity` as well."""
+    n = units.num_rows
     if packing:
-        lengths = pc.list_value_length(samples.column("input_ids")).to_numpy()
+        lengths = pc.list_value_length(units.column("input_ids")).to_numpy()
+        if "kl_input_ids" in units.column_names:
+            kl = pc.list_value_length(units.column("kl_input_ids")).to_numpy()
+            lengths = np.maximum(lengths, kl)
         order, per_row = first_fit(lengths, capacity, seed)
     else:
         order, per_row = np.arange(n), np.ones(n, dtype=np.int64)
-    return build_rows(samples, order, per_row)
+    return build_rows(units, order, per_row)

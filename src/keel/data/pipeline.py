@@ -19,9 +19,13 @@ import pyarrow.compute as pc
 
 from keel.config.schema import DataConfig
 from keel.data.cache import fingerprint, load_cached, save_cache
-from keel.data.encode import KEPT, EncodeSettings, encode_dataset
-from keel.data.formats import FormatSpec, detect_format, make_spec
+from keel.data.detect import spec_for_stage
+from keel.data.encode import IGNORE_INDEX, KEPT, EncodeSettings, encode_dataset
+from keel.data.encode_preference import encoder_for
+from keel.data.formats import FormatSpec
+from keel.data.kto import add_kl_sequences
 from keel.data.packing import make_rows, split_indices
+from keel.data.preference import PAIR_STAGES, PREFERENCE_STAGES
 from keel.data.report import DataReport, FileStats, Rejection, SplitStats, list_capped
 from keel.data.sources import Source, SourceUnit, load_source, resolve_sources
 from keel.data.template import ChatTemplate, resolve_template
@@ -31,9 +35,15 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 
+STAGES = ("pt", "sft", *PREFERENCE_STAGES)
+_UNIT_COLUMNS = ("input_ids", "targets", "seq_lens", "labels", "prompt_len")
+
+
 @dataclass
 class PreparedData:
-    """Rows ready for `collate`: input_ids, targets (pre-shifted), position_ids, num_targets."""
+    """Rows ready for `collate`: input_ids, targets (pre-shifted), position_ids, num_targets;
+    for the preference stages also labels (one per sequence) and, for kto, the KL sequences
+    (kl_input_ids, kl_targets, kl_position_ids). See `prepare_data`."""
 
     train: Dataset
     eval: Dataset | None  # None when data.val_size == 0
@@ -54,9 +64,20 @@ def prepare_data(
 ) -> PreparedData:
     """Load, validate, tokenize, split and pack the data of `cfg`, or load it from the cache.
 
-    stage: "sft" (targets on assistant tokens only) or "pt" (every token is a target).
+    stage: "sft" (targets on assistant tokens only), "pt" (every token is a target), "dpo",
+    "orpo", "simpo" (a row of the data is a pair) or "kto" (a labelled sample).
     Relative paths in `cfg` are resolved against `base_dir`. Every problem with the data is a
     `DataError` whose message names the file and row; the report is logged once.
+
+    Every prepared row has input_ids, targets (targets[i]: the token position i predicts, or
+    -100; each sequence's last is -100) and position_ids (0 at each sequence's first token),
+    all int32 lists, and num_targets (int64): its trained tokens (pt, sft), or the pairs
+    (dpo, orpo, simpo) or samples (kto) it holds. Preference rows also have labels, one per
+    sequence: a pair is chosen (1) then rejected (0), prompt and answer each; a KTO sample
+    is 1 (desirable) or 0. Only the answer is trained. KTO rows also have kl_input_ids,
+    kl_targets and kl_position_ids: per sample, in the same order, its prompt followed by
+    the next sample's answer (keel.data.kto). data.cutoff_len bounds each sequence; packed
+    rows hold whole pairs up to 2 x cutoff_len tokens, KTO samples up to cutoff_len.
     """
     _check_tokenizer(tokenizer, stage)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
@@ -98,7 +119,11 @@ def prepare_data(
         if note:
             log(note)
     _check(cfg, report, overlong)
-    train, eval_ = _split_and_pack(cfg, samples, seed, report)
+    if stage == "kto":
+        samples = add_kl_sequences(samples, cfg.cutoff_len)
+        _note_one_sided(samples, log)
+    capacity = cfg.cutoff_len * (2 if stage in PAIR_STAGES else 1)
+    train, eval_ = _split_and_pack(cfg, samples, seed, report, capacity)
     save_cache(target, train, eval_, report)
     train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns
     log(f"data: prepared and cached at {target}")
@@ -107,16 +132,17 @@ def prepare_data(
 
 
 def _check_tokenizer(tokenizer, stage: str) -> None:
-    if stage not in ("sft", "pt"):
-        raise DataError(f"stage '{stage}': data preparation supports train.stage sft or pt")
+    if stage not in STAGES:
+        raise DataError(f"stage '{stage}': train.stage must be one of {', '.join(STAGES)}")
     if tokenizer.eos_token_id is None:
         raise DataError(
             "the tokenizer has no eos token; set eos_token in its tokenizer_config.json"
         )
-    if stage == "sft" and not getattr(tokenizer, "is_fast", False):
+    if stage != "pt" and not getattr(tokenizer, "is_fast", False):
         raise DataError(
-            "SFT masking needs a fast tokenizer (a tokenizer.json) for character offsets; "
-            "convert the tokenizer or use a model directory that ships tokenizer.json"
+            f"{stage.upper()} masking needs a fast tokenizer (a tokenizer.json) for "
+            f"character offsets; convert the tokenizer or use a model directory that ships "
+            f"tokenizer.json"
         )
 
 
@@ -142,19 +168,22 @@ def _encode_sources(cfg, sources, tokenizer, template, stage, load, report, fp):
         units = load(src)
         spec = _spec_for(src, units, stage, f"data.datasets[{i}] ({src.config.path})")
         used_template |= spec.format != "text"
-        settings = EncodeSettings(
-            stage=stage,
-            spec=spec,
-            template=template if spec.format != "text" else None,
-            cutoff_len=cfg.cutoff_len,
-            overlength=cfg.overlength,
+        encoder = encoder_for(
+            tokenizer,
+            EncodeSettings(
+                stage=stage,
+                spec=spec,
+                template=template if spec.format != "text" else None,
+                cutoff_len=cfg.cutoff_len,
+                overlength=cfg.overlength,
+            ),
         )
         for j, unit in enumerate(units):
             stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections))
             report.rejections += unit.rejections
             if unit.dataset is not None and len(unit.dataset):
                 encoded = encode_dataset(
-                    unit.dataset, tokenizer, settings, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}"
+                    unit.dataset, encoder, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}"
                 )
                 table = encoded.with_format("arrow")[:]
                 tables.append(_tally(table, unit, stats, report, overlong, template))
@@ -164,20 +193,10 @@ def _encode_sources(cfg, sources, tokenizer, template, stage, load, report, fp):
 
 
 def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> FormatSpec:
-    fmt = src.format
-    if fmt == "auto":
-        first = next(
-            (u.dataset[0] for u in units if u.dataset is not None and len(u.dataset)), None
-        )
-        if first is None:  # nothing readable: every row is already a rejection
-            return make_spec("messages", src.columns, src.tags)
-        fmt = detect_format(first, src.columns, src.tags, f"{where}, file {units[0].file}")
-    if fmt == "text" and stage == "sft":
-        raise DataError(
-            f"{where}: plain text (format text) has no answers to train on in SFT; "
-            f"set train.stage: pt to continue pretraining on it, or give conversations"
-        )
-    return make_spec(fmt, src.columns, src.tags)
+    first = next((u.dataset[0] for u in units if u.dataset is not None and len(u.dataset)), None)
+    if first is not None:
+        where = f"{where}, file {next(u.file for u in units if u.dataset is not None)}"
+    return spec_for_stage(first, src.format, src.columns, src.tags, stage, where)
 
 
 def _tally(
@@ -188,7 +207,8 @@ def _tally(
     overlong: list[str],
     template: ChatTemplate,
 ) -> pa.Table:
-    """Count statuses into `stats`/`report`; return the kept samples (input_ids, targets)."""
+    """Count statuses into `stats`/`report`; return the kept units (input_ids, targets and,
+    for the preference stages, seq_lens, labels, prompt_len)."""
     status = table.column("status").to_pylist()
     reasons = table.column("reason").to_pylist()
     lengths = table.column("length").to_pylist()
@@ -214,7 +234,8 @@ def _tally(
         else:
             stats.rejected += 1
             report.rejections.append(Rejection(unit.file, row, reasons[k], line))
-    return table.select(["input_ids", "targets"]).take(pa.array(keep, type=pa.int64()))
+    columns = [c for c in _UNIT_COLUMNS if c in table.column_names]
+    return table.select(columns).take(pa.array(keep, type=pa.int64()))
 
 
 def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
@@ -233,16 +254,19 @@ def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
         raise DataError(f"no usable samples in the training data\n{report.format()}")
 
 
-def _split_and_pack(cfg: DataConfig, samples: pa.Table, seed: int, report: DataReport):
+def _split_and_pack(
+    cfg: DataConfig, samples: pa.Table, seed: int, report: DataReport, capacity: int
+):
+    """Split the units (samples, pairs) and pack each split into rows of `capacity` tokens."""
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
     train_idx, eval_idx = split_indices(samples.num_rows, cfg.val_size, seed)
-    train = make_rows(samples.take(train_idx), cfg.packing, cfg.cutoff_len, seed)
+    train = make_rows(samples.take(train_idx), cfg.packing, capacity, seed)
     report.train = _split_stats(len(train_idx), train)
     eval_ = None
     if len(eval_idx):
-        eval_ = make_rows(samples.take(eval_idx), cfg.packing, cfg.cutoff_len, seed + 1)
+        eval_ = make_rows(samples.take(eval_idx), cfg.packing, capacity, seed + 1)
         report.eval = _split_stats(len(eval_idx), eval_)
         eval_ = Dataset(InMemoryTable(eval_))
     return Dataset(InMemoryTable(train)), eval_
@@ -250,5 +274,21 @@ def _split_and_pack(cfg: DataConfig, samples: pa.Table, seed: int, report: DataR
 
 def _split_stats(samples: int, rows: pa.Table) -> SplitStats:
     tokens = pc.sum(pc.list_value_length(rows.column("input_ids"))).as_py() or 0
-    targets = pc.sum(rows.column("num_targets")).as_py() or 0
-    return SplitStats(samples=samples, rows=rows.num_rows, tokens=tokens, targets=targets)
+    trained = pc.not_equal(pc.list_flatten(rows.column("targets")), IGNORE_INDEX)
+    targets = pc.sum(pc.cast(trained, pa.int64())).as_py() or 0
+    desirable = 0
+    if "kl_input_ids" in rows.column_names:
+        desirable = pc.sum(pc.list_flatten(rows.column("labels"))).as_py() or 0
+    return SplitStats(
+        samples=samples, rows=rows.num_rows, tokens=tokens, targets=targets, desirable=desirable
+    )
+
+
+def _note_one_sided(samples: pa.Table, log: Callable[[str], None]) -> None:
+    labels = pc.list_flatten(samples.column("labels")).to_numpy()
+    if labels.min() == labels.max():
+        kind = "desirable" if labels[0] else "undesirable"
+        log(
+            f"note: every KTO sample is {kind}; KTO learns from both kinds, and its "
+            f"desirable_weight/undesirable_weight balance them"
+        )

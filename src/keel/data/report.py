@@ -39,7 +39,7 @@ class FileStats:
 
     file: str
     read: int = 0  # rows read (malformed JSON lines included)
-    kept: int = 0  # rows that became samples (truncated ones included)
+    kept: int = 0  # rows that became samples or pairs (truncated ones included)
     truncated: int = 0
     dropped: int = 0  # over cutoff_len with data.overlength=drop
     rejected: int = 0
@@ -49,10 +49,11 @@ class FileStats:
 class SplitStats:
     """What one split (train or eval) holds after packing."""
 
-    samples: int = 0
+    samples: int = 0  # samples; pairs in dpo/orpo/simpo
     rows: int = 0
     tokens: int = 0
-    targets: int = 0
+    targets: int = 0  # trained tokens
+    desirable: int = 0  # kto: samples labelled desirable
 
 
 @dataclass
@@ -92,10 +93,15 @@ class DataReport:
             f"packing {'on' if self.packing else 'off'}"
         ]
         lines += _file_table([*self.files, self.totals()])
+        unit = "pairs" if self.stage in ("dpo", "orpo", "simpo") else "samples"
         for name, split in (("train", self.train), ("eval", self.eval)):
             if split is not None and split.samples:
+                kto = ""
+                if self.stage == "kto":
+                    kto = f" ({split.desirable:,} desirable, "
+                    kto += f"{split.samples - split.desirable:,} undesirable)"
                 lines.append(
-                    f"  {name}: {split.samples:,} samples in {split.rows:,} rows, "
+                    f"  {name}: {split.samples:,} {unit}{kto} in {split.rows:,} rows, "
                     f"{split.tokens:,} tokens, {split.targets:,} trained tokens"
                 )
         if self.rejections:

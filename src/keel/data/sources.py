@@ -83,8 +83,9 @@ def _label(path: Path, base_dir: Path) -> str:
 def resolve_sources(cfg: DataConfig, base_dir: Path, *, stage: str | None = None) -> list[Source]:
     """Resolve every `data.datasets` entry; all problems are DataErrors naming the entry.
 
-    stage (sft or pt) completes the checks that depend on it: a LLaMA-Factory entry means
-    different text in pretraining and in SFT. None leaves them to a later call.
+    stage (pt, sft, dpo, orpo, simpo, kto) completes the checks that depend on it: a
+    LLaMA-Factory entry means different text in pretraining and in SFT, and ranking or
+    kto_tag entries train only their stages. None leaves them to a later call.
     """
     if not cfg.datasets:
         raise DataError("data.datasets is empty; list at least one dataset file")

@@ -81,14 +81,15 @@ def render(
 
 
 def assistant_spans(
-    tokenizer, template: ChatTemplate, messages: list[dict]
+    tokenizer, template: ChatTemplate, messages: list[dict], last_only: bool = False
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of every assistant turn."""
+    """The rendered conversation and the character span of every assistant turn (of the
+    last message only, which must then be an assistant turn, with `last_only`)."""
     full = render(tokenizer, template, messages)
     eos = tokenizer.eos_token or ""
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (last_only and i != len(messages) - 1):
             continue
         before = render(tokenizer, template, messages[:i], generation=True)
         upto = full if i == len(messages) - 1 else render(tokenizer, template, messages[: i + 1])
@@ -123,10 +124,11 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 
 def encode_sft(
-    tokenizer, template: ChatTemplate, messages: list[dict]
+    tokenizer, template: ChatTemplate, messages: list[dict], last_only: bool = False
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and which of them are assistant tokens."""
-    full, spans = assistant_spans(tokenizer, template, messages)
+    """Token ids of the rendered conversation and which of them are assistant tokens (of
+    the last message only, with `last_only`: a preference completion)."""
+    full, spans = assistant_spans(tokenizer, template, messages, last_only)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), token_mask(enc["offset_mapping"], spans)
 

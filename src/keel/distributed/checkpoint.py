@@ -203,3 +203,39 @@ def gather_full_state(
         full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
     )
     return get_model_state_dict(module, options=options)
+
+
+def stored_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Shape of every model tensor a `save_sharded` checkpoint holds, by its flattened key
+    ("model." + the saved module's parameter name); optimizer entries are left out.
+
+    Reads only the metadata, with the allow-list. Raises UnsafeCheckpointError or
+    ValueError (no or damaged .metadata) like `load_sharded`.
+    """
+    _check_metadata(path)
+    metadata = AllowListReader(str(path)).read_metadata()
+    return {
+        key: tuple(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+    }
+
+
+def load_model_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy stored model tensors into `tensors` (keys as `stored_model_shapes` names them),
+    in place and converted to each target's dtype, however many processes saved them.
+
+    For reading weights outside training (export): one process, no module wrapper, and
+    the optimizer state is never read. Every key must be in the checkpoint.
+    """
+    _check_metadata(path)
+    with _single_process_is_intended():
+        try:
+            dcp.load(
+                tensors,
+                storage_reader=AllowListReader(str(path)),
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=True,
+            )
+        except CheckpointException as exc:
+            raise _first_failure(exc, path) from None

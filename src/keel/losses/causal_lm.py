@@ -36,6 +36,27 @@ def _head_cross_entropy(
     return cross_entropy_sum(head(hidden), targets)
 
 
+def _head_token_logps(
+    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    return token_logps(head(hidden), targets)
+
+
+def _by_chunks(loss_of_chunk, hidden, targets, head, chunk_size: int) -> list[torch.Tensor]:
+    """`loss_of_chunk(head, h, t)` for each chunk of `chunk_size` positions, checkpointed
+    when it will be differentiated (backward recomputes the chunk's logits)."""
+    assert hidden.shape[0] == targets.shape[0], (hidden.shape, targets.shape)
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_size):
+        h = hidden[start : start + chunk_size]  # [c, H]
+        t = targets[start : start + chunk_size]  # [c]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(loss_of_chunk, head, h, t, use_reentrant=False))
+        else:
+            parts.append(loss_of_chunk(head, h, t))
+    return parts
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -51,13 +72,31 @@ def chunked_cross_entropy(
     With a 49k vocabulary and 2k tokens that is ~0.4 GB of fp32 logits (plus their
     softmax and gradient) reduced to one chunk's worth.
     """
-    assert hidden.shape[0] == targets.shape[0], (hidden.shape, targets.shape)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, hidden.shape[0], chunk_size):
-        h = hidden[start : start + chunk_size]  # [c, H]
-        t = targets[start : start + chunk_size]  # [c]
-        if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_head_cross_entropy, head, h, t, use_reentrant=False)
-        else:
-            total = total + _head_cross_entropy(head, h, t)
+    for part in _by_chunks(_head_cross_entropy, hidden, targets, head, chunk_size):
+        total = total + part
     return total
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits_i)[targets_i] for each position, in fp32. logits [N, V], targets [N]
+    (every target real: select the target positions first)."""
+    return -F.cross_entropy(logits.float(), targets, reduction="none")
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Per-position log-probs of `targets` under `head(hidden)`, chunk by chunk: [N].
+
+    The per-token counterpart of `chunked_cross_entropy` (same memory behaviour: one chunk's
+    logits at a time, recomputed in backward); preference losses need each sequence's sum.
+    """
+    parts = _by_chunks(_head_token_logps, hidden, targets, head, chunk_size)
+    if not parts:
+        return hidden.new_zeros((0,), dtype=torch.float32)
+    return torch.cat(parts)

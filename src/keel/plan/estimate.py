@@ -54,10 +54,14 @@ class Workload:
     precision: str  # fp32 | bf16 | fp16 (resolved)
     reshard_after_forward: bool
     checkpoint_itemsize: int  # bytes per element of the weights on disk
+    # Preference stages: a DPO/ORPO/SimPO row is a pair, two sequences of up to cutoff_len
+    sequences_per_row: int = 1
+    # DPO/KTO with a live reference and full or freeze: a frozen copy of the weights
+    reference_copy: bool = False
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch_size * self.cutoff_len
+        return self.micro_batch_size * self.cutoff_len * self.sequences_per_row
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ def estimate(
         cpu=devices.kind == "cpu",
     )
     params, grads, optimizer = state_bytes(census, strategy, devices.world)
+    if work.reference_copy and census.method != "lora":  # LoRA's reference is its base
+        params *= 2
     host_state = 0
     if strategy == "fsdp_offload":
         host_state, params, grads, optimizer = params + grads + optimizer, 0, 0, 0

@@ -92,6 +92,10 @@ def workload_of(cfg: RunConfig, *, precision: str, checkpoint_itemsize: int) -> 
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         checkpoint_itemsize=checkpoint_itemsize,
+        sequences_per_row=2 if cfg.train.stage in ("dpo", "orpo", "simpo") else 1,
+        reference_copy=(
+            cfg.train.stage in ("dpo", "kto") and cfg.preference.reference in ("auto", "live")
+        ),
     )
 
 

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from keel.data import collate, epoch_order
-from keel.distributed.parallelize import full_value, gradient_sync
+from keel.distributed.parallelize import full_value, gradient_sync, unwrap
 from keel.distributed.process_group import DistContext
 from keel.distributed.watchdog import Progress
 from keel.train.precision import Precision
+from keel.train.preference import reduce_statistics
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,19 @@ class StepResult:
     real_tokens: int  # non-padding input tokens of the whole global batch
     rows: int  # rows this process trained on
     filler_micro_batches: int  # zero-weight micro-batches this process ran
+    # (sum, count) of each of the objective's statistics over this process's rows (detached),
+    # None for objectives without statistics (pt, sft)
+    statistics: torch.Tensor | None = None
+    window_statistic: float | None = None  # e.g. KTO's reference point, the same on every rank
+
+
+@dataclass
+class ReducedSteps:
+    """What the logging step reads of the steps since the last one, the same on every rank."""
+
+    losses: list[float]  # global loss of each step
+    grad_norms: list[float]
+    statistics: list[list[float]]  # each step's globally summed (sum, count) vector, or []
 
 
 @dataclass
@@ -175,7 +189,9 @@ class Trainer:
         self.objective.train()
         scale = self.dist.world_size / max(window_targets, 1)
         loss_sum = torch.zeros((), device=self.device)
+        statistics = None
         mark = self.progress.mark
+        window_statistic = self._window_statistic(micro_batches, filler)
         for index, rows in enumerate(micro_batches):
             weight = scale if rows else 0.0
             last = index == len(micro_batches) - 1
@@ -183,11 +199,13 @@ class Trainer:
             with gradient_sync(self.objective, last):
                 mark(("micro-batch", index, "forward"))
                 with self.precision.autocast(self.device):
-                    micro_loss, _ = self.objective(self._batch(self.current_rows))
+                    micro_loss, _, *extra = self.objective(self._batch(self.current_rows))
                 mark(("micro-batch", index, "backward"))
                 self.scaler.scale(micro_loss * weight).backward()
             if rows:
                 loss_sum += micro_loss.detach().float()
+                if extra:
+                    statistics = extra[0] if statistics is None else statistics + extra[0]
         mark("optimizer step")
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
@@ -204,18 +222,55 @@ class Trainer:
             real_tokens=window_tokens,
             rows=sum(len(rows) for rows in micro_batches),
             filler_micro_batches=sum(not rows for rows in micro_batches),
+            statistics=self._zero_statistics() if statistics is None else statistics,
+            window_statistic=window_statistic,
         )
 
-    def reduce_losses(self, results: list[StepResult]) -> tuple[list[float], list[float]]:
-        """(global loss, grad norm) of each step in `results`: one host sync and one small
-        collective for all of them. Every process must call it at the same steps."""
+    def _zero_statistics(self) -> torch.Tensor | None:
+        """A process whose micro-batches were all filler still sends its (zero) statistics:
+        every rank's vector has the same length."""
+        names = getattr(unwrap(self.objective), "metric_names", ())
+        return torch.zeros(2 * len(names), device=self.device) if names else None
+
+    def _window_statistic(self, micro_batches: list[list[dict]], filler: dict) -> float | None:
+        """The objective's number over the whole global batch that its losses need first
+        (KTO's KL reference point), or None: a no-grad pass over every micro-batch (filler
+        too, so all ranks run the same forwards) and one all-reduce of (sum, count)."""
+        inner = unwrap(self.objective)
+        if not getattr(inner, "needs_window_statistic", False):
+            return None
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        with torch.no_grad():
+            for index, rows in enumerate(micro_batches):
+                self.progress.mark(("micro-batch", index, "window statistic"))
+                with self.precision.autocast(self.device):
+                    value, count = self.objective(self._batch(rows or [filler]), mode="statistic")
+                if rows:
+                    total += torch.stack([value.double(), count.double()])
+        value_sum, count = self.dist.all_reduce_sum(total.cpu().tolist())
+        mean = value_sum / max(count, 1)
+        inner.set_window_statistic(mean)
+        return max(0.0, mean)
+
+    def reduce_losses(self, results: list[StepResult]) -> ReducedSteps:
+        """Global loss, grad norm and statistics of each step in `results`: one host sync
+        and one small collective for all of them. Every process must call it at the same
+        steps; every rank sends the same number of values (fixed-layout statistics)."""
         if not results:
-            return [], []
-        local = torch.stack([r.loss_sum for r in results]).double().cpu()  # [S]
-        global_sums = self.dist.all_reduce_sum(local.tolist())
+            return ReducedSteps([], [], [])
+        local = [r.loss_sum.reshape(1) for r in results]  # [1] each
+        local += [r.statistics for r in results if r.statistics is not None]
+        flat = torch.cat([t.double().cpu() for t in local]).tolist()
+        reduced = self.dist.all_reduce_sum(flat)
+        global_sums, rest = reduced[: len(results)], reduced[len(results) :]
         norms = torch.stack([full_value(r.grad_norm).float() for r in results]).cpu().tolist()
         losses = [s / max(r.target_tokens, 1) for s, r in zip(global_sums, results)]
-        return losses, norms
+        statistics = []
+        for r in results:
+            size = 0 if r.statistics is None else r.statistics.numel()
+            statistics.append(rest[:size])
+            rest = rest[size:]
+        return ReducedSteps(losses, norms, statistics)
 
     def _clip(self) -> torch.Tensor:
         """The total gradient norm (before clipping), left on the device."""
@@ -228,18 +283,28 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, rows: list[dict], micro_batch_size: int) -> dict[str, float]:
-        """Mean CE per target token over all eval rows (split over processes), and its ppl."""
+        """Mean loss per target token (pt, sft: and its ppl) or per pair/sample (preference,
+        with its statistics) over all eval rows, split over processes."""
         self.objective.eval()
-        total, count = 0.0, 0.0
-        for mine in split_for_rank(rows, self.dist.rank, self.dist.world_size, micro_batch_size):
+        mine = split_for_rank(rows, self.dist.rank, self.dist.world_size, micro_batch_size)
+        self._window_statistic(mine, rows[0])
+        total, count, statistics = 0.0, 0.0, self._zero_statistics()
+        for batch_rows in mine:
             with self.precision.autocast(self.device):
-                loss_sum, n = self.objective(self._batch(mine or rows[:1]))
-            if mine:
+                loss_sum, n, *extra = self.objective(self._batch(batch_rows or rows[:1]))
+            if batch_rows:
                 total += loss_sum.item()
                 count += int(n)
-        total, count = self.dist.all_reduce_sum([total, count])
+                if extra:
+                    statistics = statistics + extra[0]
+        vector = [] if statistics is None else statistics.double().cpu().tolist()
+        total, count, *vector = self.dist.all_reduce_sum([total, count, *vector])
         loss = total / max(count, 1)
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        names = getattr(unwrap(self.objective), "metric_names", ())
+        if not names:
+            return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        named = reduce_statistics(names, vector)
+        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in named.items()}}
 
 
 StepCallback = Callable[[int, dict], None]

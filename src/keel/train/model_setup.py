@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
+from keel.config.schema import PREFERENCE_STAGES
 from keel.distributed.parallelize import (
     apply_ddp,
     apply_fsdp,
@@ -28,6 +29,8 @@ from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
 from keel.train.objective import CausalLMObjective, causal_lm_of
 from keel.train.precision import Precision
+from keel.train.preference import PreferenceObjective, reference_mode
+from keel.train.reference import build_reference_copy
 
 
 @dataclass
@@ -84,7 +87,7 @@ def build_training_model(
         strategy == "fsdp" and cfg.distributed.fsdp.cpu_offload
     )
     strategy = {"single": "none", "fsdp_offload": "fsdp"}.get(strategy, strategy)
-    objective = CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size)
+    objective = make_objective(cfg, model)
     init_device = dist.device
     if strategy == "fsdp":
         # The objective is the root unit: its forward is what runs (it calls the decoder and
@@ -111,9 +114,37 @@ def build_training_model(
     ok, why = dist.broadcast_object(objective.check_fast_head(dist.device))
     objective.fast_head = ok
     log(f"loss head: {'fast' if ok else 'full Hugging Face forward'} ({why})")
+    if needs_reference_copy(cfg):
+        log(
+            "reference model: a frozen copy of the base"
+            + (" (sharded)" if strategy == "fsdp" else "")
+        )
+        objective._reference = (
+            build_reference_copy(
+                cfg, model_dir, dist, precision, sharded=strategy == "fsdp", fast_head=ok
+            ),
+        )
     if strategy == "ddp":
         objective = apply_ddp(objective, dist)
     return TrainingModel(model=model, objective=objective, strategy=strategy)
+
+
+def make_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
+    """The stage's objective: next-token CE for pt/sft, a preference loss otherwise."""
+    if cfg.train.stage not in PREFERENCE_STAGES:
+        return CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size)
+    return PreferenceObjective(
+        model,
+        stage=cfg.train.stage,
+        settings=cfg.preference,
+        chunk_size=cfg.train.loss_chunk_size,
+    )
+
+
+def needs_reference_copy(cfg: RunConfig) -> bool:
+    """DPO/KTO with a live reference and no LoRA to switch off: a frozen copy of the base."""
+    mode = reference_mode(cfg.train.stage, cfg.preference)
+    return mode == "live" and cfg.method.type != "lora"
 
 
 def _shard(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.config import RunConfig
+from keel.config.schema import PREFERENCE_STAGES
 from keel.errors import CheckpointError
 from keel.train import checkpoint as ckpt
 
@@ -32,6 +33,7 @@ class RunIdentity:
     stage: str
     precision: str  # the precision actually used (after auto)
     data_fingerprint: str
+    preference: dict = dataclasses.field(default_factory=dict)  # preference stages' settings
 
     def to_meta(self) -> dict:
         return {"run": dataclasses.asdict(self)}
@@ -51,6 +53,9 @@ def run_identity(
         stage=cfg.train.stage,
         precision=precision,
         data_fingerprint=data_fingerprint,
+        preference=(
+            dataclasses.asdict(cfg.preference) if cfg.train.stage in PREFERENCE_STAGES else {}
+        ),
     )
 
 
@@ -77,6 +82,8 @@ def identity_differences(saved: dict, current: RunIdentity) -> list[str]:
             )
         elif field == "method":
             problems += _method_differences(old or {}, value)
+        elif field == "preference":
+            problems += _method_differences(old or {}, value, "preference")
         elif old != value:
             key, what = _KEYS[field]
             problems.append(f"{key}: {what} was {old!r} in the checkpoint, this run has {value!r}")

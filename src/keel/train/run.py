@@ -20,8 +20,11 @@ import yaml
 
 from keel import __version__
 from keel.config import RunConfig, config_to_dict
+from keel.config.schema import PREFERENCE_STAGES
 from keel.data import PreparedData
+from keel.data.template import resolve_template
 from keel.distributed.launch import detect_world, slurm_rendezvous_env
+from keel.distributed.parallelize import unwrap
 from keel.distributed.process_group import (
     DistContext,
     init_distributed,
@@ -33,12 +36,26 @@ from keel.distributed.watchdog import Watchdog
 from keel.errors import KeelError
 from keel.faults import Fault, at_step_start, fault_from_env
 from keel.train import checkpoint as ckpt
-from keel.train.loop import StepCallback, StepPlan, StepResult, Trainer, default_global_batch
+from keel.train.loop import (
+    ReducedSteps,
+    StepCallback,
+    StepPlan,
+    StepResult,
+    Trainer,
+    default_global_batch,
+)
 from keel.train.metrics import MetricsLog, Progress, memory_now, peak_rss_mb
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer, build_scheduler
 from keel.train.outputs import FINAL_MARKER, write_final_outputs
+from keel.train.preference import reduce_statistics, reference_mode
 from keel.train.preflight import preflight
+from keel.train.reference import (
+    PrecomputeJob,
+    ReferenceLogps,
+    precompute_reference,
+    reference_fingerprint,
+)
 from keel.train.resume import find_resume_point, run_identity
 from keel.train.watch import (
     HostOutOfMemory,
@@ -169,6 +186,11 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         dist=dist,
         progress=env.watchdog.progress,
     )
+    references = None
+    if reference_mode(cfg.train.stage, cfg.preference) == "precompute":
+        # Before the checkpoint is loaded: the policy still holds the base weights.
+        with env.phase("reference pass", slow):
+            references = _precompute_references(cfg, trainer, data, model_dir, env)
     resume_from = resume.checkpoint if resume else None
     with env.phase("checkpoint load", slow):
         start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
@@ -192,11 +214,12 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     if idle:
         log(f"warning: {idle}")
     env.memory_advice = planned.lighter
-    loop = _Loop(cfg, out, trainer, plan, data, env)
+    loop = _Loop(cfg, out, trainer, plan, data, env, references)
     losses, stats = loop.run(
         start_step, total_steps, {"global_batch": global_batch, **identity.to_meta()}
     )
     stats["load_peak_rss_mb"] = loaded_peak_mb
+    _keep_training_template(cfg, tokenizer, base_dir, data)
     with env.phase("outputs", slow):
         summary = write_final_outputs(
             cfg,
@@ -211,6 +234,31 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
             precision=precision.name,
         )
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
+
+
+def _keep_training_template(cfg: RunConfig, tokenizer, base_dir: Path, data: PreparedData):
+    """The saved tokenizer carries the chat template the model was trained with, so chat,
+    serve and export render prompts the same way (data.template chatml or a .jinja file
+    would otherwise be lost, and the tokenizer's own one used)."""
+    if data.report.template in ("none", "tokenizer"):
+        return
+    template, _ = resolve_template(cfg.data.template, tokenizer, base_dir)
+    tokenizer.chat_template = template.text
+
+
+def _precompute_references(
+    cfg: RunConfig, trainer: Trainer, data: PreparedData, model_dir: Path, env: _RunEnv
+) -> dict[str, ReferenceLogps]:
+    splits = {"train": data.train}
+    if data.eval is not None:
+        splits["eval"] = data.eval
+    key = reference_fingerprint(data.fingerprint, model_dir, trainer.precision.name)
+    job = PrecomputeJob(
+        folder=Path(cfg.model.cache_dir).expanduser() / "reference" / key,
+        splits={name: [split[i] for i in range(len(split))] for name, split in splits.items()},
+        micro_batch_size=cfg.train.micro_batch_size,
+    )
+    return precompute_reference(trainer, job, env.dist, env.log)
 
 
 def _set_threads(requested: int, local_processes: int, log) -> None:
@@ -261,8 +309,10 @@ class _Loop:
         plan: StepPlan,
         data: PreparedData,
         env: _RunEnv,
+        references: dict[str, ReferenceLogps] | None = None,
     ):
         self.cfg, self.out, self.trainer, self.plan, self.data = cfg, out, trainer, plan, data
+        self.reference_logps = references["train"] if references else None
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
         # Every process knows every row's size, so the global batch's target count needs
         # no communication.
@@ -271,6 +321,9 @@ class _Loop:
         self.row_tokens = pc.list_value_length(table["input_ids"]).to_pylist()
         # Materialised once: the eval split does not change during a run.
         self.eval_rows = [data.eval[i] for i in range(len(data.eval))] if data.eval else []
+        if references and self.eval_rows:
+            for index, row in enumerate(self.eval_rows):
+                row.update(references["eval"].row(index))
 
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], dict]:
         out_cfg = self.cfg.output
@@ -309,8 +362,8 @@ class _Loop:
                     result = self._step(step)
                     pending.append(result)
                     if logged:  # the loop's only host sync: every loss since the last log
-                        step_losses, grad_norms = self.trainer.reduce_losses(pending)
-                        losses += step_losses
+                        reduced = self.trainer.reduce_losses(pending)
+                        losses += reduced.losses
                         pending = []
                     seconds = time.perf_counter() - began
                     progress.step_end(seconds)
@@ -327,17 +380,20 @@ class _Loop:
                 tokens_per_s = window["real"] / max(window["seconds"], 1e-9)
                 record = None
                 if logged:
-                    stats["loss"] = step_losses[-1]
+                    stats["loss"] = reduced.losses[-1]
                     record = {
                         "step": done,
                         "epoch": round(self.plan.epoch_of(done), 4),
-                        "loss": step_losses[-1],
+                        "loss": reduced.losses[-1],
+                        **self._statistics(result, reduced),
                         "lr": result.lr,
-                        "grad_norm": grad_norms[-1],
+                        "grad_norm": reduced.grad_norms[-1],
                         "tokens_per_s": tokens_per_s,
                         "target_tokens": result.target_tokens,
                         **memory_now(),
                     }
+                    if self.cfg.train.stage in PREFERENCE_STAGES:  # its "targets" are pairs
+                        del record["target_tokens"]
                     window = {"real": 0, "seconds": 0.0}
                     if metrics is not None:
                         metrics.write(record)
@@ -353,17 +409,34 @@ class _Loop:
                 metrics.close()
         return losses, stats
 
+    def _statistics(self, result: StepResult, reduced: ReducedSteps) -> dict[str, float]:
+        """A preference step's named statistics (TRL's names), or nothing for pt/sft."""
+        names = getattr(unwrap(self.trainer.objective), "metric_names", ())
+        if not names:
+            return {}
+        named = reduce_statistics(names, reduced.statistics[-1])
+        if result.window_statistic is not None:
+            named["kl"] = result.window_statistic
+        named["pairs" if self.cfg.train.stage != "kto" else "samples"] = result.target_tokens
+        return named
+
+    def _row(self, index: int) -> dict:
+        row = self.data.train[index]
+        if self.reference_logps is not None:
+            row.update(self.reference_logps.row(index))
+        return row
+
     def _step(self, step: int) -> StepResult:
         window = self.plan.window(step)
         micro = self.plan.micro_batches(step, self.dist.rank, self.dist.world_size)
-        rows = [[self.data.train[i] for i in mb] for mb in micro]
+        rows = [[self._row(i) for i in mb] for mb in micro]
         at_step_start(self.env.fault, step + 1, self.dist.rank)
         try:
             return self.trainer.train_step(
                 rows,
                 window_targets=sum(self.row_targets[i] for i in window),
                 window_tokens=sum(self.row_tokens[i] for i in window),
-                filler=self.data.train[window[0]],
+                filler=self._row(window[0]),
             )
         except (torch.OutOfMemoryError, HostOutOfMemory) as exc:
             newest = ckpt.complete_checkpoints(self.out)
@@ -386,9 +459,12 @@ class _Loop:
                 result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
             if metrics is not None:
                 metrics.write({"step": done, **result})
-            progress.write(
-                f"step {done}: eval_loss {result['eval_loss']:.4f} ppl {result['eval_ppl']:.2f}"
-            )
+            shown = f"step {done}: eval_loss {result['eval_loss']:.4f}"
+            if "eval_ppl" in result:
+                shown += f" ppl {result['eval_ppl']:.2f}"
+            if "eval_rewards/accuracies" in result:
+                shown += f" reward accuracy {result['eval_rewards/accuracies']:.2f}"
+            progress.write(shown)
 
     def _save(self, step: int, meta: dict) -> None:
         with self.env.phase("checkpoint save", self.cfg.watchdog.slow_phase_timeout_s):

@@ -1,0 +1,147 @@
+"""The format of a source for the stage that trains on it, and whether the two fit.
+
+With `format: auto` the format comes from the columns of the source's first row: for pt and
+sft as `keel.data.formats.detect_format` says; for the preference stages a conversation
+column means sharegpt/messages, an instruction column with text answers alpaca (LLaMA-
+Factory's ranking data), anything else TRL's formats (preference, kto). Data meant for
+another stage is refused before any row is encoded, with the stage to use: SFT data given
+to dpo would otherwise be rejected row by row for missing answers, and pairs given to sft
+row by row for ending with a user turn.
+"""
+
+from __future__ import annotations
+
+from keel.data.formats import FormatSpec, chat_flavour, detect_format, make_spec
+from keel.data.preference import PAIR_STAGES
+from keel.errors import DataError
+
+_CONVERSATION_COLUMNS = ("messages", "conversations")
+_KTO_LABELS = ("kto_tag", "label")  # LLaMA-Factory's column name, TRL's
+
+
+def spec_for_stage(
+    first: dict | None, fmt: str, columns: dict, tags: dict, stage: str, where: str
+) -> FormatSpec:
+    """The FormatSpec for a source of format `fmt` (auto: detected from its `first` row,
+    None when no row could be read) trained with `stage`. Raises DataError."""
+    if fmt == "auto" and first is None:  # nothing readable: every row is already a rejection
+        fmt = {"kto": "kto", **dict.fromkeys(PAIR_STAGES, "preference")}.get(stage, "messages")
+    elif fmt == "auto":
+        fmt, columns = _detect(first, columns, tags, stage, where)
+    _check_format(fmt, stage, where)
+    spec = make_spec(fmt, columns, tags)
+    if first is not None:
+        _check_answers(first, spec, stage, where)
+    return spec
+
+
+def _detect(row: dict, columns: dict, tags: dict, stage: str, where: str) -> tuple[str, dict]:
+    """(format, columns) for `row`; the columns gain the conversation and label columns
+    found where the format's defaults would name another one."""
+    present = {k for k, v in row.items() if v is not None}
+    found = {}
+    conversation = _first_present(present, columns.get("messages"), _CONVERSATION_COLUMNS)
+    if stage == "kto" and (label := _first_present(present, None, _KTO_LABELS)):
+        found["kto_tag"] = label
+    if stage in PAIR_STAGES or stage == "kto":
+        fmt = _preference_format(row, present, conversation, columns, tags, stage)
+    else:
+        # checked before detection, which would find no SFT format in TRL's columns
+        if {columns.get("chosen", "chosen"), columns.get("rejected", "rejected")} <= present:
+            raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "dpo", where)
+        if {"completion", "label"} <= present:
+            raise _wrong_stage(row, "KTO samples (completion, label)", stage, "kto", where)
+        fmt = detect_format(row, columns, tags, where)
+    if fmt in ("sharegpt", "messages") and conversation is not None:
+        found["messages"] = conversation
+    return fmt, {**found, **columns}
+
+
+def _preference_format(row, present, conversation, columns, tags, stage) -> str:
+    if conversation is not None:
+        return chat_flavour(row[conversation], conversation, tags)
+    prompt = columns.get("prompt", "instruction")
+    if stage == "kto":
+        alpaca = prompt in present and columns.get("response", "output") in present
+        return "alpaca" if alpaca else "kto"
+    answers = [row.get(columns.get(k, k)) for k in ("chosen", "rejected")]
+    if prompt in present and all(isinstance(a, str) for a in answers):
+        return "alpaca"  # LLaMA-Factory's ranking alpaca
+    return "preference"
+
+
+def _first_present(present: set, override: str | None, names: tuple[str, ...]) -> str | None:
+    if override is not None:
+        return override if override in present else None
+    return next((n for n in names if n in present), None)
+
+
+def _check_format(fmt: str, stage: str, where: str) -> None:
+    if fmt == "text" and stage == "sft":
+        raise DataError(
+            f"{where}: plain text (format text) has no answers to train on in SFT; "
+            f"set train.stage: pt to continue pretraining on it, or give conversations"
+        )
+    if fmt == "text" and stage != "pt":
+        raise DataError(
+            f"{where}: plain text (format text) has no answers to compare in train.stage "
+            f"{stage}; give preference data, or set train.stage: pt"
+        )
+    if fmt == "preference" and stage not in PAIR_STAGES:
+        raise DataError(
+            f"{where}: format preference holds pairs (prompt, chosen, rejected) for train.stage "
+            f"dpo, orpo or simpo, not {stage}; set train.stage, or use format kto for labelled "
+            f"samples"
+        )
+    if fmt == "kto" and stage != "kto":
+        raise DataError(
+            f"{where}: format kto holds labelled samples (prompt, completion, label) for "
+            f"train.stage kto, not {stage}; set train.stage: kto"
+        )
+
+
+def _check_answers(row: dict, spec: FormatSpec, stage: str, where: str) -> None:
+    """The first row has the answers `stage` trains on, and no answers of another stage."""
+    present = {k for k, v in row.items() if v is not None}
+    c = spec.columns
+    answers = {c.get("chosen"), c.get("rejected")} - {None}
+    labelled = c.get("kto_tag") is not None and c["kto_tag"] in present
+    if stage in PAIR_STAGES and not answers & present:
+        raise _not_for_stage(row, stage, where)
+    if stage == "kto" and not labelled:
+        raise _not_for_stage(row, stage, where)
+    if stage in ("sft", "pt") and answers and answers <= present:
+        raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "dpo", where)
+    if stage in ("sft", "pt") and labelled:
+        raise _wrong_stage(row, f"KTO samples (label '{c['kto_tag']}')", stage, "kto", where)
+
+
+def _wrong_stage(row: dict, kind: str, stage: str, use: str, where: str) -> DataError:
+    use = "dpo, orpo or simpo" if use == "dpo" else use
+    return DataError(
+        f"{where}: the data holds {kind}, which train.stage {stage} cannot train on; set "
+        f"train.stage to {use}, or give {stage} data (the first row has the columns "
+        f"{sorted(row)})"
+    )
+
+
+def _not_for_stage(row: dict, stage: str, where: str) -> DataError:
+    if stage == "kto":
+        need = (
+            "labelled samples: a prompt and a completion with a true/false label (TRL: "
+            "prompt, completion, label; LLaMA-Factory: a conversation ending with the answer, "
+            "plus kto_tag)"
+        )
+        other = "dpo, orpo or simpo if it holds pairs"
+    else:
+        need = (
+            "preference pairs: a prompt with a chosen and a rejected answer (TRL: prompt, "
+            "chosen, rejected; LLaMA-Factory ranking data: instruction or conversations, "
+            "plus chosen and rejected)"
+        )
+        other = "kto if it holds labelled samples"
+    return DataError(
+        f"{where}: train.stage {stage} needs {need}, but the first row has the columns "
+        f"{sorted(row)}. For SFT data use train.stage sft; use train.stage {other}; or name "
+        f"the columns that hold the answers with columns: (e.g. chosen: better, rejected: worse)"
+    )

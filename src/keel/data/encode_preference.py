@@ -1,0 +1,138 @@
+"""Pairs and KTO samples → tokens, beside the SFT encoder (`keel.data.encode.RowEncoder`).
+
+Each sequence is the prompt and one answer, rendered as one conversation with the chat
+template and masked as SFT masks an assistant turn, keeping only the last (the answer's)
+span: the answer's tokens through its end-of-turn token are targets, nothing before. A pair
+becomes two sequences laid end to end, chosen then rejected (`seq_lens`, `labels` [1, 0]);
+a KTO sample one sequence with `labels` [1] or [0] and `prompt_len`, the number of tokens
+before its answer, from which keel.data.kto builds the mismatched KL sequences.
+
+data.cutoff_len bounds each sequence. Over it, data.overlength applies to the whole pair:
+drop or error as in SFT; truncate cuts the answers only: a prompt that leaves no room for
+one answer token rejects the row (a cut prompt would train on a question never asked).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from keel.data.encode import EncodeSettings, RowEncoder, output_features
+from keel.data.formats import RowError
+from keel.data.preference import PAIR_STAGES, row_to_kto, row_to_pair
+from keel.data.template import TemplateMismatch, encode_sft, shift_targets
+
+
+class _Refused(Exception):
+    """A row that is not kept: its status (dropped, overlength, rejected) and reason."""
+
+    def __init__(self, status: str, reason: str = "", length: int = 0):
+        super().__init__(reason)
+        self.outcome = {"status": status, "reason": reason, "length": length}
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    ids: list[int]
+    targets: list[int]
+    prompt_len: int  # tokens before the answer's first token
+    truncated: bool
+
+
+class _PreferenceEncoder(RowEncoder, ABC):
+    def encode_row(self, row: dict) -> dict:
+        try:
+            return self._encode(row)
+        except RowError as e:
+            return {"status": "rejected", "reason": str(e)}
+        except TemplateMismatch as e:
+            return {"status": "template", "reason": str(e)}
+        except _Refused as r:
+            return r.outcome
+
+    @abstractmethod
+    def _encode(self, row: dict) -> dict:
+        """The encoded row; raises RowError, TemplateMismatch or _Refused."""
+
+    def _sequences(self, prompt: list[dict], answers: list[str]) -> tuple[list[_Sequence], int]:
+        """One sequence per answer, the over-length policy applied to them together; and
+        the longest one's length before any cut."""
+        s = self.settings
+        encoded = [
+            encode_sft(
+                self.tokenizer, s.template, [*prompt, {"role": "assistant", "content": a}], True
+            )
+            for a in answers
+        ]
+        length = max(len(ids) for ids, _ in encoded)
+        if length > s.cutoff_len and s.overlength != "truncate":
+            raise _Refused("dropped" if s.overlength == "drop" else "overlength", "", length)
+        return [self._fit(ids, mask, length) for ids, mask in encoded], length
+
+    def _fit(self, ids: list[int], mask: list[bool], length: int) -> _Sequence:
+        cutoff = self.settings.cutoff_len
+        if True not in mask:
+            raise _Refused("rejected", "all labels masked: the answer has no tokens", length)
+        prompt_len = mask.index(True)
+        truncated = len(ids) > cutoff
+        if truncated and prompt_len >= cutoff:
+            raise _Refused(
+                "rejected",
+                f"the prompt alone is {prompt_len} tokens, leaving no room for the answer in "
+                f"cutoff_len {cutoff} (data.overlength=truncate cuts answers, never the "
+                f"prompt); raise data.cutoff_len or shorten the prompt",
+                length,
+            )
+        ids, mask = ids[:cutoff], mask[:cutoff]
+        return _Sequence(ids, shift_targets(ids, mask), prompt_len, truncated)
+
+
+class PairEncoder(_PreferenceEncoder):
+    """dpo/orpo/simpo: a row → chosen then rejected, `seq_lens` and `labels` [1, 0]."""
+
+    def features(self):
+        from datasets import List, Value
+
+        return output_features({"seq_lens": List(Value("int32")), "labels": List(Value("int32"))})
+
+    def _encode(self, row: dict) -> dict:
+        pair = row_to_pair(row, self.settings.spec)
+        (chosen, rejected), length = self._sequences(pair.prompt, [pair.chosen, pair.rejected])
+        return {
+            "status": "truncated" if chosen.truncated or rejected.truncated else "ok",
+            "length": length,
+            "input_ids": chosen.ids + rejected.ids,
+            "targets": chosen.targets + rejected.targets,
+            "seq_lens": [len(chosen.ids), len(rejected.ids)],
+            "labels": [1, 0],
+        }
+
+
+class KtoEncoder(_PreferenceEncoder):
+    """kto: a row → one sequence, `labels` [1] (desirable) or [0], and `prompt_len`."""
+
+    def features(self):
+        from datasets import List, Value
+
+        return output_features({"labels": List(Value("int32")), "prompt_len": Value("int64")})
+
+    def _encode(self, row: dict) -> dict:
+        sample = row_to_kto(row, self.settings.spec)
+        (seq,), length = self._sequences(sample.prompt, [sample.completion])
+        return {
+            "status": "truncated" if seq.truncated else "ok",
+            "length": length,
+            "input_ids": seq.ids,
+            "targets": seq.targets,
+            "labels": [int(sample.desirable)],
+            "prompt_len": seq.prompt_len,
+        }
+
+
+def encoder_for(tokenizer, settings: EncodeSettings) -> RowEncoder:
+    """The row encoder for `settings.stage`."""
+    if settings.stage in PAIR_STAGES:
+        return PairEncoder(tokenizer, settings)
+    if settings.stage == "kto":
+        return KtoEncoder(tokenizer, settings)
+    return RowEncoder(tokenizer, settings)

@@ -1,0 +1,118 @@
+"""Named LoRA adapters over one base model, so one batch can mix them (PEFT `adapter_names`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from keel.errors import ModelError
+
+BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
+MAX_NAME_LENGTH = 200
+
+
+class AdapterSet:
+    """The served model names: the base, plus one name per loaded LoRA adapter.
+
+    PEFT wraps the base model the first time an adapter is loaded, so `model` may change
+    when adapters come and go; callers always use `adapters.model`. Served names can be
+    any text (paths included); PEFT gets its own safe names (`keel_adapter_<n>`), since
+    they become module names. Only the scheduler thread may call load/unload; the name
+    table is replaced, never changed in place, so other threads can read it any time.
+    """
+
+    def __init__(self, model, base_name: str):
+        self.model = model
+        self.base_name = base_name
+        self._keys: dict[str, str] = {}  # served name -> PEFT adapter name
+        self._loaded = 0
+
+    @property
+    def mixed(self) -> bool:
+        """Whether forward passes need `adapter_names` (the model is a PEFT model)."""
+        from peft import PeftModel
+
+        return isinstance(self.model, PeftModel)
+
+    def names(self) -> list[str]:
+        return [self.base_name, *self._keys]
+
+    def key(self, name: str) -> str:
+        """PEFT's adapter name for served model `name`; KeyError if it is not served."""
+        return BASE if name == self.base_name else self._keys[name]
+
+    def adopt(self, name: str, key: str) -> None:
+        """Serve an adapter the model already holds (a keel output dir loaded as the model)."""
+        self._check_name(name)
+        self._keys = {**self._keys, name: key}
+
+    def load(self, name: str, path: str) -> None:
+        """Load the LoRA adapter at `path` and serve it as `name`."""
+        from peft import PeftModel
+
+        self._check_name(name)
+        directory = _check_adapter_dir(name, path)
+        self._loaded += 1
+        key = f"keel_adapter_{self._loaded}"
+        try:
+            if self.mixed:
+                self.model.load_adapter(str(directory), adapter_name=key)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, str(directory), adapter_name=key)
+        except (ValueError, RuntimeError, KeyError, OSError) as e:
+            if self.mixed and key in self.model.peft_config:
+                self.model.delete_adapter(key)  # drop a half-loaded adapter
+            raise ModelError(
+                f"adapter {name!r}: cannot load {path} on base {self.base_name}: {e}; "
+                "was it trained on this base model?"
+            ) from e
+        self.model.eval()
+        self._keys = {**self._keys, name: key}
+
+    def unload(self, name: str) -> None:
+        """Stop serving adapter `name` and free its weights."""
+        if name == self.base_name:
+            raise ModelError(f"{name!r} is the base model; only adapters can be unloaded")
+        if name not in self._keys:
+            raise ModelError(f"no adapter named {name!r} is loaded; loaded: {self._listing()}")
+        key = self._keys[name]
+        self._keys = {n: k for n, k in self._keys.items() if n != name}
+        if not self._keys:
+            # PEFT keeps pointing at a deleted last adapter; unwrap to the plain model.
+            self.model = self.model.unload()
+            return
+        self.model.delete_adapter(key)
+        # PEFT needs a live active adapter; which one is irrelevant, rows name their own.
+        self.model.set_adapter(next(iter(self._keys.values())), inference_mode=True)
+
+    def _check_name(self, name: str) -> None:
+        if not name or len(name) > MAX_NAME_LENGTH or name != name.strip():
+            raise ModelError(
+                f"adapter name {name!r} must be 1 to {MAX_NAME_LENGTH} characters, "
+                "without leading or trailing spaces"
+            )
+        if name == self.base_name or name in self._keys:
+            raise ModelError(f"a model named {name!r} is already served; pick another name")
+
+    def _listing(self) -> str:
+        return ", ".join(self._keys) or "(none)"
+
+
+def _check_adapter_dir(name: str, path: str) -> Path:
+    directory = Path(path).expanduser()
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        raise ModelError(
+            f"adapter {name!r}: {path} holds no adapter_config.json; "
+            "give a PEFT LoRA adapter directory (e.g. a keel LoRA output dir)"
+        )
+    try:
+        peft_type = json.loads(config_file.read_text()).get("peft_type")
+    except (OSError, ValueError) as e:
+        raise ModelError(f"adapter {name!r}: cannot read {config_file}: {e}") from e
+    if peft_type != "LORA":
+        raise ModelError(
+            f"adapter {name!r}: {config_file} is a {peft_type} adapter; only LoRA adapters "
+            "can share a batch (merge it into the model and serve that instead)"
+        )
+    return directory

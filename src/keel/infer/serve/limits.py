@@ -1,0 +1,160 @@
+"""Request limits and OpenAI-style errors: bad input is a 4xx with a message, never a 500."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from keel.infer.serve.sampling import SamplingParams
+
+# OpenAI's own bounds; a stop list longer than 4 is refused there too.
+MAX_STOP_STRINGS = 4
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+# Parameters keel does not implement: refused when set to anything but their neutral value,
+# so a client never silently gets something other than what it asked for.
+_NEUTRAL = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeLimits:
+    """What one request may ask for, and how much the server takes on at once."""
+
+    max_batch_size: int = 16  # sequences decoded together
+    max_concurrency: int = 64  # requests in flight (running + queued); more get 429
+    max_tokens: int = 2048  # cap on a request's max_tokens
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+
+    def problems(self) -> list[str]:
+        """Every flag value that cannot work, each naming its flag."""
+        found = []
+        for flag, value in (
+            ("--max-batch-size", self.max_batch_size),
+            ("--max-concurrency", self.max_concurrency),
+            ("--max-tokens", self.max_tokens),
+        ):
+            if value < 1:
+                found.append(f"{flag} {value}: must be at least 1")
+        return found
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
+        super().__init__(message)
+        self.status = status
+        self.body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def model_not_found(name: str, served: list[str]) -> ApiError:
+    return ApiError(
+        404,
+        f"The model {name!r} does not exist here; served models: {', '.join(served)}",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def refuse_unsupported(body: dict) -> None:
+    """400 for the first parameter set that keel serve does not implement."""
+    for key, neutral in _NEUTRAL.items():
+        if key in body and body[key] not in neutral:
+            raise ApiError(400, f"{key} is not supported by keel serve; leave it out", param=key)
+
+
+def sampling_params(
+    request, *, prompt_tokens: int, limits: ServeLimits, context_length: int, prompt_field: str
+) -> SamplingParams:
+    """Check a parsed request's sampling fields against the limits; 400 names the field
+    (`prompt_field` for a prompt that is too long: "messages" or "prompt").
+
+    A request without max_tokens may fill the context, up to --max-tokens.
+    """
+    if prompt_tokens >= context_length:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; this model's context is "
+            f"{context_length} tokens, which leaves no room for a reply",
+            param=prompt_field,
+            code="context_length_exceeded",
+        )
+    room = context_length - prompt_tokens
+    asked = request.max_completion_tokens or request.max_tokens
+    max_tokens = min(limits.max_tokens, room) if asked is None else asked
+    if max_tokens < 1 or max_tokens > limits.max_tokens:
+        raise ApiError(
+            400,
+            f"max_tokens {max_tokens} must be between 1 and {limits.max_tokens} on this server",
+            param="max_tokens",
+        )
+    if max_tokens > room:
+        raise ApiError(
+            400,
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+            f"context of {context_length} tokens; lower max_tokens to at most {room}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    largest_n = min(limits.max_n, limits.max_batch_size)
+    if not 1 <= request.n <= largest_n:
+        raise ApiError(400, f"n {request.n} must be between 1 and {largest_n}", param="n")
+    stop = request.stop
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise ApiError(
+            400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop"
+        )
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        stop=stop,
+        seed=request.seed,
+    )
+
+
+class Slots:
+    """Counts requests in flight; one more than `limit` gets a 429."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self.used >= self.limit:
+                raise ApiError(
+                    429,
+                    f"the server is at its limit of {self.limit} requests in flight; retry shortly",
+                    code="rate_limit_exceeded",
+                    kind="rate_limit_error",
+                )
+            self.used += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.used -= 1

@@ -1,0 +1,336 @@
+"""Preference stages (DPO, ORPO, SimPO, KTO) as objectives of the one training loop.
+
+A preference batch holds whole sequences laid in rows (keel.data: a pair is its chosen then
+its rejected sequence; a KTO sample is one sequence plus a mismatched one for the KL
+estimate). The objective scores each sequence's completion tokens, sums them per sequence,
+and hands the per-sequence log-probs to the pure losses in `keel.losses.preference`.
+
+Like `CausalLMObjective`, forward returns a *sum* (of per-pair or per-sample losses) and its
+count (pairs or samples): the trainer divides by the pairs of the whole global batch, so N
+processes compute the update one process computes. Statistics come back as one fixed-layout
+vector of (sum, count) pairs, the same names in the same order on every rank whatever the
+data, which the trainer reduces with one all-reduce of scalars.
+
+Definitions (as TRL's trainers, so dashboards compare): `logps/*` is the mean over pairs of
+each completion's log-prob, summed over its tokens for DPO and KTO and averaged per token
+for ORPO and SimPO (and for DPO's ipo loss inside the loss); rewards are beta x (policy -
+reference) for DPO/KTO and beta x the mean log-prob for ORPO/SimPO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from keel.config.schema import PreferenceConfig
+from keel.losses import preference as losses
+from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
+from keel.train.objective import CausalLMObjective, causal_lm_of
+
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+
+
+def metric_names(stage: str) -> tuple[str, ...]:
+    """The statistics a stage reports, in the order of its statistics vector."""
+    if stage == "kto":
+        return KTO_METRICS
+    return PAIR_METRICS + (ORPO_METRICS if stage == "orpo" else ())
+
+
+def uses_reference(stage: str) -> bool:
+    return stage in ("dpo", "kto")
+
+
+def reference_mode(stage: str, settings: PreferenceConfig) -> str | None:
+    """live | precompute for stages with a reference model, else None."""
+    if not uses_reference(stage):
+        return None
+    return "live" if settings.reference == "auto" else settings.reference
+
+
+@dataclass
+class Scored:
+    """Per-sequence log-probs of a batch: sums over completion tokens and token counts."""
+
+    sums: torch.Tensor  # [S]
+    counts: torch.Tensor  # [S]
+
+    @property
+    def means(self) -> torch.Tensor:
+        return self.sums / self.counts.clamp_min(1)
+
+
+def score_sequences(
+    model: nn.Module, batch: dict, *, prefix: str = "", fast_head: bool, chunk_size: int
+) -> Scored:
+    """Each sequence's summed completion log-prob under `model` (an HF or PEFT causal LM).
+
+    Sequences are numbered by `batch[prefix + "sequence_index"]` (see keel.data.collate);
+    their count is the length of `labels`. No attention mask and no cache, as for SFT: rows
+    are right-padded and packed sequences are separated by their restarting position ids.
+    """
+    inputs = dict(
+        input_ids=batch[f"{prefix}input_ids"],
+        position_ids=batch.get(f"{prefix}position_ids"),
+        use_cache=False,
+    )
+    targets = batch[f"{prefix}targets"]  # [B, T]
+    mask = targets != IGNORE_INDEX  # [B, T]
+    if fast_head:
+        lm = causal_lm_of(model)
+        hidden = lm.get_decoder()(**inputs).last_hidden_state  # [B, T, H]
+        logps = chunked_token_logps(
+            hidden[mask], targets[mask], lm.get_output_embeddings(), chunk_size=chunk_size
+        )  # [N]
+    else:
+        logits = model(**inputs).logits  # [B, T, V]
+        logps = token_logps(logits[mask], targets[mask])  # [N]
+    sequence = batch[f"{prefix}sequence_index"][mask]  # [N]
+    count = batch["labels"].shape[0]
+    sums = logps.new_zeros(count).index_add(0, sequence, logps)
+    counts = torch.bincount(sequence, minlength=count)
+    return Scored(sums=sums, counts=counts)
+
+
+class SequenceScorer(nn.Module):
+    """A frozen reference model that scores sequences. A module of its own so that, under
+    FSDP, it is the root unit whose hooks gather the weights its forward uses."""
+
+    def __init__(self, model: nn.Module, *, chunk_size: int, fast_head: bool):
+        super().__init__()
+        self.model = model
+        self.chunk_size = chunk_size
+        self.fast_head = fast_head
+
+    @torch.no_grad()
+    def forward(self, batch: dict, prefix: str = "") -> torch.Tensor:
+        scored = score_sequences(
+            self.model, batch, prefix=prefix, fast_head=self.fast_head, chunk_size=self.chunk_size
+        )
+        return scored.sums
+
+
+class PreferenceObjective(CausalLMObjective):
+    """forward(batch) -> (loss_sum, pairs or samples, statistics vector [2 x metrics]).
+
+    The reference log-probs come, in this order of preference, from the batch (precomputed),
+    from `reference` (a frozen copy of the base, for full and freeze), or from the policy
+    with its LoRA adapters disabled (no second copy). ORPO and SimPO use none.
+
+    KTO needs one number per global batch before any loss: its reference point z0, the
+    mean KL log-ratio over the batch's mismatched pairs. The trainer gets it with
+    forward(batch, mode="statistic") over every micro-batch and one all-reduce, then calls
+    `set_window_statistic` (see `Trainer`).
+    """
+
+    needs_window_statistic = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        stage: str,
+        settings: PreferenceConfig,
+        reference: SequenceScorer | None = None,
+        chunk_size: int = 1024,
+    ):
+        super().__init__(model, chunk_size=chunk_size)
+        self.stage = stage
+        self.settings = settings
+        self.metric_names = metric_names(stage)
+        self.needs_window_statistic = stage == "kto"
+        # Not a submodule: its weights are neither trained, nor checkpointed, nor wrapped
+        # by the policy's DDP/FSDP (it is sharded as its own root under FSDP).
+        self._reference = (reference,)
+        self.kl_reference_point = torch.zeros(())
+
+    @property
+    def reference(self) -> SequenceScorer | None:
+        return self._reference[0]
+
+    def set_window_statistic(self, value: float) -> None:
+        """KTO's reference point z0 for the micro-batches that follow: max(0, mean KL)."""
+        self.kl_reference_point = torch.tensor(max(0.0, value))
+
+    def forward(self, batch: dict, *, probe: bool = False, mode: str = "loss"):
+        if probe:
+            return super().forward(batch, probe=True)
+        if mode == "statistic":
+            return self._kl_statistic(batch)
+        if mode == "reference":
+            return self._reference_logps(batch)
+        policy = self._score(batch)
+        reference = self._reference_sums(batch, "") if uses_reference(self.stage) else None
+        if self.stage == "kto":
+            return self._kto(batch, policy, reference)
+        return self._pairs(policy, reference)
+
+    def _score(self, batch: dict, prefix: str = "") -> Scored:
+        return score_sequences(
+            self.model,
+            batch,
+            prefix=prefix,
+            fast_head=self.fast_head,
+            chunk_size=self.chunk_size,
+        )
+
+    @torch.no_grad()
+    def _reference_sums(self, batch: dict, prefix: str) -> torch.Tensor:
+        key = "reference_kl_logps" if prefix else "reference_logps"
+        if key in batch:
+            return batch[key]
+        if self.reference is not None:
+            return self.reference(batch, prefix)
+        with _adapters_off(self.model):
+            return self._score(batch, prefix).sums
+
+    @torch.no_grad()
+    def _reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What `preference.reference: precompute` stores: the reference's per-sequence
+        log-probs of the main and (KTO) mismatched sequences. Runs before training, so the
+        policy still holds the base weights (and LoRA is switched off anyway)."""
+        scorer = self.reference
+        if scorer is None:
+            # Without LoRA the policy itself is the reference here: nothing has trained yet.
+            off = _adapters_off if hasattr(self.model, "disable_adapter") else _unchanged
+            with off(self.model):
+                main = self._score(batch).sums
+                kl = self._score(batch, "kl_").sums if "kl_input_ids" in batch else None
+            return main, kl
+        kl = scorer(batch, "kl_") if "kl_input_ids" in batch else None
+        return scorer(batch), kl
+
+    @torch.no_grad()
+    def _kl_statistic(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum, count) of KTO's KL log-ratios over this micro-batch's mismatched pairs."""
+        policy = self._score(batch, "kl_").sums
+        ratios = losses.kto_kl(policy, self._reference_sums(batch, "kl_"))
+        return ratios.sum(), torch.tensor(float(ratios.numel()), device=ratios.device)
+
+    def _pairs(self, policy: Scored, reference: torch.Tensor | None):
+        s = self.settings
+        if self.stage == "dpo":
+            chosen, rejected = policy.sums[0::2], policy.sums[1::2]
+            if s.loss_type == "ipo":  # IPO works on length-normalised log-ratios
+                counts = policy.counts.clamp_min(1)
+                out = losses.dpo_loss(
+                    policy.means[0::2],
+                    policy.means[1::2],
+                    reference[0::2] / counts[0::2],
+                    reference[1::2] / counts[1::2],
+                    beta=s.beta,
+                    loss_type="ipo",
+                )
+            else:
+                out = losses.dpo_loss(
+                    chosen,
+                    rejected,
+                    reference[0::2],
+                    reference[1::2],
+                    beta=s.beta,
+                    loss_type=s.loss_type,
+                    label_smoothing=s.label_smoothing,
+                )
+        else:
+            chosen, rejected = policy.means[0::2], policy.means[1::2]
+            if self.stage == "orpo":
+                out = losses.orpo_loss(chosen, rejected, beta=s.beta)
+            else:
+                out = losses.simpo_loss(
+                    chosen,
+                    rejected,
+                    beta=s.beta,
+                    gamma=s.gamma,
+                    label_smoothing=s.label_smoothing,
+                )
+        pairs = out.losses.shape[0]
+        every = torch.ones_like(out.losses, dtype=torch.bool)
+        values = {
+            "rewards/chosen": out.chosen_rewards,
+            "rewards/rejected": out.rejected_rewards,
+            "rewards/accuracies": (out.chosen_rewards > out.rejected_rewards).float(),
+            "rewards/margins": out.chosen_rewards - out.rejected_rewards,
+            "logps/chosen": chosen.detach(),
+            "logps/rejected": rejected.detach(),
+            **out.extras,
+        }
+        stats = _statistics(self.metric_names, values, {name: every for name in values})
+        return out.losses.sum(), torch.tensor(float(pairs)), stats
+
+    def _kto(self, batch: dict, policy: Scored, reference: torch.Tensor):
+        s = self.settings
+        desirable = batch["labels"] == 1  # [S]
+        out = losses.kto_loss(
+            policy.sums,
+            reference,
+            desirable,
+            kl=self.kl_reference_point.to(policy.sums.device),
+            beta=s.beta,
+            desirable_weight=s.desirable_weight,
+            undesirable_weight=s.undesirable_weight,
+        )
+        logps = policy.sums.detach()
+        values = {
+            "rewards/chosen": out.rewards,
+            "rewards/rejected": out.rewards,
+            "logps/chosen": logps,
+            "logps/rejected": logps,
+        }
+        chosen_or_rejected = {
+            name: desirable if name.endswith("chosen") else ~desirable for name in values
+        }
+        stats = _statistics(self.metric_names, values, chosen_or_rejected)
+        return out.losses.sum(), torch.tensor(float(out.losses.shape[0])), stats
+
+
+def _statistics(
+    names: tuple[str, ...], values: dict[str, torch.Tensor], where: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """[2 x len(names)]: (sum, count) of each named per-sequence value over its selection."""
+    parts = []
+    for name in names:
+        selected = where[name]
+        parts += [values[name].detach().float()[selected].sum(), selected.sum().float()]
+    return torch.stack(parts)
+
+
+@contextlib.contextmanager
+def _adapters_off(model: nn.Module):
+    """The base model under a PEFT model: its LoRA adapters switched off for the block."""
+    disable = getattr(model, "disable_adapter", None)
+    if disable is None:
+        raise RuntimeError(
+            "a live reference without LoRA needs a frozen reference copy (internal error)"
+        )
+    with disable():
+        yield
+
+
+@contextlib.contextmanager
+def _unchanged(_model: nn.Module):
+    yield
+
+
+def reduce_statistics(names: tuple[str, ...], sums_and_counts: list[float]) -> dict[str, float]:
+    """Named means from a reduced statistics vector; a name with no samples is left out
+    (e.g. a KTO step without undesirable samples has no rewards/rejected)."""
+    out = {}
+    for i, name in enumerate(names):
+        total, count = sums_and_counts[2 * i], sums_and_counts[2 * i + 1]
+        if count > 0:
+            out[name] = total / count
+    if "rewards/margins" not in names and {"rewards/chosen", "rewards/rejected"} <= out.keys():
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out

@@ -1,0 +1,164 @@
+"""Preference stages on 2 processes compute what 1 process computes, and never hang.
+
+Field note 3: ORPO on two GPUs hung for 30 minutes because ranks gathered tensors of
+different shapes (full logits with per-rank lengths; KTO's per-rank chosen/rejected
+counts). Here the pairs have different lengths on each rank, the 11 pairs leave one rank
+with filler on the last step of each epoch, and a KTO micro-batch may hold only undesirable
+samples; every metric is still a fixed-order (sum, count) all-reduce, so every step's loss
+and every metric must match the single-process run to 1e-5 relative (fp32).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from multiproc import Workspace
+
+from keel.train.preference import PAIR_METRICS as METRICS_OF_PAIRS
+
+REL = 1e-5
+QUESTIONS = [
+    ("Who are you?", "I am Keel, a small assistant.", "No."),
+    ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
+    ("Add 2 and 3.", "5", "It is 6 or maybe 7, I am not sure."),
+    ("Say hello in French.", "Bonjour.", "Hello."),
+    ("Give a healthy tip.", "Sleep enough and move every day.", "Eat cake."),
+    ("Name a color.", "Blue.", "A number."),
+    ("What is 3 times 4?", "12", "34"),
+    ("Are you ChatGPT?", "No, I am Keel.", "Yes."),
+    ("Translate to French: hello world.", "Bonjour le monde.", "Hola mundo, amigo mio."),
+    ("Count to three.", "1, 2, 3.", "3"),
+    ("What comes after Monday?", "Tuesday.", "Sunday, then Friday."),
+    ("Is the sky blue?", "Yes, on a clear day.", "Never."),
+]
+
+
+def pair_rows() -> list[dict]:
+    return [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in QUESTIONS]
+
+
+def kto_rows() -> list[dict]:
+    """Good answers desirable, bad ones not; in an order that leaves some micro-batches
+    with undesirable samples only."""
+    rows = []
+    for i, (q, good, bad) in enumerate(QUESTIONS):
+        rows.append({"prompt": q, "completion": bad if i % 3 else good, "label": not i % 3})
+    return rows
+
+
+def metric_lines(out: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+def assert_same_metrics(got: Path, want: Path, names: tuple[str, ...]) -> None:
+    got_lines, want_lines = metric_lines(got), metric_lines(want)
+    assert got_lines.keys() == want_lines.keys() and want_lines
+    for step, want_line in want_lines.items():
+        for name in names:
+            if name not in want_line:
+                assert name not in got_lines[step], (step, name)
+                continue
+            a, b = got_lines[step][name], want_line[name]
+            # Rewards and margins are beta x differences of sequence log-probs: fp32 round-off
+            # of the log-probs (not of the difference) sets their scale.
+            scale = _reward_scale(want_line) if name.startswith(("rewards/", "kl")) else 0.0
+            assert abs(a - b) <= REL * max(abs(b), scale, 1e-3), (step, name, a, b)
+
+
+def _reward_scale(line: dict) -> float:
+    logps = [abs(line[k]) for k in ("logps/chosen", "logps/rejected") if k in line]
+    return max(logps, default=0.0)
+
+
+class PreferenceWorkspace(Workspace):
+    def __init__(self, root: Path, model_dir: Path):
+        super().__init__(root, model_dir)
+        (root / "pairs.json").write_text(json.dumps(pair_rows()))
+        (root / "kto.json").write_text(json.dumps(kto_rows()))
+        cfg = yaml.safe_load(self.config.read_text())
+        cfg["data"] = {"datasets": [str(root / "pairs.json")], "cutoff_len": 128, "val_size": 1}
+        cfg["train"]["stage"] = "dpo"
+        self.config.write_text(yaml.safe_dump(cfg))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_dir) -> PreferenceWorkspace:
+    return PreferenceWorkspace(tmp_path_factory.mktemp("preference"), tiny_model_dir)
+
+
+PAIR_METRICS = ("loss", *METRICS_OF_PAIRS)
+KTO = ("train.stage=kto", "data.datasets.0.path=kto.json")
+
+
+@pytest.mark.parametrize(
+    "stage,extra,strategy,names",
+    [
+        ("dpo", ("data.packing=true",), "ddp", PAIR_METRICS),
+        ("dpo", ("train.gradient_checkpointing=true",), "fsdp", PAIR_METRICS),
+        ("orpo", ("method.type=full",), "fsdp", (*PAIR_METRICS, "nll_loss", "log_odds_ratio")),
+        ("simpo", ("data.packing=true",), "ddp", PAIR_METRICS),
+        (
+            "kto",
+            (*KTO, "method.type=freeze", "method.freeze.trainable_layers=1"),
+            "fsdp",
+            ("loss", "kl", "rewards/chosen", "rewards/rejected"),
+        ),
+    ],
+    ids=[
+        "dpo-ddp-packed",
+        "dpo-fsdp-ckpt",
+        "orpo-fsdp-full",
+        "simpo-ddp-packed",
+        "kto-fsdp-freeze-reference-copy",
+    ],
+)
+def test_two_processes_match_one(workspace, stage, extra, strategy, names):
+    overrides = (f"train.stage={stage}", *extra)
+    want = workspace.train(f"{stage}-{strategy}-one", *overrides)
+    got = workspace.train(
+        f"{stage}-{strategy}-two", *overrides, f"distributed.strategy={strategy}", nproc=2
+    )
+    assert_same_metrics(got, want, (*names, "logps/chosen", "logps/rejected"))
+    evals = [
+        [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
+        for d in (got, want)
+    ]
+    assert evals[0] and evals[0][-1]["eval_loss"] == pytest.approx(
+        evals[1][-1]["eval_loss"], rel=REL
+    )
+
+
+def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(workspace):
+    """Full fine-tuning: the live reference is a frozen copy (sharded under FSDP), the
+    precomputed one a pass before training split across ranks; same losses either way. A
+    resumed run uses the cache and continues exactly."""
+    full = ("method.type=full",)
+    want = workspace.train("dpo-full-live", *full)
+    got = workspace.train(
+        "dpo-full-precompute",
+        *full,
+        "preference.reference=precompute",
+        "distributed.strategy=fsdp",
+        nproc=2,
+    )
+    assert "reference log-probs: one pass" in workspace.last_output
+    assert_same_metrics(got, want, PAIR_METRICS)
+    first = workspace.train(
+        "dpo-full-resumed", *full, "preference.reference=precompute", "train.max_steps=4"
+    )
+    assert "loaded from cache" in workspace.last_output
+    resumed = workspace.train("dpo-full-resumed", *full, "preference.reference=precompute")
+    assert first == resumed and "resumed from" in workspace.last_output
+    assert_same_metrics(resumed, want, PAIR_METRICS)
+
+
+def test_dpo_first_step_is_ln2_with_lora(workspace):
+    out = workspace.train("dpo-ln2", "train.max_steps=1", "train.global_batch_size=4")
+    first = metric_lines(out)[1]
+    assert first["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)
+    assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
+    assert first["pairs"] == 4
