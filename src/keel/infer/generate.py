@@ -48,7 +48,7 @@ class _TextCollector:
                 self.stream(piece)
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
+def stop_token_ids(model, tokenizer) -> list[int]:
     # Stop on the tokenizer's eos (e.g. <|im_end|>) and any eos the model's generation
     # config lists; chat models often end turns with a token that is not the pretraining eos.
     ids = set()
@@ -92,7 +92,7 @@ def generate_reply(
         do_sample=sampling,
         temperature=temperature if sampling else None,
         top_p=top_p if sampling else None,
-        eos_token_id=_eos_ids(model, tokenizer),
+        eos_token_id=stop_token_ids(model, tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
     )

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from keel.infer.generate import _eos_ids  # the stop tokens `keel chat` uses
+from keel.infer.generate import stop_token_ids  # the same stop tokens as `keel chat`
 from keel.infer.serve.adapters import AdapterSet
 from keel.infer.serve.kv import PaddedBatch
 from keel.infer.serve.sampling import make_generator, pick_tokens
@@ -59,7 +59,7 @@ class Engine(SchedulerThread):
         self.max_batch_size = max_batch_size
         model = adapters.model
         self.device = next(model.parameters()).device
-        self.eos_ids = set(_eos_ids(model, tokenizer))
+        self.eos_ids = set(stop_token_ids(model, tokenizer))
         self.context_length = context_length(model.config)
         self._waiting: deque[Job] = deque()
         self._running: list[_Sequence] = []  # row i of self._batch is self._running[i]

@@ -4,6 +4,7 @@ thread that owns the model and runs one backend step at a time."""
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ class EngineStats:
     peak_batch: int = 0
 
 
-class SchedulerThread:
+class SchedulerThread(ABC):
     """One thread owns the model; other threads submit jobs, cancel them, or queue calls.
 
     Subclasses implement `step` (one round: take new work with `_take`, generate, send
@@ -106,14 +107,17 @@ class SchedulerThread:
             self._wakeup.notify_all()
         return future
 
+    @abstractmethod
     def step(self) -> bool:
-        raise NotImplementedError
+        """One scheduler round; True while work remains."""
 
+    @abstractmethod
     def _busy(self) -> bool:
-        raise NotImplementedError
+        """Whether any sequence is running or waiting."""
 
+    @abstractmethod
     def _shutdown(self, message: str) -> None:
-        raise NotImplementedError
+        """End every job with `message` (the server is stopping or the engine failed)."""
 
     def _take(self) -> list[Job]:
         """Run the queued calls; return the jobs submitted since the last round."""
