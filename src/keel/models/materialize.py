@@ -246,11 +246,19 @@ def allocate(model: nn.Module, device: torch.device) -> None:
             setattr(module, name, getattr(first_module, first_name))
 
 
-def init_computed_buffers(lm: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary frequencies) that `to_empty` left garbage."""
+def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> None:
+    """Recompute non-persistent buffers (rotary frequencies) that `to_empty` left garbage,
+    and with `device`, put every buffer there: computed buffers live where the compute is
+    (an offloaded FSDP model's parameters are in CPU memory, its rotary tables must not be)."""
     for module in lm.modules():
         if module._non_persistent_buffers_set:
             lm._init_weights(module)
+    if device is None:
+        return
+    for module in lm.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
 
 
 def fill_weights(

@@ -103,11 +103,7 @@ def build_training_model(
         )
     allocate(objective, init_device)
     lm = causal_lm_of(model)
-    init_computed_buffers(lm)
-    for module in lm.modules():  # computed buffers live where the compute is
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.device != dist.device:
-                module._buffers[name] = buf.to(dist.device)
+    init_computed_buffers(lm, dist.device)
     fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
     # Every rank probes (under FSDP the probe gathers the root's weights); rank 0's verdict
     # decides, so all ranks run the same forward.

@@ -66,11 +66,7 @@ def build_reference_copy(
             cpu_offload=False,
         )
     allocate(scorer, dist.device)
-    init_computed_buffers(causal_lm_of(model))
-    for module in model.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and buf.device != dist.device:
-                module._buffers[name] = buf.to(dist.device)
+    init_computed_buffers(causal_lm_of(model), dist.device)
     fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
     return scorer.eval()
 
