@@ -54,7 +54,8 @@ lint: install-dev
 
 bench: install-dev
 	$(BIN)/python -m pip install -q -e '.[bench]'
-	$(BIN)/python benchmarks/sft_vs_trl.py --steps 6 --rounds 2 --systems keel,trl-padded,trl-packed
+	$(BIN)/python benchmarks/sft_vs_trl.py --rounds 2 --precisions fp32 --shapes long,readme
+	$(BIN)/python benchmarks/sft_vs_trl.py --rounds 2 --precisions auto --shapes long
 
 bench-dpo: install-dev
 	$(BIN)/python -m pip install -q -e '.[bench]'

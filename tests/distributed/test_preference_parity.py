@@ -20,6 +20,7 @@ from multiproc import Workspace
 from keel.train.preference import PAIR_METRICS as METRICS_OF_PAIRS
 
 REL = 1e-5
+BETA = 0.1  # preference.beta of every run here (the default)
 QUESTIONS = [
     ("Who are you?", "I am Keel, a small assistant.", "No."),
     ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
@@ -64,8 +65,14 @@ def assert_same_metrics(got: Path, want: Path, names: tuple[str, ...]) -> None:
                 continue
             a, b = got_lines[step][name], want_line[name]
             # Rewards and margins are beta x differences of sequence log-probs: fp32 round-off
-            # of the log-probs (not of the difference) sets their scale.
-            scale = _reward_scale(want_line) if name.startswith(("rewards/", "kl")) else 0.0
+            # of the log-probs (not of the difference) sets their scale. The loss is a
+            # function of those rewards with slope <= 1, so beta x the log-probs' scale
+            # bounds it (full fine-tuning: the updates carry last step's round-off onward).
+            scale = 0.0
+            if name.startswith(("rewards/", "kl")):
+                scale = _reward_scale(want_line)
+            elif name == "loss":
+                scale = BETA * _reward_scale(want_line)
             assert abs(a - b) <= REL * max(abs(b), scale, 1e-3), (step, name, a, b)
 
 

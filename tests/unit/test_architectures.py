@@ -20,7 +20,9 @@ from keel.config.schema import DataConfig, MethodConfig, ModelConfig, OutputConf
 from keel.data import collate
 from keel.distributed.process_group import DistContext
 from keel.errors import ModelError
+from keel.models.attention import VARLEN_ATTENTION
 from keel.train.model_setup import build_training_model
+from keel.train.objective import causal_lm_of
 from keel.train.precision import Precision
 
 VOCAB = 256
@@ -43,6 +45,9 @@ MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_interm
 # 3's 12 / 0.22: with those a random decoder barely moves the loss, which could then not
 # tell garbage rotary buffers from good ones.
 GRANITE = dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.05)
+# Families whose attention keel's padding-free probe turns down (they fall back to padded
+# micro-batches): attention that does not go through transformers' attention interface.
+NOT_VARLEN = {"stablelm", "nemotron"}
 LOGIT_MAGNITUDE = 30.0  # max |logit| of the saved models: a trained model's range
 REL = 1e-5
 
@@ -168,7 +173,7 @@ def samples() -> list[tuple[list[int], list[int]]]:
 ROWS = ((0,), (1, 2), (3,), (4, 1))
 
 
-def keel_batch(samples) -> dict[str, torch.Tensor]:
+def keel_batch(samples, padding_free: bool = False) -> dict[str, torch.Tensor]:
     rows = []
     for indices in ROWS:
         group = [samples[i] for i in indices]
@@ -179,7 +184,7 @@ def keel_batch(samples) -> dict[str, torch.Tensor]:
                 "position_ids": [p for ids, _ in group for p in range(len(ids))],
             }
         )
-    return collate(rows, pad_id=0)
+    return collate(rows, pad_id=0, padding_free=padding_free)
 
 
 def hugging_face_model(path, family: Family):
@@ -204,8 +209,11 @@ def hugging_face_loss(path, family: Family, samples, model=None) -> tuple[float,
 
 
 def keel_loss(objective, samples) -> tuple[float, int]:
+    """The objective's loss on the samples in ROWS, laid out as training lays them out:
+    padding-free when the model runs keel's varlen attention, right-padded otherwise."""
+    attention = causal_lm_of(objective.model).config._attn_implementation
     with torch.no_grad():
-        loss, n = objective.eval()(keel_batch(samples))
+        loss, n = objective.eval()(keel_batch(samples, attention == VARLEN_ATTENTION))
     return float(loss), int(n)
 
 
@@ -237,6 +245,11 @@ def test_keel_loss_equals_hugging_face_loss(name, tmp_path):
     assert head_lines[0].startswith(
         "loss head: fast" if family.fast else "loss head: full Hugging Face forward"
     ), head_lines
+    layout_lines = [line for line in lines if line.startswith("micro-batches: ")]
+    assert len(layout_lines) == 1, lines
+    # The probe decides per family (stablelm and nemotron call sdpa themselves); eager
+    # families never take it. The loss must match either way.
+    assert built.padding_free is (family.attn == "sdpa" and name not in NOT_VARLEN), layout_lines
     assert got == pytest.approx(want, rel=REL), (got, want)
 
 

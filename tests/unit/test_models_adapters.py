@@ -134,6 +134,18 @@ def test_lora_all_linear_skips_lm_head():
     assert short == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
+def test_lora_without_dropout_does_no_dropout_work():
+    """dropout 0: PEFT's lora_dropout is an identity (no mask drawn, no multiply, no RNG
+    use), so the step pays nothing for it; dropout > 0 keeps real dropout modules."""
+    without = apply_method(build_tiny_model(320), lora_method(), log=lambda s: None)
+    dropouts = [m for n, m in without.named_modules() if n.endswith("lora_dropout.default")]
+    assert dropouts and all(isinstance(m, torch.nn.Identity) for m in dropouts)
+    method = lora_method()
+    method.lora.dropout = 0.1
+    with_dropout = apply_method(build_tiny_model(320), method, log=lambda s: None)
+    assert any(isinstance(m, torch.nn.Dropout) for m in with_dropout.modules())
+
+
 def test_lora_unknown_target_lists_model_names():
     with pytest.raises(
         ModelError, match=r"'q_prj' \(did you mean q_proj.*this model has: .*down_proj"

@@ -100,6 +100,10 @@ class TrainConfig:
     seed: int = 42
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     gradient_checkpointing: bool = False
+    # Lay each micro-batch's samples end to end in one row (no compute on padding; the same
+    # samples per step, so the same loss) where the model's attention allows it (probed at
+    # set-up); false: right-padded rows
+    padding_free: bool = True
     eval_every: int = 0  # steps; 0: evaluate at the end only (when a validation split exists)
     resume: str = "auto"  # auto (newest complete checkpoint in output.dir), never, or a path
     threads: int = 0  # CPU threads for torch; 0: all cores of this process

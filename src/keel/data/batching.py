@@ -16,8 +16,13 @@ def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int
     return torch.randperm(num_rows, generator=generator).tolist()
 
 
-def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad rows to the longest one.
+def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dict:
+    """Right-pad rows to the longest one, or (`padding_free`) lay them end to end.
+
+    Padding-free, the micro-batch is one row holding every row's samples (position ids
+    restarting with each), so no position computes padding; the batch then also carries
+    `seq_lens` (and `kl_seq_lens`): each sample's length, a tuple of ints for keel's varlen
+    attention (keel.models.attention), which keeps attention inside each sample.
 
     Pads get input_ids=pad_id, targets=-100 and position_ids 0..k-1, so they form a separate
     pseudo-sequence. There is deliberately no attention_mask: with causal attention and right
@@ -31,7 +36,11 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     precomputed reference log-probs.
     """
     assert rows, "collate needs at least one row"
+    if padding_free:
+        rows = [merge_rows(rows)]
     batch = _pad(rows, "", pad_id)
+    if padding_free:
+        batch["seq_lens"] = sample_lengths(rows[0]["position_ids"])
     if not rows[0].get("labels"):
         return batch
     batch["labels"] = torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)
@@ -40,11 +49,39 @@ def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         batch |= _pad(rows, "kl_", pad_id)
         width = batch["kl_input_ids"].shape[1]
         batch["kl_sequence_index"] = _sequence_index(rows, "kl_", width)
+        if padding_free:
+            batch["kl_seq_lens"] = sample_lengths(rows[0]["kl_position_ids"])
     for key in ("reference_logps", "reference_kl_logps"):
         if key in rows[0]:
             values = [x for row in rows for x in row[key]]
             batch[key] = torch.tensor(values, dtype=torch.float32)
     return batch
+
+
+def merge_rows(rows: list[dict]) -> dict:
+    """`rows` laid end to end as one row: every list (tokens, position ids, per-sequence
+    labels and reference log-probs) concatenated in row order, every count summed.
+
+    Sequences keep their order, so the k-th sequence of the merged row is the k-th of the
+    rows taken in order, as collate numbers them padded."""
+    if len(rows) == 1:
+        return rows[0]
+    merged = {}
+    for key, value in rows[0].items():
+        if isinstance(value, list | tuple):
+            merged[key] = [x for row in rows for x in row[key]]
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            merged[key] = sum(row[key] for row in rows)
+        else:
+            raise TypeError(f"merge_rows: cannot merge row field {key!r} of type {type(value)}")
+    return merged
+
+
+def sample_lengths(position_ids) -> tuple[int, ...]:
+    """Lengths of the samples of a row whose position ids restart at 0 with each one."""
+    starts = [i for i, p in enumerate(position_ids) if p == 0 and i > 0]
+    bounds = [0, *starts, len(position_ids)]
+    return tuple(int(end - start) for start, end in zip(bounds, bounds[1:]))
 
 
 def _pad(rows: list[dict], prefix: str, pad_id: int) -> dict[str, torch.Tensor]:

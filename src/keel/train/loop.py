@@ -151,6 +151,9 @@ class Trainer:
     max_grad_norm: float
     dist: DistContext = field(default_factory=DistContext)
     progress: Progress = field(default_factory=Progress)  # marks read by the watchdog
+    # micro-batches as one row of samples laid end to end (the model runs keel's varlen
+    # attention; see keel.models.attention) instead of right-padded rows
+    padding_free: bool = False
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
@@ -158,15 +161,16 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.name == "fp16")
         self.current_rows: list[dict] = []  # the micro-batch running now (for OOM reports)
 
-    def _batch(self, rows: list[dict]) -> dict[str, torch.Tensor | None]:
-        batch = collate(rows, self.pad_id)
-        if not any(0 in row["position_ids"][1:] for row in rows):
+    def _batch(self, rows: list[dict]) -> dict:
+        batch = collate(rows, self.pad_id, padding_free=self.padding_free)
+        if not self.padding_free and not any(0 in row["position_ids"][1:] for row in rows):
             # No row holds two samples: plain causal attention is exact (right padding is
             # invisible to real tokens), and without position ids transformers neither
             # builds a mask nor reads a device value back to check for packed rows.
             batch["position_ids"] = None
         return {
-            k: v if v is None else v.to(self.device, non_blocking=True) for k, v in batch.items()
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
         }
 
     def train_step(

@@ -25,9 +25,10 @@ from keel.distributed.parallelize import (
 from keel.distributed.process_group import DistContext
 from keel.models import apply_method, torch_dtype
 from keel.models.adapters import decoder_layers
+from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
-from keel.train.objective import CausalLMObjective, causal_lm_of
+from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention
 from keel.train.precision import Precision
 from keel.train.preference import PreferenceObjective, reference_mode
 from keel.train.reference import build_reference_copy
@@ -38,6 +39,7 @@ class TrainingModel:
     model: nn.Module  # the HF or PEFT model (FSDP2-sharded in place under fsdp)
     objective: nn.Module  # what the trainer calls; DDP-wrapped under ddp
     strategy: str  # none | ddp | fsdp
+    padding_free: bool = False  # micro-batches laid end to end, on keel's varlen attention
 
 
 def replica_bytes(model: nn.Module) -> int:
@@ -110,19 +112,36 @@ def build_training_model(
     ok, why = dist.broadcast_object(objective.check_fast_head(dist.device))
     objective.fast_head = ok
     log(f"loss head: {'fast' if ok else 'full Hugging Face forward'} ({why})")
+    padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
     if needs_reference_copy(cfg):
         log(
             "reference model: a frozen copy of the base"
             + (" (sharded)" if strategy == "fsdp" else "")
         )
-        objective._reference = (
-            build_reference_copy(
-                cfg, model_dir, dist, precision, sharded=strategy == "fsdp", fast_head=ok
-            ),
+        reference = build_reference_copy(
+            cfg, model_dir, dist, precision, sharded=strategy == "fsdp", fast_head=ok
         )
+        if padding_free:  # it scores the same concatenated rows
+            use_attention(reference.model, VARLEN_ATTENTION)
+        objective._reference = (reference,)
     if strategy == "ddp":
         objective = apply_ddp(objective, dist)
-    return TrainingModel(model=model, objective=objective, strategy=strategy)
+    return TrainingModel(
+        model=model, objective=objective, strategy=strategy, padding_free=padding_free
+    )
+
+
+def _padding_free(objective: CausalLMObjective, model: nn.Module, dist: DistContext, log) -> bool:
+    """Switch the model to keel's varlen attention if it gives the model's own logits on
+    samples laid end to end (rank 0's verdict for all ranks); say which way it went."""
+    ok, why = dist.broadcast_object(objective.check_varlen_attention(dist.device))
+    if ok:
+        register_varlen_attention()
+        use_attention(model, VARLEN_ATTENTION)
+        log(f"micro-batches: padding-free, samples laid end to end ({why})")
+    else:
+        log(f"micro-batches: right-padded; padding-free needs keel's varlen attention: {why}")
+    return ok
 
 
 def make_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
+from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
 
 # Logit magnitude of the probe's synthetic hidden states. A random or freshly initialised
 # model has |logit| ~ 0.1, where cap * tanh(x / cap) equals x to ~1e-7; trained models
@@ -29,12 +30,39 @@ PROBE_TOKENS = 8
 # (2^-7 relative) and fp16 (2^-10). Both sides run the same matmul, so agreeing models
 # usually differ by exactly 0; a post-processed head differs by tens of percent.
 PROBE_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# Sample lengths of the padding-free attention probe: two samples laid end to end, the
+# second longer than the first so that a leak across samples changes its logits.
+PROBE_SAMPLES = (5, 7)
 
 
 def causal_lm_of(model: nn.Module) -> nn.Module:
     """The Hugging Face *ForCausalLM module inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+def model_inputs(batch: dict, prefix: str = "") -> dict:
+    """The keyword arguments of a training forward for `batch`'s `prefix`ed sequences.
+
+    No attention mask and no cache: right padding is invisible to real tokens under causal
+    attention, packed samples are separated by their restarting position ids, and a
+    padding-free micro-batch (one concatenated row) carries its sample lengths for keel's
+    varlen attention.
+    """
+    inputs = dict(
+        input_ids=batch[f"{prefix}input_ids"],
+        position_ids=batch.get(f"{prefix}position_ids"),
+        use_cache=False,
+    )
+    seq_lens = batch.get(f"{prefix}seq_lens")
+    if seq_lens is not None:
+        inputs[SEQ_LENS] = seq_lens
+    return inputs
+
+
+def use_attention(model: nn.Module, implementation: str) -> None:
+    """Switch the causal LM inside `model` (PEFT or not) to an attention implementation."""
+    causal_lm_of(model).set_attn_implementation(implementation)
 
 
 class CausalLMObjective(nn.Module):
@@ -55,20 +83,19 @@ class CausalLMObjective(nn.Module):
         self.fast_head = fast_head
 
     def forward(
-        self, batch: dict[str, torch.Tensor], *, probe: bool = False
+        self, batch: dict[str, torch.Tensor], *, probe: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | dict:
-        """(loss_sum, num_targets); with `probe`, what `check_fast_head` compares.
+        """(loss_sum, num_targets); with `probe` ("head" or "attention"), what
+        `check_fast_head` or `check_varlen_attention` compares.
 
-        The probe goes through this forward so that, when the objective is the FSDP root
-        unit, FSDP's root hooks gather the output layer and final norm for it.
+        Probes go through this forward so that, when the objective is the FSDP root unit,
+        FSDP's root hooks gather the output layer and final norm for them.
         """
-        # No attention mask and no cache: right padding is invisible to real tokens under
-        # causal attention, and packed samples are separated by their restarting position ids.
-        inputs = dict(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        )
-        if probe:
-            return self._probe_logits(inputs)
+        if probe == "head":
+            return self._probe_logits(model_inputs(batch))
+        if probe == "attention":
+            return self._probe_attention(batch)
+        inputs = model_inputs(batch)
         targets = batch["targets"]  # [B, T], pre-shifted
         mask = targets != IGNORE_INDEX  # [B, T]
         num_targets = mask.sum()
@@ -102,15 +129,64 @@ class CausalLMObjective(nn.Module):
         input_ids = torch.randint(vocab, (1, PROBE_TOKENS), generator=generator)  # [1, T]
         positions = torch.arange(PROBE_TOKENS, device=device)[None]  # [1, T]
         batch = {"input_ids": input_ids.to(device), "position_ids": positions}
+        return _judge(self._run_probe(batch, "head"), "head")
+
+    def check_varlen_attention(self, device: torch.device | None = None) -> tuple[bool, str]:
+        """(ok, why): does keel's varlen attention (keel.models.attention) give the model's
+        own logits for samples laid end to end? Does not switch the model.
+
+        Two random samples (PROBE_SAMPLES tokens) run one at a time through the model's
+        own attention and once concatenated through VARLEN_ATTENTION, in eval mode without
+        autocast or grad; each sample's logits must agree to PROBE_RTOL of the compute
+        dtype. Only models on transformers' sdpa are candidates (flash_attention_2 handles
+        padding-free rows itself; eager is left as it is). Under FSDP every rank must call
+        it together.
+        """
+        implementation = causal_lm_of(self.model).config._attn_implementation
+        if implementation != "sdpa":
+            return False, f"the model's attention is {implementation}, not sdpa"
+        if device is None:
+            device = next(self.parameters()).device
+        vocab = _vocab_size(causal_lm_of(self.model))
+        generator = torch.Generator().manual_seed(2)
+        input_ids = torch.randint(vocab, (1, sum(PROBE_SAMPLES)), generator=generator)
+        positions = torch.cat([torch.arange(n) for n in PROBE_SAMPLES])[None]  # [1, T]
+        batch = {"input_ids": input_ids.to(device), "position_ids": positions.to(device)}
+        return _judge(self._run_probe(batch, "attention"), "attention")
+
+    def _run_probe(self, batch: dict, probe: str) -> dict:
         modes = [(m, m.training) for m in self.modules()]
         self.eval()  # no dropout, no gradient checkpointing, no router noise
         try:
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                found = self(batch, probe=True)
+            with torch.no_grad(), torch.autocast(batch["input_ids"].device.type, enabled=False):
+                return self(batch, probe=probe)
         finally:
             for module, training in modes:
                 module.training = training
-        return _judge(found)
+
+    def _probe_attention(self, batch: dict) -> dict:
+        """{"dtype", "checks": {sample: (own attention logits, varlen logits)}} or
+        {"error": why}."""
+        lm = causal_lm_of(self.model)
+        own = lm.config._attn_implementation
+        alone = []
+        start = 0
+        for n in PROBE_SAMPLES:
+            ids = batch["input_ids"][:, start : start + n]  # [1, n]
+            alone.append(self.model(input_ids=ids, use_cache=False).logits)  # [1, n, V]
+            start += n
+        register_varlen_attention()
+        use_attention(self.model, VARLEN_ATTENTION)
+        try:
+            inputs = model_inputs(batch | {"seq_lens": PROBE_SAMPLES})
+            together = self.model(**inputs).logits  # [1, T, V]
+        except (ValueError, TypeError, RuntimeError) as error:
+            return {"error": f"keel's varlen attention does not run on this model: {error}"}
+        finally:
+            use_attention(self.model, own)
+        pieces = together.split(PROBE_SAMPLES, dim=1)
+        checks = {f"sample {i + 1}": (a, b) for i, (a, b) in enumerate(zip(alone, pieces))}
+        return {"dtype": together.dtype, "checks": checks}
 
     def _probe_logits(self, inputs: dict) -> dict:
         """{"dtype": compute dtype, "checks": {name: (forward logits, fast-head logits)}}, or
@@ -153,8 +229,16 @@ def _vocab_size(lm: nn.Module) -> int:
     return getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
 
 
-def _judge(found: dict) -> tuple[bool, str]:
-    """(ok, why) from what `_probe_logits` found."""
+_MISMATCH = {
+    "head": "the model's forward is not output_embeddings(decoder hidden state) at {where}: "
+    "it post-processes its logits or runs more than the decoder",
+    "attention": "keel's varlen attention differs from the model's own attention at {where}: "
+    "it does more than causal attention within each sample",
+}
+
+
+def _judge(found: dict, probe: str) -> tuple[bool, str]:
+    """(ok, why) from what `_probe_logits` or `_probe_attention` found."""
     if "error" in found:
         return False, found["error"]
     dtype = found["dtype"]
@@ -169,9 +253,5 @@ def _judge(found: dict) -> tuple[bool, str]:
             failed.append(name)
     report = f"{'; '.join(seen)}; tolerance rel {rtol:g} ({str(dtype).removeprefix('torch.')})"
     if failed:
-        return False, (
-            f"the model's forward is not output_embeddings(decoder hidden state) "
-            f"at {' and '.join(failed)}: it post-processes its logits or runs more "
-            f"than the decoder; {report}"
-        )
+        return False, f"{_MISMATCH[probe].format(where=' and '.join(failed))}; {report}"
     return True, report

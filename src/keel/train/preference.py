@@ -28,7 +28,7 @@ from torch import nn
 from keel.config.schema import PreferenceConfig
 from keel.losses import preference as losses
 from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
-from keel.train.objective import CausalLMObjective, causal_lm_of
+from keel.train.objective import CausalLMObjective, causal_lm_of, model_inputs
 
 PAIR_METRICS = (
     "rewards/chosen",
@@ -81,11 +81,7 @@ def score_sequences(
     their count is the length of `labels`. No attention mask and no cache, as for SFT: rows
     are right-padded and packed sequences are separated by their restarting position ids.
     """
-    inputs = dict(
-        input_ids=batch[f"{prefix}input_ids"],
-        position_ids=batch.get(f"{prefix}position_ids"),
-        use_cache=False,
-    )
+    inputs = model_inputs(batch, prefix)
     targets = batch[f"{prefix}targets"]  # [B, T]
     mask = targets != IGNORE_INDEX  # [B, T]
     if fast_head:
@@ -164,9 +160,9 @@ class PreferenceObjective(CausalLMObjective):
         """KTO's reference point z0 for the micro-batches that follow: max(0, mean KL)."""
         self.kl_reference_point = torch.tensor(max(0.0, value))
 
-    def forward(self, batch: dict, *, probe: bool = False, mode: str = "loss"):
+    def forward(self, batch: dict, *, probe: str | None = None, mode: str = "loss"):
         if probe:
-            return super().forward(batch, probe=True)
+            return super().forward(batch, probe=probe)
         if mode == "statistic":
             return self._kl_statistic(batch)
         if mode == "reference":

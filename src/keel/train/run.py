@@ -185,6 +185,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         max_grad_norm=cfg.train.max_grad_norm,
         dist=dist,
         progress=env.watchdog.progress,
+        padding_free=built.padding_free,
     )
     references = None
     if reference_mode(cfg.train.stage, cfg.preference) == "precompute":
@@ -389,6 +390,10 @@ class _Loop:
                         "lr": result.lr,
                         "grad_norm": reduced.grad_norms[-1],
                         "tokens_per_s": tokens_per_s,
+                        # the logging window's (real tokens, seconds): steps since the last
+                        # logged one, so benchmarks can leave out the warm-up step
+                        "real_tokens": window["real"],
+                        "step_seconds": round(window["seconds"], 4),
                         "target_tokens": result.target_tokens,
                         **memory_now(),
                     }

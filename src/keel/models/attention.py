@@ -1,0 +1,90 @@
+"""Attention over samples laid end to end: what makes padding-free micro-batches exact.
+
+A padding-free micro-batch is its rows concatenated into one row, position ids restarting
+with each sample. Attention must then stay inside each sample. Transformers' sdpa path
+does that with a block-diagonal [T, T] mask built from the position ids, which on a CPU
+computes every block (the mask hides what the kernel still multiplies) and reads the
+position ids back to find the blocks. `sdpa_varlen` instead runs causal sdpa on each
+sample's slice of q, k and v, with lengths the collator computed on the host: the work of
+the unpadded samples, nothing on padding or across samples, no mask, no device sync.
+
+It is registered with transformers' AttentionInterface as VARLEN_ATTENTION; a model is
+switched to it only after `CausalLMObjective.check_varlen_attention` has compared it with
+the model's own attention on two samples laid end to end, so a family whose attention does
+more (soft-capping, sinks, its own sdpa call) keeps padded micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARLEN_ATTENTION = "keel_sdpa_varlen"
+# The model-call keyword that carries the sample lengths of the one concatenated row
+SEQ_LENS = "keel_seq_lens"
+# Keywords some families pass to their attention function that change what it computes;
+# sdpa_varlen refuses them rather than ignoring them (sliding windows it implements).
+_UNSUPPORTED = ("softcap", "s_aux", "sinks")
+
+
+def sdpa_varlen(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each sample of a row; transformers' attention signature.
+
+    query [B, H, T, D], key and value [B, Hkv, T, D] (grouped-query heads are shared by
+    sdpa itself, not repeated). `kwargs[SEQ_LENS]`: the lengths of the samples of a single
+    row (B == 1), summing to T; absent, the rows are independent causal sequences (right
+    padding is invisible to real tokens). A `sliding_window` applies within each sample,
+    as transformers defines it. Returns ([B, T, H, D], None).
+    """
+    used = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if used or attention_mask is not None or not getattr(module, "is_causal", True):
+        raise ValueError(
+            f"{VARLEN_ATTENTION} computes plain causal attention; this model's attention "
+            f"also uses {used or ['an attention mask' if attention_mask is not None else 'non-causal attention']}"
+        )
+    grouped = query.shape[1] != key.shape[1]
+    window = kwargs.get("sliding_window")
+
+    def attend(q, k, v):
+        n = q.shape[2]
+        if window is None or n <= window:  # the window reaches the sample's start
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped
+            )
+        # transformers' sliding window: query i sees keys j with i - window < j <= i
+        i = torch.arange(n, device=q.device)
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [n, n]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=seen, dropout_p=dropout, scale=scaling, enable_gqa=grouped
+        )
+
+    seq_lens = kwargs.get(SEQ_LENS)
+    if not seq_lens or len(seq_lens) == 1:
+        output = attend(query, key, value)  # [B, H, T, D]
+    else:
+        if query.shape[0] != 1 or sum(seq_lens) != query.shape[2]:
+            raise ValueError(
+                f"{SEQ_LENS} {tuple(seq_lens)} does not describe one row of "
+                f"{query.shape[2]} tokens (batch {query.shape[0]})"
+            )
+        # split (not slicing) so that backward concatenates the gradients once
+        pieces = zip(query.split(seq_lens, 2), key.split(seq_lens, 2), value.split(seq_lens, 2))
+        output = torch.cat([attend(q, k, v) for q, k, v in pieces], dim=2)  # [1, H, T, D]
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register_varlen_attention() -> None:
+    """Make VARLEN_ATTENTION a name transformers' models accept (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, sdpa_varlen)
