@@ -51,6 +51,17 @@ def build_tiny_tokenizer():
     return fast
 
 
+# Shape of the tiny decoders tests build from a config (any family): 2 layers, grouped-query
+# attention (4 query heads, 2 key/value heads).
+TINY_DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 def build_tiny_model(vocab_size: int, seed: int = 0, layers: int = 2):
     """A random 2-layer Llama small enough to train in milliseconds on a CPU."""
     import torch

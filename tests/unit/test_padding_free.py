@@ -8,6 +8,7 @@ attention without the sample lengths lets samples see each other and moves the l
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_DECODER
 
 from keel.data import collate
 from keel.data.batching import merge_rows, sample_lengths
@@ -25,11 +26,7 @@ def tiny_llama(**overrides):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         max_position_embeddings=128,
         **{"attn_implementation": "sdpa", **overrides},
     )
@@ -181,11 +178,7 @@ def test_sliding_window_applies_within_each_sample():
     torch.manual_seed(0)
     config = MistralConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         sliding_window=4,
         attn_implementation="sdpa",
     )
@@ -208,11 +201,7 @@ def test_probe_refuses_attention_that_does_more():
     torch.manual_seed(0)
     config = StableLmConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DECODER,
         attn_implementation="sdpa",
     )
     objective = CausalLMObjective(StableLmForCausalLM(config))
