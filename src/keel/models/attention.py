@@ -46,11 +46,15 @@ def sdpa_varlen(
     padding is invisible to real tokens). A `sliding_window` applies within each sample,
     as transformers defines it. Returns ([B, T, H, D], None).
     """
-    used = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
-    if used or attention_mask is not None or not getattr(module, "is_causal", True):
+    extras = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if attention_mask is not None:
+        extras.append("an attention mask")
+    if not getattr(module, "is_causal", True):
+        extras.append("non-causal attention")
+    if extras:
         raise ValueError(
             f"{VARLEN_ATTENTION} computes plain causal attention; this model's attention "
-            f"also uses {used or ['an attention mask' if attention_mask is not None else 'non-causal attention']}"
+            f"also uses {', '.join(extras)}"
         )
     grouped = query.shape[1] != key.shape[1]
     window = kwargs.get("sliding_window")
