@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from trl_cpu import cpu_trainer_args, load_model, lora_config
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples/data/preference/train.jsonl"
 MODEL = "bundled:smollm2-135m-instruct"
@@ -100,8 +102,7 @@ def run_keel(data: Path, steps: int, work: Path, threads: int) -> dict:
 def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     from keel.models import resolve_model_path
@@ -114,27 +115,16 @@ def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
         output_dir=str(work / "trl-out"),
         max_length=MAX_LEN,
         per_device_train_batch_size=PAIRS,
-        gradient_accumulation_steps=1,
         learning_rate=LR,
-        lr_scheduler_type="cosine",
         max_steps=steps,
         beta=BETA,
         loss_type=["sigmoid"],
         precompute_ref_log_probs=False,
         train_sampling_strategy="sequential",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        seed=SEED,
-        dataloader_num_workers=0,
+        **cpu_trainer_args(SEED),
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = load_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = _counting_trainer(DPOTrainer)(
         model=model,
@@ -142,13 +132,7 @@ def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
         args=args,
         train_dataset=Dataset.from_list(load_pairs(data)),
         processing_class=tokenizer,
-        peft_config=LoraConfig(
-            r=16,
-            lora_alpha=32,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=lora_config(),
         callbacks=[timer.callback],
     )
     trainer.train()

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import yaml
+from trl_cpu import cpu_trainer_args, load_model, lora_config
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bundled:smollm2-135m-instruct"
@@ -117,10 +118,8 @@ def keel_steps(work: Path) -> list[tuple[int, float]]:
 
 def trl_worker(data: Path, work: Path, precision: str, packed: bool) -> None:
     """Train with TRL in this process; print the steps' (real tokens, seconds)."""
-    import torch
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     folder = model_dir()
@@ -157,36 +156,19 @@ def trl_worker(data: Path, work: Path, precision: str, packed: bool) -> None:
         max_length=MAX_LEN,
         packing=packed,
         per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=1,
         learning_rate=LR,
-        lr_scheduler_type="cosine",
         num_train_epochs=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         bf16=precision != "fp32",
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        seed=SEED,
         completion_only_loss=True,
-        dataloader_num_workers=0,
+        **cpu_trainer_args(SEED),
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="sdpa"
-    )
+    model = load_model(folder)
     trainer = CountingSFTTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=AutoTokenizer.from_pretrained(folder),
-        peft_config=LoraConfig(
-            r=16,
-            lora_alpha=32,
-            lora_dropout=0.0,
-            target_modules="all-linear",
-            task_type="CAUSAL_LM",
-        ),
+        peft_config=lora_config(),
         callbacks=[StepTimer()],
     )
     trainer.train()
