@@ -17,7 +17,7 @@ $(VENV)/.base-installed: pyproject.toml
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.base-installed
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,qlora,bnb]'
 	touch $@
 
 install: $(VENV)/.base-installed

@@ -37,10 +37,28 @@ class FreezeConfig:
 
 
 @dataclass(kw_only=True)
+class QloraConfig:
+    # Used with method.type qlora (LoRA as in method.lora, on a quantised frozen base)
+    quant: Literal["nf4"] = "nf4"  # the frozen base linear layers' storage
+    # dtype the base weights are dequantised to for each matmul; auto: bfloat16 when
+    # training in bf16 (or fp16 on a GPU without bf16: float16), else float32
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # torchao: NF4 tensors (one process, DDP, FSDP2); bnb: bitsandbytes Linear4bit (one
+    # process and DDP only)
+    quant_backend: Literal["torchao", "bnb"] = "torchao"
+
+
+@dataclass(kw_only=True)
 class MethodConfig:
-    type: Literal["full", "freeze", "lora"] = "lora"
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    type: Literal["full", "freeze", "lora", "qlora"] = "lora"
+    lora: LoraConfig = field(default_factory=LoraConfig)  # lora and qlora
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
+    qlora: QloraConfig = field(default_factory=QloraConfig)
+
+    @property
+    def uses_lora(self) -> bool:
+        """LoRA adapters on a frozen base (lora, or qlora on a quantised base)."""
+        return self.type in ("lora", "qlora")
 
 
 @dataclass(kw_only=True)
@@ -99,7 +117,12 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     seed: int = 42
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    gradient_checkpointing: bool = False
+    # Recompute each decoder layer's activations in backward; offload: also keep the saved
+    # layer inputs in pinned host memory until backward (GPU; on a CPU it is plain true)
+    gradient_checkpointing: bool | Literal["offload"] = False
+    # adamw: fp32 moments; adamw_8bit / adamw_4bit: torchao's block-quantised moments
+    # (~4x / ~8x less optimizer memory; the first step compiles them, needs a C compiler)
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit"] = "adamw"
     # Lay each micro-batch's samples end to end in one row (no compute on padding; the same
     # samples per step, so the same loss) where the model's attention allows it (probed at
     # set-up); false: right-padded rows
