@@ -67,6 +67,8 @@ def reference(workspace):
         ("fsdp", "lora", ()),
         ("ddp", "full", PACK_AND_CHECKPOINT),
         ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
+        ("ddp", "qlora", ()),
+        ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
     ],
     ids=[
         "ddp-lora",
@@ -74,6 +76,9 @@ def reference(workspace):
         "fsdp-lora",
         "ddp-full-packed-ckpt",
         "fsdp-lora-packed-ckpt-merged",
+        # NF4 base: each process quantises its rows to what one process quantises
+        "ddp-qlora",
+        "fsdp-qlora-packed-ckpt-merged",
     ],
 )
 def test_two_processes_match_one(workspace, reference, strategy, method, extra):

@@ -58,12 +58,25 @@ def _check_method(cfg: RunConfig) -> list[str]:
             "method.freeze.trainable_layers",
             allow_zero=bool(freeze.trainable_modules),
         )
-    if cfg.output.merge_lora and cfg.method.type != "lora":
+    if cfg.output.merge_lora and not cfg.method.uses_lora:
         problems.append(
-            f"output.merge_lora = true needs method.type = lora "
+            f"output.merge_lora = true needs method.type = lora or qlora "
             f"(it is {cfg.method.type}); remove output.merge_lora"
         )
+    if cfg.method.type == "qlora" and cfg.method.qlora.quant_backend == "bnb":
+        if cfg.distributed.strategy == "fsdp":
+            problems.append(BNB_UNDER_FSDP)
     return problems
+
+
+# Measured with bitsandbytes 0.50 (issue 13): wrong results, not an error, so keel refuses.
+BNB_UNDER_FSDP = (
+    "method.qlora.quant_backend = bnb cannot run under distributed.strategy = fsdp: "
+    "bitsandbytes' 4-bit weights shard correctly only when their storage dtype equals "
+    "FSDP2's parameter dtype (with fp32 storage and a bf16 policy training is silently "
+    "wrong, accelerate#3983), and its optimizers fail on sharded tensors; use "
+    "quant_backend torchao (NF4 built for FSDP2), or distributed.strategy ddp"
+)
 
 
 def _check_data(cfg: RunConfig) -> list[str]:

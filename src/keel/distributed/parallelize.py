@@ -20,9 +20,13 @@ from torch.nn.parallel import DistributedDataParallel
 from keel.distributed.process_group import DistContext
 
 
-def apply_ddp(module: nn.Module, ctx: DistContext) -> nn.Module:
-    """Wrap `module` in DDP. Its parameters are broadcast from rank 0 at construction."""
+def apply_ddp(module: nn.Module, ctx: DistContext, ignore: list[str] = ()) -> nn.Module:
+    """Wrap `module` in DDP. Its parameters are broadcast from rank 0 at construction,
+    except those named in `ignore` (frozen weights every rank loaded identically, in a
+    layout the broadcast cannot send, e.g. QLoRA's NF4 base)."""
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     # Frozen parameters (LoRA, freeze) never get gradients; DDP skips them on its own since
     # it only registers hooks for parameters that require grad. Gradients as views into the
     # all-reduce buckets: otherwise DDP holds a second full copy of them (measured +1.5 GB

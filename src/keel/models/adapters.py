@@ -40,8 +40,8 @@ def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print)
     """Mark what trains according to `method.type` and return the model to train.
 
     full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
-    modules named in `trainable_modules`. lora: a PEFT LoRA wrapper (a new PeftModel
-    around `model`). Anything `method_problems` finds raises one ModelError listing it all.
+    modules named in `trainable_modules`. lora and qlora: a PEFT LoRA wrapper (a new
+    PeftModel around `model`; qlora's base is quantised later, by keel.quant). Anything `method_problems` finds raises one ModelError listing it all.
     """
     problems = method_problems(model, method)
     if problems:
@@ -73,9 +73,9 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
         return []
     if method.type == "freeze":
         return _freeze_problems(model, method.freeze)
-    if method.type == "lora":
+    if method.uses_lora:
         return _lora_problems(model, method.lora)
-    return [f"method.type = {method.type!r} is not one of full, freeze, lora"]
+    return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora"]
 
 
 _WHERE_LAYERS = "looked at model.get_decoder().layers and model.model.layers"

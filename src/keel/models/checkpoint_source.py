@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig
 from keel.distributed.checkpoint import (
     UnsafeCheckpointError,
     load_model_tensors,
@@ -107,6 +107,10 @@ def _method_of(saved: dict, path: Path) -> MethodConfig:
         kind = saved["type"]
         if kind == "lora":
             return MethodConfig(type=kind, lora=LoraConfig(**saved["lora"]))
+        if kind == "qlora":  # exported onto the full-precision base, as LoRA
+            return MethodConfig(
+                type=kind, lora=LoraConfig(**saved["lora"]), qlora=QloraConfig(**saved["qlora"])
+            )
         if kind == "freeze":
             return MethodConfig(type=kind, freeze=FreezeConfig(**saved["freeze"]))
         if kind == "full":

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from keel.errors import ModelError
+from keel.quant.nf4 import is_nf4
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -261,6 +262,14 @@ def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> 
                 module._buffers[name] = buf.to(device)
 
 
+def _fill_nf4(tensor, reader: CheckpointReader, key: str, region) -> None:
+    from keel.quant.nf4 import absmax_mean_of, fill_nf4
+
+    rows, cols = reader.shape(key)
+    mean = absmax_mean_of(lambda part: reader.get(key, (part,)), rows, cols, tensor.dtype)
+    fill_nf4(tensor, reader.get(key, region), mean)
+
+
 def fill_weights(
     model: nn.Module,
     model_dir: Path,
@@ -293,6 +302,9 @@ def fill_weights(
                         f"{name}: checkpoint shape {stored} differs from the "
                         f"model's {tuple(tensor.shape)} in {model_dir}"
                     )
+                elif is_nf4(tensor):  # QLoRA's base: quantise this process's rows
+                    _fill_nf4(tensor, reader, key, region)
+                    continue
                 else:
                     value = reader.get(key, region)
                 local(tensor).copy_(value)

@@ -45,7 +45,7 @@ def quantizable(rows: int, cols: int, world: int = 1) -> bool:
     if world == 1:
         return True
     blocks = rows * cols // NF4_BLOCK
-    return rows % world == 0 and (blocks // world) % size == 0
+    return rows % world == 0 and blocks % world == 0 and (blocks // world) % size == 0
 
 
 def nf4_bytes(rows: int, cols: int, compute_itemsize: int, world: int = 1) -> int:

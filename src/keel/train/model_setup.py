@@ -28,6 +28,8 @@ from keel.models.adapters import decoder_layers
 from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.models.offload import offload_activations
+from keel.quant.base import quantize_base, quantized_names
 from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention
 from keel.train.precision import Precision
 from keel.train.preference import PreferenceObjective, reference_mode
@@ -73,6 +75,8 @@ def build_training_model(
     )
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
+        if cfg.train.gradient_checkpointing == "offload":
+            offload_activations(model, dist.device, log)
     # The preflight has built this on the meta device too and logged what trains. New
     # adapter weights go on the meta device as well (keel fills them itself).
     with torch.device("meta"):
@@ -89,6 +93,8 @@ def build_training_model(
         strategy == "fsdp" and cfg.distributed.fsdp.cpu_offload
     )
     strategy = {"single": "none", "fsdp_offload": "fsdp"}.get(strategy, strategy)
+    if cfg.method.type == "qlora":
+        quantize_base(model, cfg.method.qlora, precision, dist, strategy, log)
     objective = make_objective(cfg, model)
     init_device = dist.device
     if strategy == "fsdp":
@@ -125,7 +131,7 @@ def build_training_model(
             use_attention(reference.model, VARLEN_ATTENTION)
         objective._reference = (reference,)
     if strategy == "ddp":
-        objective = apply_ddp(objective, dist)
+        objective = apply_ddp(objective, dist, ignore=quantized_names(objective))
     return TrainingModel(
         model=model, objective=objective, strategy=strategy, padding_free=padding_free
     )
@@ -159,7 +165,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
 def needs_reference_copy(cfg: RunConfig) -> bool:
     """DPO/KTO with a live reference and no LoRA to switch off: a frozen copy of the base."""
     mode = reference_mode(cfg.train.stage, cfg.preference)
-    return mode == "live" and cfg.method.type != "lora"
+    return mode == "live" and not cfg.method.uses_lora
 
 
 def _shard(

@@ -39,7 +39,7 @@ def write_final_outputs(
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
     full_state = None
     if built.strategy == "fsdp":
-        full_state = gather_full_state(built.model, trainable_only=cfg.method.type == "lora")
+        full_state = gather_full_state(built.model, trainable_only=cfg.method.uses_lora)
     summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy}
     if dist.is_main:
         tmp = out / ".tmp-final"
@@ -67,14 +67,15 @@ def write_final_outputs(
 def _save_model(
     cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path, full_state: dict | None, log
 ) -> None:
-    if full_state is None:  # one process or DDP: the live module holds full tensors
-        save_model_dir(model, tokenizer, tmp)
-        if cfg.output.merge_lora:
-            save_model_dir(model, tokenizer, tmp / "merged", merged=True)
-        return
+    # One process or DDP: the live module holds full tensors, and a LoRA merges in a copy.
+    # A QLoRA base is NF4: the adapter merges into the full-precision base instead.
+    merge_live = full_state is None and cfg.method.type != "qlora"
     save_model_dir(model, tokenizer, tmp, state_dict=full_state)
-    if cfg.output.merge_lora:
-        # The sharded live model cannot be merged in place: rebuild base + adapter on CPU.
+    if cfg.output.merge_lora and merge_live:
+        save_model_dir(model, tokenizer, tmp / "merged", merged=True)
+    elif cfg.output.merge_lora:
+        # A sharded or quantised live model cannot be merged in place: rebuild base +
+        # adapter on CPU, in the base's own precision.
         rebuilt, _ = load_for_inference(
             str(model_dir), str(tmp), cache_dir=cfg.model.cache_dir, log=log
         )

@@ -44,7 +44,9 @@ def run_identity(
 ) -> RunIdentity:
     config_bytes = (Path(model_dir) / "config.json").read_bytes()
     method = {"type": cfg.method.type}
-    if cfg.method.type in ("lora", "freeze"):
+    if cfg.method.uses_lora:
+        method["lora"] = dataclasses.asdict(cfg.method.lora)
+    if cfg.method.type in ("freeze", "qlora"):
         method[cfg.method.type] = dataclasses.asdict(getattr(cfg.method, cfg.method.type))
     return RunIdentity(
         model_path=str(Path(model_dir).resolve()),

@@ -1,0 +1,67 @@
+"""QLoRA at set-up: which backend stores the frozen base, in which compute dtype, and what
+the log says about it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from keel.config.schema import QloraConfig
+from keel.errors import ConfigError
+from keel.models.adapters import decoder_layers
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def compute_dtype(qlora: QloraConfig, precision: str) -> torch.dtype:
+    """The dtype NF4 weights are dequantised to: method.qlora.compute_dtype, or with auto
+    the training precision's matmul dtype (bf16 / fp16), else fp32."""
+    if qlora.compute_dtype != "auto":
+        return _DTYPES[qlora.compute_dtype]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strategy: str, log):
+    """Make the frozen linear weights of `model`'s decoder layers (still on the meta
+    device, LoRA applied) low-bit as method.qlora says; log what was and was not."""
+    dtype = compute_dtype(qlora, precision.name)
+    if dist.device.type == "cpu" and dtype == torch.float16:
+        raise ConfigError(
+            [
+                "method.qlora.compute_dtype = float16 is not supported on a CPU (slow or "
+                "missing fp16 matmuls); use bfloat16, float32 or auto"
+            ]
+        )
+    from keel.quant.nf4 import quantize_on_meta
+    from keel.train.objective import causal_lm_of
+
+    layers = decoder_layers(causal_lm_of(model))
+    world = dist.world_size if strategy == "fsdp" else 1
+    quantized, kept = quantize_on_meta(layers, dtype, world)
+    if not quantized:
+        raise ConfigError(
+            [
+                f"method.type = qlora: none of the model's frozen linear weights can be "
+                f"stored in NF4 ({len(kept)} kept: their sizes are not multiples of 64 "
+                f"values{' split evenly over the processes' if world > 1 else ''}); use "
+                f"method.type lora"
+            ]
+        )
+    short = sorted({name.replace(".base_layer", "").rsplit(".", 2)[-2] for name in quantized})
+    log(
+        f"QLoRA: {len(quantized)} frozen linear weights stored in NF4 (torchao; "
+        f"{', '.join(short)}), dequantised to {str(dtype).removeprefix('torch.')} per matmul"
+    )
+    if kept:
+        shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
+        reason = "do not split into whole NF4 blocks"
+        if world > 1:
+            reason += f" evenly over {world} processes"
+        log(f"QLoRA: {len(kept)} kept in {str(dtype).removeprefix('torch.')}: {shown} ({reason})")
+
+
+def quantized_names(module: nn.Module) -> list[str]:
+    """Qualified names of `module`'s low-bit (NF4) parameters."""
+    from keel.quant.nf4 import is_nf4
+
+    return [name for name, param in module.named_parameters() if is_nf4(param)]
