@@ -1,6 +1,7 @@
 """`keel plan`: per-device memory of each strategy from config.json alone (field note 2)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,14 @@ def test_72b_advice_says_what_fits_and_what_it_costs(qwen72b_plan):
     assert "distributed.fsdp.cpu_offload=true" in lines[0]
     assert "train.gradient_checkpointing=true" in lines[0]
     assert "GiB per node" in lines[0]  # offloaded state lives in host RAM
+    # Without CPU offload only QLoRA fits (NF4 base weights, ~0.56 bytes per parameter)
+    assert lines[1].startswith("without CPU offload: fsdp + qlora + checkpointing: ")
+    assert "method.type=qlora" in lines[1]
+    # Without QLoRA either, nothing fits without CPU offload: what would
+    no_qlora = replace(
+        qwen72b_plan, options=[o for o in qwen72b_plan.options if o.method != "qlora"]
+    )
+    lines = advice(no_qlora)
     assert lines[1] == "without CPU offload nothing fits here. What would:"
     more = [line for line in lines if "fsdp on " in line]
     assert more and more[0].endswith("GiB per device, fits") and "--nodes" in more[0]
@@ -202,8 +211,8 @@ def test_json_is_one_document_on_stdout(tmp_path, capsys):
     assert seen == {
         (s, m, c)
         for s in ("ddp", "fsdp", "fsdp_offload")
-        for m in ("full", "lora", "freeze")
-        for c in (False, True)
+        for m in ("full", "lora", "freeze", "qlora")
+        for c in (False, True, "offload")  # offloaded checkpointing: weighed on GPUs
     }
     assert doc["recommendation"] in doc["options"]
     assert doc["recommendation"]["method"] == "lora"

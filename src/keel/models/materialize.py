@@ -157,6 +157,9 @@ class CheckpointReader:
                 self._where[key] = (handle, 8 + header_len, info)
         self.model_dir = model_dir
 
+    def keys(self) -> list[str]:
+        return list(self._where)
+
     def shape(self, key: str) -> tuple[int, ...] | None:
         found = self._where.get(key)
         return None if found is None else tuple(found[2]["shape"])
@@ -291,6 +294,12 @@ def fill_weights(
         with torch.no_grad():
             for name, tensor in materialized_tensors(model):
                 key = checkpoint_key(name)
+                custom = getattr(
+                    model.get_submodule(name.rpartition(".")[0]), "keel_load_weight", None
+                )
+                if custom is not None and name.endswith(".weight"):  # e.g. a bnb 4-bit base
+                    custom(reader.get, key, reader.keys())
+                    continue
                 region = region_of(tensor)
                 stored = reader.shape(key)
                 if stored is None:
@@ -298,9 +307,16 @@ def fill_weights(
                     value = value if region is None else value[region]
                     initialised.append(name)
                 elif stored != tuple(tensor.shape):
+                    four_bit = reader.shape(f"{key}.quant_state.bitsandbytes__nf4") is not None
+                    hint = (
+                        "; the checkpoint is stored 4-bit by bitsandbytes: train it with "
+                        "method.type qlora and method.qlora.quant_backend bnb"
+                        if four_bit
+                        else ""
+                    )
                     raise ModelError(
                         f"{name}: checkpoint shape {stored} differs from the "
-                        f"model's {tuple(tensor.shape)} in {model_dir}"
+                        f"model's {tuple(tensor.shape)} in {model_dir}{hint}"
                     )
                 elif is_nf4(tensor):  # QLoRA's base: quantise this process's rows
                     _fill_nf4(tensor, reader, key, region)

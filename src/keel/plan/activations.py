@@ -224,9 +224,10 @@ def _group_bytes(
 class Saved:
     """Bytes saved for backward by one micro-batch."""
 
-    kept: int  # through all of forward and into backward
+    kept: int  # through all of forward and into backward (on the device)
     block: int  # one block's full set (recomputed in backward under checkpointing)
     checkpointing: bool
+    host: int = 0  # offloaded checkpointing: the blocks' saved inputs, in pinned host memory
 
     @property
     def peak(self) -> int:
@@ -244,8 +245,14 @@ def activation_bytes(
     checkpointing: bool,
     packed: bool,
     attn: str,
+    offload: bool = False,
 ) -> Saved:
-    """What one micro-batch of `tokens` tokens (`seq` per row) saves for backward."""
+    """What one micro-batch of `tokens` tokens (`seq` per row) saves for backward.
+
+    `offload` (with `checkpointing`; keel.models.offload): the inputs the checkpointed
+    blocks keep wait in pinned host memory, except the one block's being recomputed. The
+    pinned allocator rounds each to a power of two (and caches the blocks).
+    """
     h, r = shapes.hidden, regime.residual
     flows = grad_path(census)
     into = [census.embeddings_trainable, *flows[:-1]]  # does a gradient reach its input?
@@ -262,7 +269,18 @@ def activation_bytes(
         per_token += r * h  # the positions with a target, gathered for the loss
     per_token += 2 * 4 * shapes.head_dim + _BATCH_BYTES_PER_TOKEN
     block = tokens * max(blocks, default=0)
-    return Saved(kept=tokens * per_token, block=block, checkpointing=checkpointing)
+    host = 0
+    if offload and checkpointing and blocks:
+        one_input = tokens * r * h
+        host = len(blocks) * _pinned_bytes(one_input)
+        per_token -= len(blocks) * r * h
+        block += one_input  # the recomputed block's input, back on the device
+    return Saved(kept=tokens * per_token, block=block, checkpointing=checkpointing, host=host)
+
+
+def _pinned_bytes(nbytes: int) -> int:
+    """What PyTorch's pinned host allocator takes for `nbytes` (the next power of two)."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def loss_bytes(
@@ -318,7 +336,9 @@ def autocast_copy_bytes(
     trainable = frozen_max = frozen_sum = 0
     for layer, flow in zip(census.layers, grad_path(census)):
         trainable += sum(m.weight_numel for m in layer.linears if m.trainable)
-        frozen = sum(m.weight_numel for m in layer.linears if not m.trainable) if flow else 0
+        # QLoRA's frozen linears are already NF4 or in the compute dtype: no copies
+        held = flow and census.method != "qlora"
+        frozen = sum(m.weight_numel for m in layer.linears if not m.trainable) if held else 0
         frozen_max, frozen_sum = max(frozen_max, frozen), frozen_sum + frozen
     frozen_kept = frozen_max if checkpointing else frozen_sum
     return c * (trainable + frozen_kept + adapters + shapes.vocab * shapes.hidden)

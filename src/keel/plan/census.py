@@ -21,13 +21,14 @@ from torch import nn
 from keel.config import RunConfig
 from keel.config.schema import BUNDLED_PREFIX, MethodConfig
 from keel.errors import ModelError
+from keel.quant.layout import nf4_bytes, quantizable
 
 ROOT = -1  # unit index of the parameters left to the root FSDP unit
 
-# Methods the plan weighs, in the order alternatives are suggested. An extension point:
-# QLoRA joins here once keel.models can build it; its census differs only in the frozen
-# base weights' bytes (4-bit blocks plus their scales), which `TensorInfo.itemsize` carries.
-METHODS = ("full", "lora", "freeze")
+# Methods the plan weighs, in the order alternatives are suggested. QLoRA's census is
+# LoRA's with the frozen linear weights of the decoder layers in NF4 (`TensorInfo.nf4`);
+# it comes last: the lightest, but it changes the numerics.
+METHODS = ("full", "lora", "freeze", "qlora")
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,14 @@ class TensorInfo:
     trainable: bool
     unit: int  # FSDP unit index (ROOT for the root); buffers are never sharded
     buffer: bool = False
+    # QLoRA's frozen linear weights: NF4 where keel.quant.layout.quantizable (over the
+    # ranks that split it), else kept in the compute dtype, whose size `itemsize` is then
+    nf4: bool = False
 
     @property
     def nbytes(self) -> int:
+        if self.nf4 and quantizable(*self.shape):
+            return nf4_bytes(*self.shape, self.itemsize)
         return math.prod(self.shape) * self.itemsize
 
     def shard_bytes(self, world: int, rank: int = 0, *, padded: bool = True) -> int:
@@ -49,10 +55,13 @@ class TensorInfo:
 
         FSDP2 splits dim 0 into chunks of ceil(rows / world) (torch.chunk), so the last
         ranks may hold fewer rows or none. Parameters and gradients are stored padded to a
-        full chunk; optimizer state (zeros_like of the unpadded local shard) is not.
+        full chunk; optimizer state (zeros_like of the unpadded local shard) is not. An NF4
+        weight splits into equal shards (keel.quant.layout).
         """
         if self.buffer or not self.shape:
             return self.nbytes
+        if self.nf4 and quantizable(*self.shape, world):
+            return nf4_bytes(*self.shape, self.itemsize, world)
         rows = self.shape[0]
         chunk = -(-rows // world)
         held = chunk if padded else max(0, min(chunk, rows - rank * chunk))
@@ -111,7 +120,7 @@ class Census:
         bfloat16 under LoRA (PEFT keeps the adapters in fp32)."""
         tensors = [
             replace(t, itemsize=itemsize)
-            if not (t.trainable or t.buffer) and t.itemsize == 4
+            if not (t.trainable or t.buffer or t.nf4) and t.itemsize == 4
             else t
             for t in self.tensors
         ]
@@ -121,6 +130,19 @@ class Census:
             tensors=tensors,
             param_itemsize=itemsize if frozen_embeddings else self.param_itemsize,
         )
+
+    def unit_gathered_bytes(self, unit: int, itemsize: int, world: int) -> int:
+        """Bytes of `unit`'s weights gathered by FSDP2 on `world` ranks at `itemsize`;
+        NF4 weights gather their packed bytes (keel.quant.nf4)."""
+        total = 0
+        for t in self.tensors:
+            if t.unit != unit or t.buffer:
+                continue
+            if t.nf4 and quantizable(*t.shape, world):
+                total += nf4_bytes(*t.shape, t.itemsize)
+            else:
+                total += math.prod(t.shape) * itemsize
+        return total
 
     def unit_numel(self, unit: int, *, trainable_only: bool = False) -> int:
         return sum(
@@ -193,9 +215,14 @@ def take_census(
     method: MethodConfig,
     *,
     copy_first: bool = True,
+    precision: str = "fp32",
     log: Callable[[str], None] = lambda _m: None,
 ) -> Census:
-    """Apply `method` to (a copy of) the meta model `base` and count what it holds."""
+    """Apply `method` to (a copy of) the meta model `base` and count what it holds.
+
+    `precision` (resolved train.precision) sets QLoRA's compute dtype when
+    method.qlora.compute_dtype is auto.
+    """
     from keel.models import apply_method
 
     model = copy.deepcopy(base) if copy_first else base
@@ -204,7 +231,41 @@ def take_census(
     # weights would otherwise be created and initialised in RAM first).
     with torch.device("meta"):
         model = apply_method(model, method, log=log)
-    return _count(model, method.type)
+    census = _count(model, method.type)
+    if method.type == "qlora":
+        census = _with_nf4(census, model, qlora_compute_itemsize(method, precision))
+    return census
+
+
+def qlora_compute_itemsize(method: MethodConfig, precision: str) -> int:
+    """Bytes per element of QLoRA's compute dtype (what NF4 weights dequantise to, and
+    what the weights NF4 cannot hold are kept in): method.qlora.compute_dtype, or with
+    auto the training precision's (2 under bf16/fp16, else 4)."""
+    named = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if method.qlora.compute_dtype != "auto":
+        return named[method.qlora.compute_dtype]
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
+def _with_nf4(census: Census, model: nn.Module, compute_itemsize: int) -> Census:
+    """QLoRA: the frozen nn.Linear weights inside the decoder layers (LoRA's base layers and
+    the linears LoRA does not target; not the embeddings or the output layer) in NF4, as
+    keel.quant stores them."""
+    from keel.models.adapters import decoder_layers
+
+    get_base = getattr(model, "get_base_model", None)
+    lm = get_base() if callable(get_base) else model
+    frozen = {
+        id(module.weight)
+        for module in decoder_layers(lm).modules()
+        if type(module) is nn.Linear and not module.weight.requires_grad
+    }
+    params = list(model.parameters())  # the order _count lists them in
+    tensors = [
+        replace(t, itemsize=compute_itemsize, nf4=True) if id(p) in frozen else t
+        for t, p in zip(census.tensors, params)
+    ]
+    return replace(census, tensors=tensors + census.tensors[len(params) :])
 
 
 def method_variants(method: MethodConfig) -> list[MethodConfig]:

@@ -15,6 +15,9 @@ Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
   autocast's weight copies without FSDP;
 - overhead: the process's fixed cost (keel.plan.devices).
 fsdp_offload keeps params, grads and optimizer state in host memory (GPUs only).
+Checkpointing is off (False), on (True) or "offload" (train.gradient_checkpointing's
+values): offload keeps the checkpointed blocks' inputs in host memory on a GPU, and is
+plain checkpointing on a CPU. QLoRA's NF4 weights: keel.plan.census.
 
 The total is the step's peak, not the sum of the components: the loss's peak (logits),
 a checkpointed block's recomputation (part of activations) and FSDP2's gradient buffers
@@ -25,6 +28,7 @@ come at different times in backward, and gradients appear as backward frees acti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from keel.plan.activations import (
@@ -82,8 +86,8 @@ class Breakdown:
 @dataclass(frozen=True)
 class Option:
     strategy: str  # single | ddp | fsdp | fsdp_offload
-    method: str  # full | freeze | lora
-    gradient_checkpointing: bool
+    method: str  # full | freeze | lora | qlora
+    gradient_checkpointing: bool | str  # False | True | "offload"
     per_device: Breakdown
     host_bytes: int  # host RAM of one process: loading, plus offloaded state
     fits: bool
@@ -117,7 +121,7 @@ def estimate(
     work: Workload,
     *,
     strategy: str,
-    checkpointing: bool,
+    checkpointing: bool | str,
 ) -> Option:
     """The per-device bytes of one option (see the module docstring)."""
     sharded = strategy.startswith("fsdp")
@@ -129,7 +133,7 @@ def estimate(
         cpu=devices.kind == "cpu",
     )
     params, grads, optimizer = state_bytes(census, strategy, devices.world)
-    if work.reference_copy and census.method != "lora":  # LoRA's reference is its base
+    if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
         params *= 2
     host_state = 0
     if strategy == "fsdp_offload":
@@ -140,9 +144,10 @@ def estimate(
         regime,
         tokens=work.tokens,
         seq=work.cutoff_len,
-        checkpointing=checkpointing,
+        checkpointing=bool(checkpointing),
         packed=work.packing,
         attn=work.attn,
+        offload=checkpointing == "offload" and devices.kind == "cuda",
     )
     gathered = regime.compute if mixed else census.param_itemsize
     logits = loss_bytes(
@@ -156,10 +161,10 @@ def estimate(
     head = shapes.vocab * shapes.hidden if census.head_trainable else 0
     more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
     if sharded:
-        always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward)
+        always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, devices.world)
         early = head * gathered if more_chunks else 0  # the root's, unsharded
     else:
-        always = autocast_copy_bytes(census, shapes, regime, checkpointing=checkpointing)
+        always = autocast_copy_bytes(census, shapes, regime, checkpointing=bool(checkpointing))
         late = 0
         early = grads if strategy == "ddp" else min(head * census.param_itemsize, grads)
         early = early if strategy == "ddp" or more_chunks else 0
@@ -173,7 +178,7 @@ def estimate(
     activations = saved.peak
     breakdown = Breakdown(params, grads, optimizer, activations, logits, buffers, overhead, total)
     host = devices.host_baseline_bytes + _read_buffer(census, work, devices.world, sharded)
-    host += host_state + (params if devices.kind == "cpu" else 0)
+    host += host_state + saved.host + (params if devices.kind == "cpu" else 0)
     return Option(
         strategy, census.method, checkpointing, breakdown, host, total <= devices.usable_bytes
     )
@@ -197,23 +202,26 @@ def _moving_peak(
     return max(at_loss, at_end)
 
 
-def _fsdp_buffers(census: Census, itemsize: int, reshard_after_forward: bool) -> tuple[int, int]:
-    """(gathered, gradient) buffer bytes of FSDP2 with weights gathered at `itemsize`."""
+def _fsdp_buffers(
+    census: Census, itemsize: int, reshard_after_forward: bool, world: int
+) -> tuple[int, int]:
+    """(gathered, gradient) buffer bytes of FSDP2 with weights gathered at `itemsize`
+    (NF4 weights gather their packed bytes)."""
     units = [*range(census.units), ROOT]
-    numel = {u: census.unit_numel(u) for u in units}
+    size = {u: census.unit_gathered_bytes(u, itemsize, world) for u in units}
     grads = {u: census.unit_numel(u, trainable_only=True) for u in units}
     # Units run in order (untied embeddings, then the blocks); FSDP2 prefetches the next
     # one while one runs, both ways, so two neighbours are gathered at once.
-    order = [numel[u] for u in range(census.units)]
+    order = [size[u] for u in range(census.units)]
     pair = max((a + b for a, b in zip(order, order[1:])), default=sum(order))
     if reshard_after_forward:
-        gathered = numel[ROOT] + pair
+        gathered = size[ROOT] + pair
     else:
-        gathered = sum(numel.values())
+        gathered = sum(size.values())
     # The root's unsharded gradients wait for the end of backward; each other unit's exist
     # with their fp32 reduce-scatter input until its reduce-scatter.
     reduce = grads[ROOT] * itemsize + max(grads.values()) * (itemsize + 4)
-    return gathered * itemsize, reduce
+    return gathered, reduce
 
 
 def _read_buffer(census: Census, work: Workload, world: int, sharded: bool) -> int:
@@ -222,6 +230,7 @@ def _read_buffer(census: Census, work: Workload, world: int, sharded: bool) -> i
     for t in census.tensors:
         if t.buffer:
             continue
-        held = t.shard_bytes(world) if sharded else t.nbytes
-        largest = max(largest, held // t.itemsize * work.checkpoint_itemsize)
+        rows = -(-t.shape[0] // world) if sharded and t.shape else None
+        numel = math.prod(t.shape) if rows is None else rows * math.prod(t.shape[1:])
+        largest = max(largest, numel * work.checkpoint_itemsize)
     return largest

@@ -23,6 +23,9 @@ from keel.plan.census import (
 from keel.plan.devices import DeviceSpec
 from keel.plan.estimate import STRATEGIES, Option, Workload, estimate, strategies_for
 
+# train.gradient_checkpointing's values, in the order the recommendation prefers them
+CHECKPOINTING = (False, True, "offload")
+
 
 class DoesNotFit(KeelError):
     """The configured run needs more memory per device than the devices have."""
@@ -35,7 +38,7 @@ class Plan:
     devices: DeviceSpec
     work: Workload
     method: str  # configured
-    checkpointing: bool  # configured
+    checkpointing: bool | str  # configured: False | True | "offload"
     strategy: str | None  # configured (single | ddp | fsdp | fsdp_offload); None: auto
     options: list[Option]
     recommendation: Option | None
@@ -50,7 +53,7 @@ class Plan:
     def trainable_params(self) -> int:
         return self.censuses[self.method].trainable_params
 
-    def option_for(self, strategy: str, method: str, checkpointing: bool) -> Option | None:
+    def option_for(self, strategy: str, method: str, checkpointing: bool | str) -> Option | None:
         """The option with these settings, or None where it does not apply here."""
         for option in self.options:
             if (option.strategy, option.method, option.gradient_checkpointing) == (
@@ -65,7 +68,7 @@ class Plan:
         self,
         strategy: str,
         method: str,
-        checkpointing: bool,
+        checkpointing: bool | str,
         *,
         work: Workload | None = None,
         devices: DeviceSpec | None = None,
@@ -139,13 +142,14 @@ def plan_run(
     arch = read_architecture(cfg, model_dir, log=log)
     dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
     base = build_meta_model(arch, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
-    censuses = _censuses(base, cfg, log)
+    precision = precision or resolved_precision(cfg.train.precision, devices.kind)
+    censuses = _censuses(base, cfg, precision, log)
     on_disk = getattr(arch, "dtype", None) or dtype
     if isinstance(on_disk, str):
         on_disk = getattr(torch, on_disk)
     work = workload_of(
         cfg,
-        precision=precision or resolved_precision(cfg.train.precision, devices.kind),
+        precision=precision,
         checkpoint_itemsize=torch.empty((), dtype=on_disk).element_size(),
     )
     shapes = Shapes.from_config(arch)
@@ -153,7 +157,7 @@ def plan_run(
         estimate(census, shapes, devices, work, strategy=strategy, checkpointing=ckpt)
         for strategy in strategies_for(devices)
         for census in censuses.values()
-        for ckpt in (False, True)
+        for ckpt in checkpointing_for(devices, cfg.train.gradient_checkpointing)
     ]
     return Plan(
         devices=devices,
@@ -168,12 +172,22 @@ def plan_run(
     )
 
 
-def _censuses(base, cfg: RunConfig, log) -> dict[str, Census]:
+def checkpointing_for(devices: DeviceSpec, configured: bool | str) -> tuple[bool | str, ...]:
+    """The checkpointing choices to weigh: off and on; offload on GPUs (on a CPU it is
+    plain checkpointing, so only when configured)."""
+    if devices.kind == "cuda" or configured == "offload":
+        return CHECKPOINTING
+    return CHECKPOINTING[:2]
+
+
+def _censuses(base, cfg: RunConfig, precision: str, log) -> dict[str, Census]:
     variants = method_variants(cfg.method)
     censuses = {}
     for index, method in enumerate(variants):
         try:
-            censuses[method.type] = take_census(base, method, copy_first=index < len(variants) - 1)
+            censuses[method.type] = take_census(
+                base, method, copy_first=index < len(variants) - 1, precision=precision
+            )
         except ModelError as exc:
             if method.type == cfg.method.type:
                 raise
@@ -186,8 +200,9 @@ def _method_rank(method: str, configured: str) -> int:
 
 
 def recommend(options: list[Option], method: str) -> Option | None:
-    """The cheapest option that fits: the configured method if any of its options fits,
-    then fewer moving parts (single < ddp < fsdp < fsdp_offload), checkpointing last."""
+    """The cheapest option that fits: the configured method if any of its options fits
+    (else full, lora, freeze, then qlora, which changes the numerics), then fewer moving
+    parts (single < ddp < fsdp < fsdp_offload), checkpointing last (off < on < offload)."""
     fitting = [o for o in options if o.fits]
     return min(
         fitting,
@@ -195,7 +210,7 @@ def recommend(options: list[Option], method: str) -> Option | None:
         key=lambda o: (
             _method_rank(o.method, method),
             STRATEGIES.index(o.strategy),
-            o.gradient_checkpointing,
+            CHECKPOINTING.index(o.gradient_checkpointing),
         ),
     )
 
@@ -217,13 +232,20 @@ def changes(plan: Plan, option: Option) -> list[str]:
 
 
 def knob_changes(plan: Plan, option: Option) -> list[tuple[str, Option]]:
-    """From `option`, the changes besides strategy, method and checkpointing that would
-    make it fit (or the furthest each can go): bf16 frozen weights under LoRA, a smaller
-    micro-batch, a shorter cutoff length, more nodes."""
+    """From `option`, the changes besides strategy and method that would make it fit (or
+    the furthest each can go): offloaded checkpointing on a GPU, bf16 frozen weights under
+    LoRA, a smaller micro-batch, a shorter cutoff length, more nodes."""
     found = []
     work = plan.work
     census = plan.censuses[option.method]
-    if option.method == "lora" and census.param_itemsize == 4:
+    if option.gradient_checkpointing != "offload" and plan.devices.kind == "cuda":
+        found.append(
+            (
+                "train.gradient_checkpointing=offload (layer inputs in host memory)",
+                plan.estimate(option.strategy, option.method, "offload"),
+            )
+        )
+    if option.method in ("lora", "qlora") and census.param_itemsize == 4:
         found.append(
             (
                 "model.dtype=bfloat16 (frozen weights in bf16, adapters stay fp32)",
@@ -259,7 +281,7 @@ def knob_changes(plan: Plan, option: Option) -> list[tuple[str, Option]]:
     return found
 
 
-def more_devices(plan: Plan, method: str, checkpointing: bool) -> tuple[str, Option]:
+def more_devices(plan: Plan, method: str, checkpointing: bool | str) -> tuple[str, Option]:
     """FSDP2 on twice the devices, then four times, ... up to 64 times: the first count
     that fits, or the last. GPUs fill a node up to 8 before more nodes are added."""
     devices = plan.devices

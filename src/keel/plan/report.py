@@ -35,14 +35,24 @@ def _option_json(option: Option) -> dict:
 
 
 def describe(option: Option) -> str:
-    """`fsdp + lora + checkpointing`."""
+    """`fsdp + lora + checkpointing` (`+ offloaded checkpointing` with offload)."""
+    ckpt = option.gradient_checkpointing
     return " + ".join(
         [
             option.strategy,
             option.method,
-            *(["checkpointing"] if option.gradient_checkpointing else []),
+            *(
+                ["offloaded checkpointing" if ckpt == "offload" else "checkpointing"]
+                if ckpt
+                else []
+            ),
         ]
     )
+
+
+def checkpointing_word(value: bool | str) -> str:
+    """off | on | offload."""
+    return "offload" if value == "offload" else "on" if value else "off"
 
 
 def table(plan: Plan) -> str:
@@ -55,7 +65,7 @@ def table(plan: Plan) -> str:
             [
                 o.strategy,
                 o.method,
-                "on" if o.gradient_checkpointing else "off",
+                checkpointing_word(o.gradient_checkpointing),
                 *sizes,
                 f"{o.host_bytes / GIB:.2f}",
                 "yes" if o.fits else "no",
@@ -76,9 +86,11 @@ def summary(plan: Plan) -> str:
     """What the plan is for and what it assumes, above the table."""
     c = plan.censuses[plan.method]
     w = plan.work
+    nf4 = sum(t.nf4 for t in c.tensors)
+    quant = f", {nf4} frozen linear weights in NF4" if nf4 else ""
     return (
         f"model: {c.params:,} parameters ({c.trainable_params:,} trainable with "
-        f"{plan.method}); devices: {plan.devices.describe()}\n"
+        f"{plan.method}{quant}); devices: {plan.devices.describe()}\n"
         f"per device: micro-batch {w.micro_batch_size} x cutoff_len {w.cutoff_len} "
         f"tokens, precision {w.precision}, loss chunk {w.loss_chunk_size}"
         f"{', packing' if w.packing else ''}; sizes in GiB per device (host: RAM per "
@@ -186,7 +198,7 @@ def refusal(plan: Plan, option: Option) -> str:
     which = "configured" if plan.strategy else "most sharded"
     head = (
         f"the {which} strategy {option.strategy} ({option.method}, gradient "
-        f"checkpointing {'on' if option.gradient_checkpointing else 'off'}) needs "
+        f"checkpointing {checkpointing_word(option.gradient_checkpointing)}) needs "
         f"{gib(option.per_device.total)} GiB per device of "
         f"{gib(plan.devices.usable_bytes)} GiB usable ({USABLE_FRACTION:.0%} of "
         f"{gib(plan.devices.memory_bytes)} GiB, {plan.devices.world} device(s))"
@@ -205,6 +217,7 @@ def _smallest_fix(plan: Plan, option: Option) -> str:
     singles = [
         plan.option_for(option.strategy, option.method, True),
         *(plan.option_for(s, option.method, option.gradient_checkpointing) for s in later),
+        plan.option_for(option.strategy, option.method, "offload"),
         plan.option_for(option.strategy, "lora", option.gradient_checkpointing),
     ]
     for candidate in [*singles, plan.recommendation]:
@@ -231,6 +244,13 @@ def lighter(plan: Plan, option: Option, most: int = 4) -> list[str]:
                 plan.estimate(option.strategy, option.method, True),
             )
         )
+    if option.gradient_checkpointing != "offload" and plan.devices.kind == "cuda":
+        candidates.append(
+            (
+                "train.gradient_checkpointing=offload",
+                plan.estimate(option.strategy, option.method, "offload"),
+            )
+        )
     for key, name in (
         ("train.micro_batch_size", "micro_batch_size"),
         ("data.cutoff_len", "cutoff_len"),
@@ -253,6 +273,13 @@ def lighter(plan: Plan, option: Option, most: int = 4) -> list[str]:
             (
                 "method.type=lora",
                 plan.estimate(option.strategy, "lora", option.gradient_checkpointing),
+            )
+        )
+    if option.method in ("full", "lora") and "qlora" in plan.censuses:
+        candidates.append(
+            (
+                "method.type=qlora (frozen linear weights in NF4)",
+                plan.estimate(option.strategy, "qlora", option.gradient_checkpointing),
             )
         )
     now = option.per_device.total

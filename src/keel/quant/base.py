@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from keel.config.schema import QloraConfig
+from keel.config.validate import BNB_UNDER_FSDP
 from keel.errors import ConfigError
 from keel.models.adapters import decoder_layers
 
@@ -32,10 +33,22 @@ def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strateg
                 "missing fp16 matmuls); use bfloat16, float32 or auto"
             ]
         )
-    from keel.quant.nf4 import quantize_on_meta
+    from keel.quant.nf4 import frozen_linears, quantize_on_meta
     from keel.train.objective import causal_lm_of
 
     layers = decoder_layers(causal_lm_of(model))
+    if qlora.quant_backend == "bnb":
+        if strategy == "fsdp":
+            raise ConfigError([BNB_UNDER_FSDP])
+        from keel.quant import bnb
+
+        names = bnb.quantize_on_meta(frozen_linears(layers), dtype, dist.device)
+        log(
+            f"QLoRA: {len(names)} frozen linear weights stored in NF4 (bitsandbytes "
+            f"Linear4bit, its CPU AVX512-BF16 repacking off), dequantised to "
+            f"{str(dtype).removeprefix('torch.')} per matmul"
+        )
+        return
     world = dist.world_size if strategy == "fsdp" else 1
     quantized, kept = quantize_on_meta(layers, dtype, world)
     if not quantized:
@@ -61,7 +74,11 @@ def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strateg
 
 
 def quantized_names(module: nn.Module) -> list[str]:
-    """Qualified names of `module`'s low-bit (NF4) parameters."""
+    """Qualified names of `module`'s low-bit (NF4, bitsandbytes 4-bit) parameters."""
     from keel.quant.nf4 import is_nf4
 
-    return [name for name, param in module.named_parameters() if is_nf4(param)]
+    return [
+        name
+        for name, param in module.named_parameters()
+        if is_nf4(param) or type(param).__name__ == "Params4bit"
+    ]
