@@ -248,11 +248,12 @@ def _ignored_settings(cfg: RunConfig, device: torch.device) -> list[str]:
 
 
 def _checkpointing(cfg: RunConfig, model: torch.nn.Module) -> list[str]:
+    value = str(cfg.train.gradient_checkpointing).lower()
     if not cfg.train.gradient_checkpointing:
         return []
     if not getattr(model, "supports_gradient_checkpointing", False):
         return [
-            f"train.gradient_checkpointing = true, but {type(model).__name__} does not "
+            f"train.gradient_checkpointing = {value}, but {type(model).__name__} does not "
             f"support gradient checkpointing in transformers; set "
             f"train.gradient_checkpointing=false (or use a smaller micro_batch_size)"
         ]
@@ -260,7 +261,7 @@ def _checkpointing(cfg: RunConfig, model: torch.nn.Module) -> list[str]:
         enable_activation_checkpointing(model)
     except ValueError as exc:
         return [
-            f"train.gradient_checkpointing = true: {exc}; set train.gradient_checkpointing=false"
+            f"train.gradient_checkpointing = {value}: {exc}; set train.gradient_checkpointing=false"
         ]
     return []
 
