@@ -241,12 +241,6 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
     d = cfg.distributed
     problems = _positive(d.timeout_s, "distributed.timeout_s")
     problems += _positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
-    if d.strategy == "fsdp" and cfg.train.precision == "fp16":
-        problems.append(
-            "train.precision = fp16 with distributed.strategy = fsdp is not "
-            "supported (fp16 loss scaling needs every shard's overflow check); "
-            "use bf16, or strategy ddp"
-        )
     if d.device_memory != "auto":
         from keel.plan.devices import parse_memory
 

@@ -3,7 +3,8 @@
 Layout of `<output.dir>/checkpoints/step-00000012/`:
   state/                      trainable weights + optimizer state, sharded
                               (torch.distributed.checkpoint); loads into any number of processes
-  trainer.json                step (= data position) and the scheduler's state
+  trainer.json                step (= data position), the scheduler's state and fp16's
+                              loss scaler's (scale, growth tracker; {} without fp16)
   rng/rank-00000.safetensors  each process's RNG states (tensors; Python's state as metadata)
   meta.json                   what run this is (see keel.train.resume); written last: a folder
                               without it is not a checkpoint
@@ -23,7 +24,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -52,6 +53,7 @@ class TrainState:
     step: int  # optimizer steps done; also the data position (windows are derived from it)
     scheduler: dict
     rng: dict | None  # None when this rank has no saved RNG (resumed on more processes)
+    scaler: dict = field(default_factory=dict)  # GradScaler.state_dict(); {}: none (not fp16)
 
 
 def save_rng(path: Path) -> None:
@@ -116,8 +118,12 @@ def save_checkpoint(
     meta: dict,
     keep_last: int,
     dist: DistContext,
+    scaler: dict | None = None,
 ) -> Path:
-    """Write a complete checkpoint for `step` (every process calls this together)."""
+    """Write a complete checkpoint for `step` (every process calls this together).
+
+    `scaler`: the loss scaler's state_dict (the same on every rank), so an fp16 run resumes
+    with the scale it had."""
     root = output_dir / CHECKPOINTS
     final = root / f"step-{step:08d}"
     tmp = root / f".tmp-step-{step:08d}"
@@ -129,7 +135,8 @@ def save_checkpoint(
     save_rng(tmp / RNG_DIR / f"rank-{dist.rank:05d}.safetensors")
     dist.barrier()
     if dist.is_main:
-        (tmp / TRAINER).write_text(json.dumps({"step": step, "scheduler": scheduler}))
+        trainer = {"step": step, "scheduler": scheduler, "scaler": scaler or {}}
+        (tmp / TRAINER).write_text(json.dumps(trainer))
         (tmp / META).write_text(
             json.dumps({**meta, "format": FORMAT_VERSION, "step": step}, indent=2)
         )
@@ -171,7 +178,12 @@ def load_checkpoint(
             f"{rng_file} is damaged ({exc}); set train.resume=never to "
             f"start over, or resume from another checkpoint"
         ) from None
-    return TrainState(step=trainer["step"], scheduler=trainer["scheduler"], rng=rng)
+    return TrainState(
+        step=trainer["step"],
+        scheduler=trainer["scheduler"],
+        rng=rng,
+        scaler=trainer.get("scaler") or {},  # absent in checkpoints of older keels
+    )
 
 
 def _read_json(path: Path) -> dict:

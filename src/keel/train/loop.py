@@ -133,6 +133,24 @@ class ReducedSteps:
     statistics: list[list[float]]  # each step's globally summed (sum, count) vector, or []
 
 
+def grad_scaler(
+    device: torch.device, precision: Precision, strategy: str = "none"
+) -> torch.amp.GradScaler:
+    """fp16's dynamic loss scaling (a disabled scaler, a no-op, for fp32 and bf16).
+
+    Under FSDP each rank checks only its own gradient shards for inf/NaN, so ranks could
+    disagree on skipping a step and then on the scale: ShardedGradScaler all-reduces the
+    check, and every rank skips the same steps. (DDP's gradients are all-reduced before the
+    check, so every rank already sees the same ones.)
+    """
+    enabled = precision.name == "fp16"
+    if enabled and strategy == "fsdp":
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, process_group=None)  # None: the default group
+    return torch.amp.GradScaler(device.type, enabled=enabled)
+
+
 @dataclass
 class Trainer:
     """Runs optimizer steps and evaluations for one objective, on one or many processes.
@@ -154,11 +172,12 @@ class Trainer:
     # micro-batches as one row of samples laid end to end (the model runs keel's varlen
     # attention; see keel.models.attention) instead of right-padded rows
     padding_free: bool = False
+    strategy: str = "none"  # none | ddp | fsdp (fp16: whose overflow checks must agree)
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision.name == "fp16")
+        self.scaler = grad_scaler(self.device, self.precision, self.strategy)
         self.current_rows: list[dict] = []  # the micro-batch running now (for OOM reports)
 
     def _batch(self, rows: list[dict]) -> dict:

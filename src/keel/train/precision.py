@@ -68,7 +68,13 @@ def resolve_precision(requested: str, device: torch.device) -> Precision:
         # Emulated bf16 (V100, T4) runs far slower than fp16 there: only native counts.
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return Precision("bf16", "auto: this GPU supports bf16")
-        return Precision("fp16", "auto: this GPU has no bf16; fp16 with loss scaling")
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        return Precision(
+            "fp16",
+            f"auto: {name} (compute capability {major}.{minor}) has no native bf16 (8.0+); "
+            f"fp16 with dynamic loss scaling",
+        )
     fp32, bf16 = cpu_bf16_speedup()
     figures = f"bf16 matmul {bf16:.0f} GFLOP/s vs fp32 {fp32:.0f} GFLOP/s on this CPU"
     if bf16 >= 1.5 * fp32:

@@ -186,7 +186,10 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         dist=dist,
         progress=env.watchdog.progress,
         padding_free=built.padding_free,
+        strategy=built.strategy,
     )
+    if trainer.scaler.is_enabled():
+        log(f"precision: fp16 with dynamic loss scaling ({_describe_scaler(trainer.scaler)})")
     references = None
     if reference_mode(cfg.train.stage, cfg.preference) == "precompute":
         # Before the checkpoint is loaded: the policy still holds the base weights.
@@ -288,14 +291,24 @@ def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> 
     return removed
 
 
+def _describe_scaler(scaler: torch.amp.GradScaler) -> str:
+    name = type(scaler).__name__
+    why = "; overflow checks agreed over the ranks' shards" if name == "ShardedGradScaler" else ""
+    return f"{name}, initial scale {scaler.get_scale():g}{why}"
+
+
 def _restore(trainer: Trainer, checkpoint: Path, dist: DistContext, log) -> int:
     state = ckpt.load_checkpoint(
         checkpoint, module=trainer.objective, optimizer=trainer.optimizer, dist=dist
     )
     trainer.scheduler.load_state_dict(state.scheduler)
+    scale = ""
+    if state.scaler and trainer.scaler.is_enabled():
+        trainer.scaler.load_state_dict(state.scaler)
+        scale = f" (fp16 loss scale {trainer.scaler.get_scale():g})"
     if state.rng is not None:
         ckpt.restore_rng(state.rng)
-    log(f"resumed from {checkpoint} at step {state.step}")
+    log(f"resumed from {checkpoint} at step {state.step}{scale}")
     return state.step
 
 
@@ -482,6 +495,7 @@ class _Loop:
             module=self.trainer.objective,
             optimizer=self.trainer.optimizer,
             scheduler=self.trainer.scheduler.state_dict(),
+            scaler=self.trainer.scaler.state_dict(),
             meta={**meta, "keel_version": __version__, "world_size": self.dist.world_size},
             keep_last=self.cfg.output.keep_last,
             dist=self.dist,
