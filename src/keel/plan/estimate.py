@@ -6,6 +6,8 @@ Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
 - grads: the trainable weights' (padded shards under FSDP2; DDP's gradient buckets);
 - optimizer: AdamW's two moments per trainable weight, in the weight's dtype (fp32 master
   weights with model.dtype auto), unpadded shards under FSDP2, plus a 4-byte step each;
+  train.optimizer adamw_8bit / adamw_4bit: torchao's block-quantised moments where it
+  quantises them (keel.quant.optim_state);
 - activations, logits: see keel.plan.activations;
 - buffers: FSDP2's gathered units in the compute dtype (the root, which stays gathered
   through backward, plus the largest two neighbouring units: the running one and the
@@ -41,6 +43,7 @@ from keel.plan.activations import (
 )
 from keel.plan.census import ROOT, Census
 from keel.plan.devices import DeviceSpec
+from keel.quant.optim_state import adamw_state_bytes
 
 STRATEGIES = ("single", "ddp", "fsdp", "fsdp_offload")  # cheapest first
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead")
@@ -62,6 +65,7 @@ class Workload:
     sequences_per_row: int = 1
     # DPO/KTO with a live reference and full or freeze: a frozen copy of the weights
     reference_copy: bool = False
+    optimizer: str = "adamw"  # train.optimizer: adamw | adamw_8bit | adamw_4bit
 
     @property
     def tokens(self) -> int:
@@ -100,18 +104,23 @@ def strategies_for(devices: DeviceSpec) -> tuple[str, ...]:
     return ("ddp", "fsdp", "fsdp_offload") if devices.kind == "cuda" else ("ddp", "fsdp")
 
 
-def state_bytes(census: Census, strategy: str, world: int, rank: int = 0) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes rank `rank` allocates; exact, see tests/distributed."""
+def state_bytes(
+    census: Census, strategy: str, world: int, rank: int = 0, *, optimizer: str = "adamw"
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes rank `rank` allocates; exact, see tests/distributed
+    (and tests/unit/test_plan_optimizer.py for train.optimizer's 8/4-bit moments)."""
     sharded = strategy.startswith("fsdp")
-    params = grads = optimizer = 0
+    params = grads = state = 0
     for t in census.tensors:
         held = t.shard_bytes(world, rank) if sharded else t.nbytes
         params += held
         if t.trainable:
             grads += held
+            # exp_avg, exp_avg_sq (of the unpadded shard, which torchao also quantises by)
+            # and the step (an fp32 scalar)
             moment = t.shard_bytes(world, rank, padded=False) if sharded else t.nbytes
-            optimizer += 2 * moment + 4  # exp_avg, exp_avg_sq, step (fp32 scalar)
-    return params, grads, optimizer
+            state += adamw_state_bytes(optimizer, moment // t.itemsize, t.itemsize)
+    return params, grads, state
 
 
 def estimate(
@@ -132,7 +141,9 @@ def estimate(
         fsdp_mixed=mixed,
         cpu=devices.kind == "cpu",
     )
-    params, grads, optimizer = state_bytes(census, strategy, devices.world)
+    params, grads, optimizer = state_bytes(
+        census, strategy, devices.world, optimizer=work.optimizer
+    )
     if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
         params *= 2
     host_state = 0

@@ -99,6 +99,7 @@ def workload_of(cfg: RunConfig, *, precision: str, checkpoint_itemsize: int) -> 
         reference_copy=(
             cfg.train.stage in ("dpo", "kto") and cfg.preference.reference in ("auto", "live")
         ),
+        optimizer=cfg.train.optimizer,
     )
 
 

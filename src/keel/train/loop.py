@@ -234,7 +234,7 @@ class Trainer:
         grad_norm = self._clip()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = float(self.optimizer.param_groups[0]["lr"])  # a tensor in torchao's optimizers
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(

@@ -6,12 +6,28 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from keel.config.schema import TrainConfig
+from keel.quant import import_torchao
+from keel.quant.optim_state import LOW_BIT, MIN_NUMEL, adamw_state_bytes
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay."""
+    """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay.
+
+    train.optimizer adamw: torch's AdamW, moments in the parameters' dtype. adamw_8bit /
+    adamw_4bit: torchao's AdamW8bit / AdamW4bit (keel.quant.optim_state), the same update
+    in fp32 with each moment stored block-quantised between steps: 8-bit codes in blocks
+    of 256 or 4-bit codes in blocks of 128, one fp32 scale per block. Tensors with fewer
+    than 4096 values (per process under FSDP2) or not a whole number of blocks keep
+    full-precision moments (torchao's rule, after bitsandbytes; pytorch/ao#4912), so on
+    small models or LoRA adapters little or nothing is quantised. The first step compiles
+    the update with torch.compile (seconds; needs a C compiler, which keel.train.preflight
+    checks). Checkpoints hold the quantised moments as torchao's tensor subclasses, which
+    torchao adds to torch's `weights_only` allow-list on import, so keel's loader reads
+    them as it reads plain tensors.
+    """
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -22,7 +38,33 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     ]
     groups = [g for g in groups if g["params"]]
     assert groups, "no trainable parameters"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    hyper = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, **hyper)
+    optim = import_torchao("optim", needed_for=f"train.optimizer = {cfg.optimizer}")
+    return getattr(optim, LOW_BIT[cfg.optimizer].cls)(groups, **hyper)
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer, choice: str) -> str:
+    """One line for the set-up log: which optimizer, what stays full precision, its bytes."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = [(_local_numel(p), p.element_size()) for p in params]
+    full = sum(adamw_state_bytes("adamw", n, size) for n, size in local) / 2**20
+    if choice not in LOW_BIT:
+        return f"optimizer: AdamW (torch), moments in the parameters' dtype ({full:.1f} MiB)"
+    low = LOW_BIT[choice]
+    kept = sum(not low.quantised(n) for n, _ in local)
+    held = sum(adamw_state_bytes(choice, n, size) for n, size in local) / 2**20
+    return (
+        f"optimizer: AdamW {low.bits}-bit (torchao), moments in {low.bits}-bit blocks of "
+        f"{low.block_size}; {kept} of {len(local)} tensors keep full-precision moments "
+        f"(< {MIN_NUMEL} values or not whole blocks); state {held:.1f} MiB per process "
+        f"(AdamW: {full:.1f} MiB)"
+    )
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
 def warmup_steps_for(cfg: TrainConfig, total_steps: int) -> int:
@@ -51,7 +93,23 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     warmup = warmup_steps_for(cfg, total_steps)
+    for group in optimizer.param_groups:
+        # The schedule multiplies this; torchao's optimizers hold group["lr"] as a tensor,
+        # which LambdaLR would copy (keep a float: the same value before and after resume).
+        group["initial_lr"] = cfg.lr
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(step, total_steps=total_steps, warmup=warmup, kind=cfg.scheduler),
     )
+
+
+def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
+    """The scheduler's state_dict as plain JSON values (a checkpoint's trainer.json).
+
+    With torchao's optimizers the last lr is a tensor (their group["lr"] is one); it is
+    only reported, never used to compute the next lr, so a float loses nothing.
+    """
+    return {
+        key: [float(v) for v in value] if key == "_last_lr" else value
+        for key, value in scheduler.state_dict().items()
+    }

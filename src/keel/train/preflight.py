@@ -9,6 +9,8 @@ then is the data validated and tokenized, which can take minutes on a large data
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from keel.models import count_parameters, load_tokenizer, resolve_model_path, to
 from keel.models.adapters import apply_method, find_decoder_layers, method_problems
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
+from keel.quant import import_torchao
 from keel.train.precision import Precision, resolve_precision
 
 Log = Callable[[str], None]
@@ -108,7 +111,7 @@ def preflight(
     device = choose_device(0) if device is None else device
     precision, problems = _precision(cfg, device)
     attn, found = _attention(cfg, device)
-    problems += found
+    problems += found + _optimizer(cfg, device)
     notes = _ignored_settings(cfg, device)
     for note in notes:
         log(f"note: {note}")
@@ -227,6 +230,34 @@ def _attention(cfg: RunConfig, device: torch.device) -> tuple[str, list[str]]:
         )
     # Every architecture has eager attention: the other checks still run on the model.
     return "eager", [problem]
+
+
+def _optimizer(cfg: RunConfig, device: torch.device) -> list[str]:
+    """torchao's 8/4-bit AdamW: importable, and a compiler for the update it compiles.
+
+    torch.compile turns the first step's update into C++ on a CPU (inductor runs $CXX, else
+    g++) and into Triton kernels on a GPU (Triton builds its launcher with $CC, else gcc or
+    clang); without one the first step fails after the model has loaded.
+    """
+    choice = cfg.train.optimizer
+    if choice == "adamw":
+        return []
+    key = f"train.optimizer = {choice}"
+    try:
+        import_torchao("optim", needed_for=key)
+    except ConfigError as exc:
+        return exc.problems
+    if device.type == "cuda":
+        wanted = [os.environ["CC"]] if os.environ.get("CC") else ["gcc", "clang"]
+    else:
+        wanted = [os.environ.get("CXX") or "g++"]
+    if any(shutil.which(name) for name in wanted):
+        return []
+    return [
+        f"{key} compiles its update at the first step (torch.compile), which needs a C/C++ "
+        f"compiler on {device.type}; none of {' or '.join(wanted)} was found on PATH. "
+        f"Install one (e.g. apt-get install g++, or set CC/CXX), or use train.optimizer=adamw"
+    ]
 
 
 def _ignored_settings(cfg: RunConfig, device: torch.device) -> list[str]:

@@ -46,7 +46,12 @@ from keel.train.loop import (
 )
 from keel.train.metrics import MetricsLog, Progress, memory_now, peak_rss_mb
 from keel.train.model_setup import build_training_model
-from keel.train.optim import build_optimizer, build_scheduler
+from keel.train.optim import (
+    build_optimizer,
+    build_scheduler,
+    describe_optimizer,
+    scheduler_state,
+)
 from keel.train.outputs import FINAL_MARKER, write_final_outputs
 from keel.train.preference import reduce_statistics, reference_mode
 from keel.train.preflight import preflight
@@ -175,6 +180,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     )
     total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
     optimizer = build_optimizer(built.objective, cfg.train)
+    log(describe_optimizer(optimizer, cfg.train.optimizer))
     trainer = Trainer(
         objective=built.objective,
         optimizer=optimizer,
@@ -494,7 +500,7 @@ class _Loop:
             step,
             module=self.trainer.objective,
             optimizer=self.trainer.optimizer,
-            scheduler=self.trainer.scheduler.state_dict(),
+            scheduler=scheduler_state(self.trainer.scheduler),
             scaler=self.trainer.scaler.state_dict(),
             meta={**meta, "keel_version": __version__, "world_size": self.dist.world_size},
             keep_last=self.cfg.output.keep_last,
