@@ -15,6 +15,7 @@ SMALL_EXAMPLES = [
     "pretrain_text.yaml",
     "llamafactory_lora.yaml",
     "identity_lora.yaml",
+    "identity_qlora.yaml",
     "fsdp_full.yaml",
     "dpo_bundled.yaml",
     "orpo_bundled.yaml",

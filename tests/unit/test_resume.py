@@ -83,8 +83,20 @@ def test_the_same_run_resumes(finished, tmp_path):
         ("train.precision=bf16", "train.precision", "'fp32'", "'bf16'"),
         ("train.global_batch_size=3", "train.global_batch_size", "2", "3"),
         ("data.cutoff_len=60", "data:", None, None),
+        ("train.optimizer=adamw_8bit", "train.optimizer", "'adamw'", "'adamw_8bit'"),
+        ("method.type=qlora", "method.type", "'lora'", "'qlora'"),
     ],
-    ids=["method", "lora-rank", "lora-targets", "stage", "precision", "global-batch", "data"],
+    ids=[
+        "method",
+        "lora-rank",
+        "lora-targets",
+        "stage",
+        "precision",
+        "global-batch",
+        "data",
+        "optimizer",
+        "lora-to-qlora",
+    ],
 )
 def test_a_changed_setting_is_refused_naming_the_key(finished, tmp_path, override, key, old, new):
     out, base = copy_run(finished, tmp_path)
@@ -153,7 +165,7 @@ def test_pickled_metadata_is_refused_without_running_it(finished, tmp_path):
     metadata = out / "checkpoints/step-00000002/state/.metadata"
     metadata.write_bytes(pickle.dumps(Evil(marker)))
     with pytest.raises(CheckpointError, match="pickled object"):
-        resume(base)
+        assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
     assert not marker.exists()
     # Negative control: plain pickle would have run it.
     pickle.loads(metadata.read_bytes())
@@ -189,7 +201,7 @@ def test_a_checkpoint_of_an_older_format_is_refused(finished, tmp_path):
     del meta["format"]
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="older keel"):
-        resume(base)
+        assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
 
 
 def test_checkpoint_files_are_json_and_safetensors(finished):
@@ -208,8 +220,18 @@ def test_checkpoint_files_are_json_and_safetensors(finished):
         "precision",
         "data_fingerprint",
         "preference",
+        "optimizer",
     }
     assert not list(step.rglob("*.pt"))
+
+
+def test_a_checkpoint_from_before_train_optimizer_resumes_as_adamw(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    for meta_path in out.glob("checkpoints/*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        del meta["run"]["optimizer"]  # as written before the setting existed
+        meta_path.write_text(json.dumps(meta))
+    assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
 
 
 def test_rng_round_trip(tmp_path):

@@ -34,6 +34,9 @@ class RunIdentity:
     precision: str  # the precision actually used (after auto)
     data_fingerprint: str
     preference: dict = dataclasses.field(default_factory=dict)  # preference stages' settings
+    # train.optimizer: another optimizer's state does not load into this one (checkpoints
+    # written before the setting existed hold AdamW's)
+    optimizer: str = "adamw"
 
     def to_meta(self) -> dict:
         return {"run": dataclasses.asdict(self)}
@@ -55,6 +58,7 @@ def run_identity(
         stage=cfg.train.stage,
         precision=precision,
         data_fingerprint=data_fingerprint,
+        optimizer=cfg.train.optimizer,
         preference=(
             dataclasses.asdict(cfg.preference) if cfg.train.stage in PREFERENCE_STAGES else {}
         ),
@@ -68,7 +72,9 @@ _KEYS = {
     "stage": ("train.stage", "the stage"),
     "precision": ("train.precision", "the compute precision"),
     "data_fingerprint": ("data", "the fingerprint of the data files and data settings"),
+    "optimizer": ("train.optimizer", "the optimizer (its state is in the checkpoint)"),
 }
+_DEFAULTS = {"optimizer": "adamw"}  # fields older checkpoints do not record
 
 
 def identity_differences(saved: dict, current: RunIdentity) -> list[str]:
@@ -76,7 +82,7 @@ def identity_differences(saved: dict, current: RunIdentity) -> list[str]:
     now = dataclasses.asdict(current)
     problems = []
     for field, value in now.items():
-        old = saved.get(field)
+        old = saved.get(field, _DEFAULTS.get(field))
         if field == "method" and (old or {}).get("type") != value["type"]:
             problems.append(
                 f"method.type was {(old or {}).get('type')!r} in the checkpoint, "
