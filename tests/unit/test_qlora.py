@@ -66,6 +66,17 @@ def test_a_shard_is_quantised_as_the_same_rows_of_the_whole_weight():
     assert not torch.equal(nf4_of(value, slice(32, 64), own), bottom)
 
 
+def test_all_zero_blocks_stay_zero_and_finite():
+    value = torch.randn(64, 96)
+    value[:8] = 0.0  # 12 whole blocks of zeros (e.g. pruned rows)
+    mean = keel_nf4.absmax_mean_of(lambda rows: value[rows], 64, 96, torch.float32)
+    got = nf4_of(value, slice(0, 64), mean)
+    assert torch.isfinite(got).all() and torch.equal(got[:8], value[:8])
+    constant = torch.full((64, 96), 0.5)  # every absmax equals the mean
+    mean = keel_nf4.absmax_mean_of(lambda rows: constant[rows], 64, 96, torch.float32)
+    torch.testing.assert_close(nf4_of(constant, slice(0, 64), mean), constant)
+
+
 def test_nf4_layout_is_chosen_from_the_shape_alone():
     assert layout.scaler_block(4096, 4096) == 256  # torchao's default on real sizes
     assert layout.quantizable(4096, 4096, world=8) and not layout.quantizable(4096, 4096, 3)

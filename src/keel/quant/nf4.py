@@ -113,36 +113,37 @@ def fill_nf4(param: torch.Tensor, rows_value: torch.Tensor, absmax_mean: torch.T
     allocated NF4 `param` (or the local shard of a DTensor), with the whole tensor's
     `absmax_mean` (`absmax_mean_of`)."""
     target = getattr(param, "_local_tensor", param)  # FSDP2 gathers this very object
-    dtype = target.dtype
-    value = rows_value.to(dtype).contiguous()
+    dtype, device = target.dtype, target.quantized_data.device
+    value = rows_value.to(device=device, dtype=dtype).contiguous()  # quantised where it lives
     assert tuple(value.shape) == tuple(target.shape), (value.shape, target.shape)
-    codes, scaler_codes, scaler_scales, mean = _quantize(value, absmax_mean.to(dtype), target)
+    mean = absmax_mean.to(device=device, dtype=dtype)
+    codes, scaler_codes, scaler_scales = _quantize(value, mean, target.scaler_block_size)
     target.quantized_data.copy_(codes)
     target.quantized_scalers.copy_(scaler_codes)
     target.quantization_factor.copy_(scaler_scales)
     # Not among the tensors FSDP2 shards or `to_empty` allocates: set, not copied.
-    target.scaler_mean = mean.to(target.quantized_data.device)
-    target.nf4 = torch.tensor(_LEVELS, dtype=dtype, device=target.quantized_data.device)
+    target.scaler_mean = mean
+    target.nf4 = torch.tensor(_LEVELS, dtype=dtype, device=device)
 
 
-def _quantize(value: torch.Tensor, mean: torch.Tensor, target):
+def _quantize(value: torch.Tensor, mean: torch.Tensor, size: int):
     """torchao's NF4 quantisation of `value` with a given absmax mean (torchao computes the
     mean from the tensor it is given, which for a shard is not the whole tensor's)."""
     nf4 = _nf4_module()
     flat = value.flatten()
     blocks = flat.numel() // NF4_BLOCK
-    size = target.scaler_block_size
     absmax = nf4.get_block_absmax(flat, NF4_BLOCK)
+    tiny = torch.finfo(value.dtype).tiny  # an all-zero block (or scaler block) stays finite
     centred = (absmax - mean).view(blocks // size, size)
-    scales = 256 / (2 * centred.abs().amax(dim=1))
+    scales = 256 / (2 * centred.abs().amax(dim=1).clamp_min(tiny))
     scaler_codes = (centred * scales.unsqueeze(-1)).round().clamp(-128, 127).flatten()
     levels = torch.tensor(_LEVELS, dtype=value.dtype, device=value.device)
-    scaled = (flat.view(blocks, NF4_BLOCK) / absmax.unsqueeze(-1)).flatten()
+    scaled = (flat.view(blocks, NF4_BLOCK) / absmax.clamp_min(tiny).unsqueeze(-1)).flatten()
     # The nearest level, ties to the lower one (torchao's argmin over the 16 distances,
     # found by bisecting the midpoints: ~4x faster, the same codes, tested)
     index = torch.bucketize(scaled, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
     codes = index[::2] << 4 | index[1::2]  # two codes per byte, the first in the high half
-    return codes, scaler_codes.to(torch.int8), scales, mean
+    return codes, scaler_codes.to(torch.int8), scales
 
 
 def absmax_mean_of(read_rows, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
