@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT := outputs/identity-lora
 
-.PHONY: install install-dev demo test browser lint bench bench-dpo bench-fsdp clean
+.PHONY: install install-dev demo test browser lint bench bench-dpo bench-fsdp bench-qlora clean
 
 $(VENV)/.base-installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,10 @@ bench-dpo: install-dev
 
 bench-fsdp: install-dev
 	$(BIN)/python benchmarks/fsdp_memory.py
+
+# full vs LoRA vs QLoRA, AdamW vs 8-bit AdamW, checkpointing: peak RSS and step time
+bench-qlora: install-dev
+	$(BIN)/python benchmarks/qlora_memory.py --rounds 2 --steps 12
 
 clean:
 	rm -rf $(VENV) outputs
