@@ -92,6 +92,29 @@ def write_tiny_model_dir(path: Path) -> Path:
     return path
 
 
+# Instruction/answer pairs the end-to-end unit runs train on
+QA = [
+    ("Who are you?", "I am Keel, a small assistant."),
+    ("What is your name?", "My name is Keel."),
+    ("Add 2 and 3.", "5"),
+    ("Say hello in French.", "Bonjour."),
+    ("Give a healthy tip.", "Sleep enough and move every day."),
+    ("Name a color.", "Blue."),
+    ("What is 3 times 4?", "12"),
+    ("Are you ChatGPT?", "No, I am Keel."),
+]
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    """The QA pairs twice (16 alpaca rows) in a JSON file (some tests define their own)."""
+    import json
+
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA * 2]))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()

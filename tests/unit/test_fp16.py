@@ -77,6 +77,20 @@ def _steps(trainer: Trainer, overflows: list[bool]) -> None:
         trainer.optimizer.zero_grad(set_to_none=True)
 
 
+def _save(trainer, folder, step: int, **scaler):
+    return ckpt.save_checkpoint(
+        folder,
+        step,
+        module=trainer.objective,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler.state_dict(),
+        meta={},
+        keep_last=2,
+        dist=DistContext(),
+        **scaler,
+    )
+
+
 def test_the_loss_scale_survives_a_checkpoint_and_a_resume(tmp_path):
     from keel.train.run import _restore
 
@@ -85,17 +99,7 @@ def test_the_loss_scale_survives_a_checkpoint_and_a_resume(tmp_path):
     _steps(trainer, [True, False, True, False, False, False])
     state = trainer.scaler.state_dict()
     assert state["scale"] == 2.0**14 and state["_growth_tracker"] == 3
-    path = ckpt.save_checkpoint(
-        tmp_path,
-        6,
-        module=trainer.objective,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler.state_dict(),
-        meta={},
-        keep_last=2,
-        dist=DistContext(),
-        scaler=state,
-    )
+    path = _save(trainer, tmp_path, 6, scaler=state)
     assert json.loads((path / ckpt.TRAINER).read_text())["scaler"] == state
     resumed = _trainer(FP16)
     assert resumed.scaler.get_scale() == 2.0**16  # a fresh scaler
@@ -113,16 +117,7 @@ def test_the_loss_scale_survives_a_checkpoint_and_a_resume(tmp_path):
 def test_checkpoints_without_a_scaler_still_load(tmp_path):
     trainer = _trainer(Precision("fp32", "test"))
     assert trainer.scaler.state_dict() == {}  # disabled: nothing to save
-    path = ckpt.save_checkpoint(
-        tmp_path,
-        1,
-        module=trainer.objective,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler.state_dict(),
-        meta={},
-        keep_last=2,
-        dist=DistContext(),
-    )
+    path = _save(trainer, tmp_path, 1)
     data = json.loads((path / ckpt.TRAINER).read_text())
     assert data["scaler"] == {}
     del data["scaler"]  # as an older keel wrote it

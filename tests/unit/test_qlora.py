@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_run import QA, config
+from test_train_run import config, quiet
 
 from keel.errors import ConfigError, ModelError
 from keel.models.export import ExportRequest, export_model
@@ -19,17 +19,6 @@ from keel.quant import nf4 as keel_nf4
 from keel.train.run import run_training
 
 nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
-
-
-def quiet(_msg):
-    pass
-
-
-@pytest.fixture
-def data_file(tmp_path):
-    path = tmp_path / "qa.json"
-    path.write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA * 2]))
-    return path
 
 
 def run(model_dir, data_file, out, *overrides, method="qlora"):

@@ -9,27 +9,9 @@ from keel.errors import DataError, KeelError
 from keel.train import checkpoint as ckpt
 from keel.train.run import run_training
 
-QA = [
-    ("Who are you?", "I am Keel, a small assistant."),
-    ("What is your name?", "My name is Keel."),
-    ("Add 2 and 3.", "5"),
-    ("Say hello in French.", "Bonjour."),
-    ("Give a healthy tip.", "Sleep enough and move every day."),
-    ("Name a color.", "Blue."),
-    ("What is 3 times 4?", "12"),
-    ("Are you ChatGPT?", "No, I am Keel."),
-]
-
 
 class Crash(Exception):
     pass
-
-
-@pytest.fixture
-def data_file(tmp_path):
-    path = tmp_path / "qa.json"
-    path.write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA * 2]))
-    return path
 
 
 def config(model_dir, data_file, out, *overrides, method="lora"):
