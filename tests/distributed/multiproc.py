@@ -14,17 +14,8 @@ import sys
 from pathlib import Path
 
 import yaml
+from conftest import QA
 
-QA = [
-    ("Who are you?", "I am Keel, a small assistant."),
-    ("What is your name?", "My name is Keel."),
-    ("Add 2 and 3.", "5"),
-    ("Say hello in French.", "Bonjour."),
-    ("Give a healthy tip.", "Sleep enough and move every day."),
-    ("Name a color.", "Blue."),
-    ("What is 3 times 4?", "12"),
-    ("Are you ChatGPT?", "No, I am Keel."),
-]
 ROWS = 12  # 11 train rows after holding one out for eval
 
 RUN_TIMEOUT_S = 240  # a hang fails the test instead of the CI job
