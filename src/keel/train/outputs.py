@@ -16,6 +16,7 @@ from keel import __version__
 from keel.config import RunConfig
 from keel.distributed.checkpoint import gather_full_state
 from keel.distributed.process_group import DistContext
+from keel.errors import KeelError
 from keel.models import load_for_inference, save_model_dir
 from keel.train import checkpoint as ckpt
 from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
@@ -108,3 +109,22 @@ def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict
         "keel_version": __version__,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> list[Path]:
+    """Make `out` ready for this run (refusing a non-empty one that is not this run's);
+    returns the leftovers of interrupted checkpoint saves it removed."""
+    if out.exists() and any(out.iterdir()) and resume_from is None:
+        # An interrupted keel run that never completed a checkpoint has nothing to lose:
+        # with resume=auto it starts over. Anything else needs an explicit overwrite.
+        unfinished_run = (out / "config.yaml").is_file() and not (out / FINAL_MARKER).exists()
+        if unfinished_run and cfg.train.resume == "auto":
+            return ckpt.clear_partial_checkpoints(out)
+        if not cfg.output.overwrite:
+            raise KeelError(
+                f"output.dir {out} is not empty and there is no checkpoint to resume from; "
+                f"choose another output.dir, or set output.overwrite=true to replace it"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return ckpt.clear_partial_checkpoints(out)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +32,6 @@ from keel.distributed.process_group import (
     shutdown,
 )
 from keel.distributed.watchdog import Watchdog
-from keel.errors import KeelError
 from keel.faults import Fault, at_step_start, fault_from_env
 from keel.train import checkpoint as ckpt
 from keel.train.loop import (
@@ -52,7 +50,7 @@ from keel.train.optim import (
     describe_optimizer,
     scheduler_state,
 )
-from keel.train.outputs import FINAL_MARKER, write_final_outputs
+from keel.train.outputs import prepare_output_dir, write_final_outputs
 from keel.train.preference import reduce_statistics, reference_mode
 from keel.train.preflight import preflight
 from keel.train.reference import (
@@ -206,7 +204,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
 
     def prepare() -> list[Path]:
-        removed = _prepare_output_dir(cfg, out, resume_from)
+        removed = prepare_output_dir(cfg, out, resume_from)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return removed
 
@@ -277,24 +275,6 @@ def _set_threads(requested: int, local_processes: int, log) -> None:
     threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_processes, 1))
     torch.set_num_threads(threads)
     log(f"threads: {threads} per process")
-
-
-def _prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> list[Path]:
-    if out.exists() and any(out.iterdir()) and resume_from is None:
-        # An interrupted keel run that never completed a checkpoint has nothing to lose:
-        # with resume=auto it starts over. Anything else needs an explicit overwrite.
-        unfinished_run = (out / "config.yaml").is_file() and not (out / FINAL_MARKER).exists()
-        if unfinished_run and cfg.train.resume == "auto":
-            return ckpt.clear_partial_checkpoints(out)
-        if not cfg.output.overwrite:
-            raise KeelError(
-                f"output.dir {out} is not empty and there is no checkpoint to resume from; "
-                f"choose another output.dir, or set output.overwrite=true to replace it"
-            )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    removed = ckpt.clear_partial_checkpoints(out)
-    return removed
 
 
 def _describe_scaler(scaler: torch.amp.GradScaler) -> str:
