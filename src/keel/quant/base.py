@@ -9,23 +9,25 @@ from torch import nn
 from keel.config.schema import QloraConfig
 from keel.config.validate import BNB_UNDER_FSDP
 from keel.errors import ConfigError
-from keel.models.adapters import decoder_layers
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from keel.models.loading import torch_dtype
+from keel.quant.nf4 import frozen_linears, is_nf4, quantize_on_meta
 
 
 def compute_dtype(qlora: QloraConfig, precision: str) -> torch.dtype:
     """The dtype NF4 weights are dequantised to: method.qlora.compute_dtype, or with auto
     the training precision's matmul dtype (bf16 / fp16), else fp32."""
     if qlora.compute_dtype != "auto":
-        return _DTYPES[qlora.compute_dtype]
+        return torch_dtype(qlora.compute_dtype)
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
-def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strategy: str, log):
-    """Make the frozen linear weights of `model`'s decoder layers (still on the meta
+def quantize_base(
+    layers: nn.ModuleList, qlora: QloraConfig, precision, dist, strategy: str, log
+) -> None:
+    """Make the frozen linear weights in the model's decoder `layers` (still on the meta
     device, LoRA applied) low-bit as method.qlora says; log what was and was not."""
     dtype = compute_dtype(qlora, precision.name)
+    dtype_name = str(dtype).removeprefix("torch.")
     if dist.device.type == "cpu" and dtype == torch.float16:
         raise ConfigError(
             [
@@ -33,10 +35,6 @@ def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strateg
                 "missing fp16 matmuls); use bfloat16, float32 or auto"
             ]
         )
-    from keel.quant.nf4 import frozen_linears, quantize_on_meta
-    from keel.train.objective import causal_lm_of
-
-    layers = decoder_layers(causal_lm_of(model))
     if qlora.quant_backend == "bnb":
         if strategy == "fsdp":
             raise ConfigError([BNB_UNDER_FSDP])
@@ -46,7 +44,7 @@ def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strateg
         log(
             f"QLoRA: {len(names)} frozen linear weights stored in NF4 (bitsandbytes "
             f"Linear4bit, its CPU AVX512-BF16 repacking off), dequantised to "
-            f"{str(dtype).removeprefix('torch.')} per matmul"
+            f"{dtype_name} per matmul"
         )
         return
     world = dist.world_size if strategy == "fsdp" else 1
@@ -63,20 +61,18 @@ def quantize_base(model: nn.Module, qlora: QloraConfig, precision, dist, strateg
     short = sorted({name.replace(".base_layer", "").rsplit(".", 2)[-2] for name in quantized})
     log(
         f"QLoRA: {len(quantized)} frozen linear weights stored in NF4 (torchao; "
-        f"{', '.join(short)}), dequantised to {str(dtype).removeprefix('torch.')} per matmul"
+        f"{', '.join(short)}), dequantised to {dtype_name} per matmul"
     )
     if kept:
         shown = ", ".join(kept[:4]) + (f" and {len(kept) - 4} more" if len(kept) > 4 else "")
         reason = "do not split into whole NF4 blocks"
         if world > 1:
             reason += f" evenly over {world} processes"
-        log(f"QLoRA: {len(kept)} kept in {str(dtype).removeprefix('torch.')}: {shown} ({reason})")
+        log(f"QLoRA: {len(kept)} kept in {dtype_name}: {shown} ({reason})")
 
 
 def quantized_names(module: nn.Module) -> list[str]:
     """Qualified names of `module`'s low-bit (NF4, bitsandbytes 4-bit) parameters."""
-    from keel.quant.nf4 import is_nf4
-
     return [
         name
         for name, param in module.named_parameters()

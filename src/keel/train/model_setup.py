@@ -94,7 +94,8 @@ def build_training_model(
     )
     strategy = {"single": "none", "fsdp_offload": "fsdp"}.get(strategy, strategy)
     if cfg.method.type == "qlora":
-        quantize_base(model, cfg.method.qlora, precision, dist, strategy, log)
+        layers = decoder_layers(causal_lm_of(model))
+        quantize_base(layers, cfg.method.qlora, precision, dist, strategy, log)
     objective = make_objective(cfg, model)
     init_device = dist.device
     if strategy == "fsdp":
