@@ -42,3 +42,18 @@ class OutOfMemory(KeelError):
     what to change. The newest complete checkpoint is untouched and resumable."""
 
     exit_code = 3
+
+
+class Diverged(KeelError):
+    """The loss or the gradient norm stopped being finite (outside fp16's loss scaler, which
+    skips such steps by design). The message names the step; the newest complete checkpoint
+    is kept and no final outputs are written."""
+
+    exit_code = 6
+
+
+class Preempted(KeelError):
+    """SIGTERM (or train.preempt_signal) arrived: every rank finished its step, one
+    checkpoint was saved, and the same command resumes the run (train.resume=auto)."""
+
+    exit_code = 7
