@@ -47,6 +47,13 @@ EXPECTED = {
         "--max-tokens",
         "--backend",
         "--cache-dir",
+        "--adapter-root",
+        "--max-prompts",
+        "--max-prompt-tokens",
+        "--max-prefill-tokens",
+        "--max-adapters",
+        "--max-lora-rank",
+        "--max-adapter-size",
     },
 }
 

@@ -4,7 +4,9 @@ load and unload, streams equal whole answers."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,8 +23,10 @@ MESSAGES = [{"role": "user", "content": "Who are you?"}]
 @pytest.fixture(scope="module")
 def server(tiny_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-app")
-    limits = ServeLimits(max_concurrency=2, max_tokens=128)
-    state, model_dir, lora_dir = tiny_server_state(tiny_tokenizer, root, api_key=KEY, limits=limits)
+    limits = ServeLimits(max_concurrency=2, max_tokens=128, max_adapters=2, max_lora_rank=8)
+    state, model_dir, lora_dir = tiny_server_state(
+        tiny_tokenizer, root, api_key=KEY, limits=limits, adapter_root=str(root)
+    )
     with BackgroundServer(state) as url:
         with httpx.Client(base_url=url, headers=AUTH, timeout=30) as client:
             yield {
@@ -31,6 +35,8 @@ def server(tiny_tokenizer, tmp_path_factory):
                 "model": str(model_dir),
                 "lora": lora_dir,
                 "engine": state.engine,
+                "state": state,
+                "root": root,
             }
 
 
@@ -95,7 +101,14 @@ def test_api_key_is_required(server):
         ({"max_completion_tokens": 500}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 1e-300}, "temperature"),  # overflowed in sampling: failed the batch
+        ({"temperature": True}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"seed": 2**64}, "seed"),  # was a 500
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_completion_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"stop": "x" * 513}, "stop"),
         ({"n": 0}, "n"),
         ({"n": 9}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -127,6 +140,8 @@ def test_unknown_model_route_and_bodies(server):
     assert_error(client.get("/v1/nothing"), 404, code="not_found")
     assert_error(client.post("/v1/chat/completions", content=b"{not json"), 400)
     assert_error(client.post("/v1/chat/completions", json=[1, 2]), 400)
+    for raw in ('{"temperature": NaN}', '{"top_p": Infinity}', '{"messages": "\\ud800"}'):
+        assert_error(client.post("/v1/chat/completions", content=raw.encode()), 400)
     too_big = b"x" * ((1 << 20) + 1)
     assert_error(
         client.post("/v1/chat/completions", content=too_big), 413, code="request_too_large"
@@ -232,10 +247,78 @@ def test_adapters_load_and_unload_over_http(server):
     texts = [r["choices"][0]["message"]["content"] for r in (*same, base)]
     assert texts[0] == texts[1] != texts[2]
     assert_error(client.post("/v1/load_lora_adapter", json=again), 400)
-    missing = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+    missing = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "nope"})
     assert "adapter_config.json" in assert_error(missing, 400)["message"]
     assert_error(client.post("/v1/load_lora_adapter", json={"lora_name": "x"}), 400, "lora_path")
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "again"}).status_code == 200
     assert_error(chat(server, model="again"), 404, param="model")
     gone = client.post("/v1/unload_lora_adapter", json={"lora_name": "again"})
     assert_error(gone, 404, param="lora_name")
+
+
+def load(server, path, name: str = "probe") -> httpx.Response:
+    body = {"lora_name": name, "lora_path": str(path)}
+    return server["client"].post("/v1/load_lora_adapter", json=body)
+
+
+def adapter_copy(server, name: str) -> Path:
+    """A copy of the served adapter inside the adapter root, to spoil."""
+    copy = server["root"] / name
+    shutil.copytree(server["lora"], copy)
+    return copy
+
+
+def test_adapter_loading_stays_inside_the_root(server, tmp_path):
+    outside = shutil.copytree(server["lora"], tmp_path / "outside")
+    (server["root"] / "link").symlink_to(outside, target_is_directory=True)
+    for path in (outside, "../" + outside.name, "link", str(server["root"] / ".." / "x")):
+        error = assert_error(load(server, path), 403, param="lora_path")
+        assert "outside the adapter root" in error["message"]
+    state = server["state"]
+    root, state.adapter_root = state.adapter_root, None
+    try:  # without --adapter-root, the API manages no adapters at all
+        assert_error(load(server, server["lora"]), 403, code="adapter_api_disabled")
+        unload = {"lora_name": "lora"}
+        disabled = server["client"].post("/v1/unload_lora_adapter", json=unload)
+        assert_error(disabled, 403, code="adapter_api_disabled")
+    finally:
+        state.adapter_root = root
+
+
+def test_bad_adapters_are_400_naming_why(server):
+    from safetensors.torch import load_file, save_file
+
+    pickled = adapter_copy(server, "pickled")
+    (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
+    wide = adapter_copy(server, "wide")
+    config = json.loads((wide / "adapter_config.json").read_text())
+    (wide / "adapter_config.json").write_text(json.dumps({**config, "r": 9}))
+    bad_r = adapter_copy(server, "bad_r")
+    (bad_r / "adapter_config.json").write_text(json.dumps({**config, "r": "eight"}))
+    broken = adapter_copy(server, "broken")
+    (broken / "adapter_config.json").write_text("{not json")
+    truncated = adapter_copy(server, "truncated")
+    weights = truncated / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    shapes = adapter_copy(server, "shapes")
+    tensors = load_file(shapes / "adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors[key] = tensors[key][:, :-1].contiguous()  # one input feature short of the base
+    save_file(tensors, shapes / "adapter_model.safetensors")
+    cases = [
+        (pickled, "pickle"),
+        (wide, "r is 9"),
+        (bad_r, "r is 'eight'"),
+        (broken, "cannot read adapter_config.json"),
+        (truncated, "not a valid safetensors file"),
+        (shapes, "the base layer needs A [r, "),
+        ("missing", "adapter_config.json"),
+    ]
+    for path, why in cases:
+        error = assert_error(load(server, path.name if isinstance(path, Path) else path), 400)
+        assert why in error["message"], (path, error)
+    assert [m["id"] for m in server["client"].get("/v1/models").json()["data"]][1:] == ["lora"]
+    assert load(server, server["lora"]).status_code == 200  # 2 adapters: the limit
+    full = assert_error(load(server, adapter_copy(server, "third"), "third"), 400)
+    assert "at most 2 adapters" in full["message"]
+    assert server["client"].post("/v1/unload_lora_adapter", json={"lora_name": "probe"})

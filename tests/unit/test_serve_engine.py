@@ -203,6 +203,8 @@ def test_sampling_is_seeded_and_top_p_keeps_the_head(engine, tiny_tokenizer):
     assert sample(seed=7).text != sample(seed=8).text
     greedy = alone(engine, tiny_tokenizer, PROMPTS[0], max_tokens=20).text
     assert sample(seed=3, top_p=1e-6).text == greedy  # only the top token survives
+    assert sample(seed=3, top_p=1e-300).text == greedy  # below float32's range, too
+    assert sample(seed=2**64 - 1).text  # seed + choice wraps at 64 bits
 
 
 def test_n_choices_share_one_prefill(engine, tiny_tokenizer):
@@ -243,7 +245,7 @@ def test_padded_batch_trims_columns_no_row_needs(model, tiny_tokenizer):
     for length in (3, 7):
         cache = DynamicCache()
         with torch.inference_mode():
-            model(input_ids=torch.arange(10, 10 + length)[None], past_key_values=cache)
+            model(input_ids=torch.arange(10, 10 + length)[None], cache=cache)
         batch.add(cache, torch.ones(1, length, dtype=torch.bool), [0])
     assert batch.width == 7 and batch.valid.sum(dim=1).tolist() == [3, 7]
     short = batch.cache.layers[0].keys[0, :, 4:].clone()  # row 0's real columns
@@ -272,3 +274,108 @@ def test_a_lora_output_dir_is_served_as_its_base_plus_that_adapter(tiny_tokenize
         for name in engine.adapters.names()
     ]
     assert answers[0] != answers[1]
+
+
+def test_a_failing_row_ends_only_its_request(engine, tiny_tokenizer):
+    # 1e-300 passed validation once: its logits / temperature overflowed to NaN while the
+    # row sat in the batch, and the next decode step failed every request in flight.
+    expected = alone(engine, tiny_tokenizer, PROMPTS[1], max_tokens=20).text
+    for join_every in (0, 1):  # prefilled together, then joining a decoding batch
+        good, bad = Outcome(), Outcome()
+        jobs = [
+            make_job(tiny_tokenizer, PROMPTS[1], good, max_tokens=20),
+            make_job(tiny_tokenizer, PROMPTS[0], bad, max_tokens=20, temperature=1e-300),
+        ]
+        run(engine, jobs, join_every=join_every)
+        assert "not finite" in bad.failed and bad.done is None
+        assert good.failed is None and good.text == expected
+        assert engine.stats.running == 0 and engine._batch.size == 0
+
+
+def long_prompt(tokenizer, tokens: int) -> str:
+    words = PROMPTS[3].split() + PROMPTS[4].split()
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < tokens:
+        text, i = text + words[i % len(words)] + " ", i + 1
+    return text
+
+
+def test_chunked_prefill_answers_as_one_prefill(model, tiny_tokenizer):
+    prompts = [long_prompt(tiny_tokenizer, 150), long_prompt(tiny_tokenizer, 97), PROMPTS[0]]
+    texts = {}
+    for budget in (512, 16):  # whole prompts in one pass, then 16-token chunks
+        engine = Engine(AdapterSet(model, BASE), tiny_tokenizer, max_batch_size=8)
+        engine.max_prefill_tokens = budget
+        engine.eos_ids = set()
+        outcomes = [Outcome() for _ in prompts]
+        jobs = [make_job(tiny_tokenizer, p, o, max_tokens=24) for p, o in zip(prompts, outcomes)]
+        run(engine, jobs, join_every=0)
+        texts[budget] = [o.text for o in outcomes]
+        assert all(o.done.tokens == 24 for o in outcomes)
+    assert texts[16] == texts[512]
+
+
+class TokensFed:
+    """Counts the tokens each forward pass feeds the model (prefill and decode)."""
+
+    def __init__(self, model):
+        self.total = 0
+        self.handle = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, _module, _args, kwargs):
+        self.total += kwargs["input_ids"].numel()
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model, tiny_tokenizer):
+    budget = 32
+    engine = Engine(AdapterSet(model, BASE), tiny_tokenizer, max_batch_size=8)
+    engine.max_prefill_tokens = budget
+    engine.eos_ids = set()
+    short, long = Outcome(), Outcome()
+    long_text = long_prompt(tiny_tokenizer, 300)
+    solo = alone(engine, tiny_tokenizer, long_text, max_tokens=8).text
+    engine.submit(make_job(tiny_tokenizer, PROMPTS[0], Outcome(), max_tokens=30))
+    steps_alone = 1
+    while engine.step():
+        steps_alone += 1
+    engine.submit(make_job(tiny_tokenizer, PROMPTS[0], short, max_tokens=30))
+    engine.step()  # the short request is decoding
+    engine.submit(make_job(tiny_tokenizer, long_text, long, max_tokens=8))
+    fed, per_step, steps = TokensFed(model), [], 1
+    try:
+        while short.done is None:  # steps until the short reply is complete
+            before = fed.total
+            engine.step()
+            per_step.append(fed.total - before)
+            steps += 1
+        while engine.step():
+            pass
+    finally:
+        fed.handle.remove()
+    # The short reply takes one step a token, as it would alone, and no step does more
+    # than one budget of prefill besides the decode rows (the old engine fed all 300+
+    # prompt tokens in one step).
+    assert steps == steps_alone
+    assert max(per_step) <= budget + 2 and sum(per_step) > 300
+    assert long.text == solo and long.done.tokens == 8
+
+
+def test_the_cache_goes_by_the_name_transformers_supports(engine, tiny_tokenizer):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = alone(engine, tiny_tokenizer, PROMPTS[0], max_tokens=4)
+    assert outcome.failed is None and outcome.done.tokens == 4
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_adapter_caps_on_rank_and_size(model, tmp_path):
+    from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter
+
+    lora = str(random_lora(model, tmp_path / "a", seed=1))  # r = 8
+    assert inspect_adapter("a", lora, AdapterCaps(max_rank=8)).pairs
+    with pytest.raises(ModelError, match=r"r is 8; .* 1 to 4 .*--max-lora-rank"):
+        inspect_adapter("a", lora, AdapterCaps(max_rank=4))
+    with pytest.raises(ModelError, match=r"over this server's limit of 100 \(--max-adapter-size"):
+        inspect_adapter("a", lora, AdapterCaps(max_bytes=100))

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from keel.errors import ModelError
+from keel.infer.serve.adapter_files import AdapterCaps, check_against_base, inspect_adapter
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 MAX_NAME_LENGTH = 200
@@ -21,9 +21,10 @@ class AdapterSet:
     table is replaced, never changed in place, so other threads can read it any time.
     """
 
-    def __init__(self, model, base_name: str):
+    def __init__(self, model, base_name: str, caps: AdapterCaps | None = None):
         self.model = model
         self.base_name = base_name
+        self.caps = caps or AdapterCaps()
         self._keys: dict[str, str] = {}  # served name -> PEFT adapter name
         self._loaded = 0
 
@@ -47,24 +48,33 @@ class AdapterSet:
         self._keys = {**self._keys, name: key}
 
     def load(self, name: str, path: str) -> None:
-        """Load the LoRA adapter at `path` and serve it as `name`."""
+        """Load the LoRA adapter at `path` and serve it as `name`, after checking its files
+        against `caps` and its shapes against the base model (ModelError says why not)."""
         from peft import PeftModel
 
         self._check_name(name)
-        directory = _check_adapter_dir(name, path)
+        path = str(Path(path).expanduser())
+        shapes = inspect_adapter(name, path, self.caps)
+        if len(self._keys) >= self.caps.max_adapters:
+            raise ModelError(
+                f"this server holds at most {self.caps.max_adapters} adapters (--max-adapters) "
+                f"and serves {self._listing()}; unload one first"
+            )
+        base = self.model.get_base_model() if self.mixed else self.model
+        check_against_base(shapes, base, f"adapter {name!r} ({path})")
         self._loaded += 1
         key = f"keel_adapter_{self._loaded}"
         try:
             if self.mixed:
-                self.model.load_adapter(str(directory), adapter_name=key)
+                self.model.load_adapter(path, adapter_name=key)
             else:
-                self.model = PeftModel.from_pretrained(self.model, str(directory), adapter_name=key)
-        except (ValueError, RuntimeError, KeyError, OSError) as e:
+                self.model = PeftModel.from_pretrained(self.model, path, adapter_name=key)
+        except Exception as e:  # whatever PEFT raises on a bad adapter is the adapter's fault
             if self.mixed and key in self.model.peft_config:
                 self.model.delete_adapter(key)  # drop a half-loaded adapter
             raise ModelError(
-                f"adapter {name!r}: cannot load {path} on base {self.base_name}: {e}; "
-                "was it trained on this base model?"
+                f"adapter {name!r}: cannot load {path} on base {self.base_name}: "
+                f"{type(e).__name__}: {e}; was it trained on this base model?"
             ) from e
         self.model.eval()
         self._keys = {**self._keys, name: key}
@@ -96,23 +106,3 @@ class AdapterSet:
 
     def _listing(self) -> str:
         return ", ".join(self._keys) or "(none)"
-
-
-def _check_adapter_dir(name: str, path: str) -> Path:
-    directory = Path(path).expanduser()
-    config_file = directory / "adapter_config.json"
-    if not config_file.is_file():
-        raise ModelError(
-            f"adapter {name!r}: {path} holds no adapter_config.json; "
-            "give a PEFT LoRA adapter directory (e.g. a keel LoRA output dir)"
-        )
-    try:
-        peft_type = json.loads(config_file.read_text()).get("peft_type")
-    except (OSError, ValueError) as e:
-        raise ModelError(f"adapter {name!r}: cannot read {config_file}: {e}") from e
-    if peft_type != "LORA":
-        raise ModelError(
-            f"adapter {name!r}: {config_file} is a {peft_type} adapter; only LoRA adapters "
-            "can share a batch (merge it into the model and serve that instead)"
-        )
-    return directory

@@ -10,6 +10,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,8 +20,8 @@ from starlette.exceptions import HTTPException
 
 from keel.errors import KeelError
 from keel.infer.serve import streams
+from keel.infer.serve.adapter_files import within_root
 from keel.infer.serve.limits import (
-    MAX_PROMPTS,
     ApiError,
     ServeLimits,
     Slots,
@@ -34,13 +35,15 @@ from keel.infer.serve.protocol import ChatRequest, CompletionRequest, Reply, par
 @dataclass(kw_only=True)
 class ServeState:
     """What the routes share: the engine (any backend with its interface), the tokenizer
-    that turns requests into token ids, the limits, and the optional API key."""
+    that turns requests into token ids, the limits, the optional API key, and the folder
+    clients may load adapters from (None: adapters are managed at startup only)."""
 
     engine: object
     tokenizer: object
     limits: ServeLimits
     default_model: str
     api_key: str | None = None
+    adapter_root: Path | None = None
     slots: Slots = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,14 +136,20 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
         _authorize(request, state)
+        root = _adapter_root(state)
         body = await _json_body(request, state.limits)
         name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
-        await _engine_call(state.engine.load_adapter(name, path))
+        try:
+            directory = within_root(root, path)
+        except KeelError as e:
+            raise ApiError(403, str(e), param="lora_path", code="outside_adapter_root") from None
+        await _engine_call(state.engine.load_adapter(name, str(directory)))
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         _authorize(request, state)
+        _adapter_root(state)
         body = await _json_body(request, state.limits)
         name = _string_field(body, "lora_name")
         names = state.engine.adapters.names()
@@ -165,7 +174,7 @@ async def _complete(request: Request, state: ServeState, *, chat: bool):
     if chat:
         prompts = [_encode_chat(state.tokenizer, req.messages)]
     else:
-        prompts = _encode_prompts(state.tokenizer, req.prompt)
+        prompts = _encode_prompts(state.tokenizer, req.prompt, state.limits.max_prompts)
     return await _answer(request, state, req, prompts, model=model, chat=chat)
 
 
@@ -240,12 +249,30 @@ async def _json_body(request: Request, limits: ServeLimits) -> dict:
         if len(raw) > limits.max_body_bytes:
             raise too_large
     try:
-        body = json.loads(raw)
-    except ValueError as e:
+        body = json.loads(raw, parse_constant=_not_json)
+        # A "\ud800" escape decodes to a lone surrogate, which no tokenizer or reply takes.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     return body
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _adapter_root(state: ServeState) -> Path:
+    if state.adapter_root is None:
+        raise ApiError(
+            403,
+            "loading and unloading adapters over the API is off on this server; start "
+            "keel serve with --adapter-root DIR to allow adapters from inside DIR",
+            code="adapter_api_disabled",
+            kind="permission_error",
+        )
+    return state.adapter_root
 
 
 def _served_model(name: str | None, state: ServeState) -> str:
@@ -288,11 +315,13 @@ def _encode_chat(tokenizer, messages) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def _encode_prompts(tokenizer, prompt) -> list[list[int]]:
+def _encode_prompts(tokenizer, prompt, max_prompts: int) -> list[list[int]]:
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
-    if not 1 <= len(prompt) <= MAX_PROMPTS:
-        raise ApiError(400, f"prompt must hold 1 to {MAX_PROMPTS} prompts", param="prompt")
+    if not 1 <= len(prompt) <= max_prompts:
+        raise ApiError(
+            400, f"prompt must hold 1 to {max_prompts} prompts (--max-prompts)", param="prompt"
+        )
     encoded = []
     for item in prompt:
         if isinstance(item, str):

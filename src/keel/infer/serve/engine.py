@@ -3,18 +3,21 @@
 Each round of the scheduler (`Engine.step`):
 1. runs queued calls that change the model (loading/unloading adapters) between steps;
 2. drops sequences whose client went away;
-3. admits waiting requests while the batch has room and prefills them in one forward
-   pass (left-padded, each prompt with its own positions and a mask that hides the
-   padding); each samples its first token, and their caches join the running batch
-   (`PaddedBatch`, left padding too);
+3. prefills at most `max_prefill_tokens` prompt tokens: the next chunk of a prompt too
+   long for one step (its own cache, a chunk per step), then waiting requests while the
+   batch has room, together in one forward pass (left-padded, each prompt with its own
+   positions and a mask that hides the padding). A finished prompt samples its first
+   token, and its cache joins the running batch (`PaddedBatch`, left padding too);
 4. runs one decode step for every running sequence at once: one token per row, with the
    row's own position ids and a mask that hides the padding, each row with its adapter.
-Finished sequences leave the batch after the step that finished them. Results go to each
+Finished sequences leave the batch after the step that finished them. A sequence whose
+sampling fails leaves alone, with its job failed; the others go on. Results go to each
 job's `sink` from this thread; the sink must not block.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import traceback
 from collections import deque
@@ -27,13 +30,13 @@ from transformers import DynamicCache
 from keel.infer.generate import stop_token_ids  # the same stop tokens as `keel chat`
 from keel.infer.serve.adapters import AdapterSet
 from keel.infer.serve.kv import PaddedBatch
-from keel.infer.serve.sampling import make_generator, pick_tokens
+from keel.infer.serve.sampling import greedy_tokens, make_generator, sample_token
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job, SchedulerThread
 from keel.infer.serve.text import TextTracker
 
-# Padded prompt tokens prefilled per scheduler round (at least one request): a burst of
-# long prompts must not stall the sequences already decoding for long.
-PREFILL_TOKENS_PER_STEP = 2048
+# Prompt tokens (padding included) prefilled per scheduler round: neither a burst of
+# prompts nor one long prompt may stall the sequences already decoding for long.
+PREFILL_TOKENS_PER_STEP = 512
 
 
 @dataclass(eq=False)
@@ -49,21 +52,41 @@ class _Sequence:
     done: bool = False
 
 
+@dataclass(eq=False)
+class _Chunked:
+    """A prompt longer than one round's prefill budget, prefilled a chunk per round."""
+
+    job: Job
+    adapter: str
+    cache: DynamicCache
+    fed: int = 0  # prompt tokens already in `cache`
+
+
 class Engine(SchedulerThread):
     """Runs generation jobs with continuous batching over `adapters.model`."""
 
-    def __init__(self, adapters: AdapterSet, tokenizer, *, max_batch_size: int):
+    def __init__(
+        self,
+        adapters: AdapterSet,
+        tokenizer,
+        *,
+        max_batch_size: int,
+        max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
+    ):
         super().__init__(name="keel-scheduler")
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
         model = adapters.model
         self.device = next(model.parameters()).device
         self.eos_ids = set(stop_token_ids(model, tokenizer))
         self.context_length = context_length(model.config)
+        self._cache_argument = cache_argument(model)
         self._waiting: deque[Job] = deque()
         self._running: list[_Sequence] = []  # row i of self._batch is self._running[i]
         self._batch = PaddedBatch()
+        self._chunked: _Chunked | None = None
 
     def load_adapter(self, name: str, path: str) -> Future:
         return self.call(lambda: self.adapters.load(name, path))
@@ -71,25 +94,32 @@ class Engine(SchedulerThread):
     def unload_adapter(self, name: str) -> Future:
         def unload() -> None:
             self.adapters.unload(name)  # raises first if `name` is not a loaded adapter
-            users = [s for s in self._running if s.job.model == name]
-            self._fail(users, f"adapter {name!r} was unloaded while this request ran")
+            users = [s.job for s in self._running if s.job.model == name]
+            if self._chunked is not None and self._chunked.job.model == name:
+                users.append(self._chunked.job)
+            self._end_jobs(users, f"adapter {name!r} was unloaded while this request ran")
 
         return self.call(unload)
 
     def _busy(self) -> bool:
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._chunked)
 
     def _shutdown(self, message: str) -> None:
-        self._fail(self._running, message)
+        self._end_jobs([s.job for s in self._running], message)
+        if self._chunked is not None:
+            self._end_jobs([self._chunked.job], message)
         for job in self._waiting:
             job.sink(Failed(message))
 
     def step(self) -> bool:
         """One scheduler round (see the module docstring); True while work remains."""
         self._waiting.extend(self._take())
-        self._fail([s for s in self._running if s.job.cancelled], None)
+        self._end_jobs([s.job for s in self._running if s.job.cancelled], None)
         with torch.inference_mode():
-            self._admit()
+            budget = self.max_prefill_tokens
+            budget -= self._prefill_chunk(budget)
+            budget -= self._admit(budget)
+            self._prefill_chunk(budget)  # a long prompt admitted just now starts at once
             self._retire()  # replies that ended at their first token
             if self._running:
                 self._decode()
@@ -97,36 +127,72 @@ class Engine(SchedulerThread):
         self.stats.running, self.stats.waiting = len(self._running), len(self._waiting)
         return self._busy()
 
-    def _admit(self) -> None:
+    def _admit(self, budget: int) -> int:
         """Prefill, together, the waiting jobs that fit: seats in the batch, and at most
-        PREFILL_TOKENS_PER_STEP padded prompt tokens (one long prompt goes alone)."""
+        `budget` padded prompt tokens. A prompt longer than a whole round's budget is set
+        aside to be prefilled in chunks (one at a time). Returns the tokens prefilled."""
         group: list[tuple[Job, str]] = []  # (job, PEFT adapter name)
         seats, width = len(self._running), 0
+        if self._chunked is not None:
+            seats += self._chunked.job.n
         while self._waiting:
             job = self._waiting[0]
             if job.cancelled:
                 self._waiting.popleft()
                 continue
-            longest = max(width, len(job.prompt_ids))
-            if group and longest * (len(group) + 1) > PREFILL_TOKENS_PER_STEP:
-                break
             if seats and seats + job.n > self.max_batch_size:
                 break  # first come, first served: later jobs wait behind this one
+            chunked = len(job.prompt_ids) > self.max_prefill_tokens
+            longest = max(width, len(job.prompt_ids))
+            if chunked and (group or self._chunked is not None):
+                break
+            if not chunked and longest * (len(group) + 1) > budget:
+                break
             self._waiting.popleft()
             try:
-                group.append((job, self.adapters.key(job.model)))
+                adapter = self.adapters.key(job.model)
             except KeyError:
                 job.sink(Failed(f"model {job.model!r} is no longer served"))
                 continue
+            if chunked:
+                self._chunked = _Chunked(job, adapter, DynamicCache())
+                break
+            group.append((job, adapter))
             seats, width = seats + job.n, longest
         if not group:
-            return
+            return 0
         try:
             self._prefill(group, width)
         except Exception as e:  # a failed prefill fails its jobs, not the server
             traceback.print_exc(file=sys.stderr)
-            for job, _ in group:
-                job.sink(Failed(f"generation failed: {type(e).__name__}: {e}"))
+            self._end_jobs([job for job, _ in group], f"generation failed: {type(e).__name__}: {e}")
+        return width * len(group)
+
+    def _prefill_chunk(self, budget: int) -> int:
+        """Feed the next chunk (at most `budget` tokens) of the prompt being prefilled in
+        chunks; its last chunk makes it join the batch. Returns the tokens fed."""
+        part = self._chunked
+        if part is None or budget <= 0:
+            return 0
+        if part.job.cancelled:
+            self._chunked = None
+            return 0
+        prompt = part.job.prompt_ids
+        chunk = prompt[part.fed : part.fed + budget]
+        ids = torch.tensor([chunk], device=self.device)  # [1, C]
+        positions = torch.arange(part.fed, part.fed + len(chunk), device=self.device)[None]
+        try:
+            logits = self._forward(ids, part.cache, [part.adapter], position_ids=positions)
+            part.fed += len(chunk)
+            if part.fed == len(prompt):
+                self._chunked = None
+                valid = torch.ones(1, len(prompt), dtype=torch.bool, device=self.device)  # [1, P]
+                self._join([(part.job, part.adapter)], part.cache, valid, logits)
+        except Exception as e:  # fails this job, not the server
+            traceback.print_exc(file=sys.stderr)
+            self._chunked = None
+            self._end_jobs([part.job], f"generation failed: {type(e).__name__}: {e}")
+        return len(chunk)
 
     def _prefill(self, group: list[tuple[Job, str]], width: int) -> None:
         """One forward pass over the group's prompts, left-padded to `width`; each prompt
@@ -147,6 +213,11 @@ class Engine(SchedulerThread):
             attention_mask=valid.long() if padded else None,
             position_ids=(valid.long().cumsum(dim=1) - 1).clamp(min=0) if padded else None,
         )  # [G, V]
+        self._join(group, cache, valid, logits)
+
+    def _join(self, group, cache: DynamicCache, valid: torch.Tensor, logits: torch.Tensor):
+        """Add the prefilled prompts of `group` (rows of `cache`, real columns `valid`
+        [G, P], last-token `logits` [G, V]) to the running batch; sample first tokens."""
         # n choices of one prompt share its prefill: its row is repeated n times.
         rows = [row for row, (job, _) in enumerate(group) for _ in range(job.n)]
         sequences = [
@@ -180,7 +251,7 @@ class Engine(SchedulerThread):
             )  # [B, V]
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
-            self._fail(rows, f"generation failed: {type(e).__name__}: {e}")
+            self._end_jobs([s.job for s in rows], f"generation failed: {type(e).__name__}: {e}")
             return
         self._batch.stepped()
         for s in rows:
@@ -191,40 +262,57 @@ class Engine(SchedulerThread):
     def _forward(self, ids: torch.Tensor, cache: DynamicCache, adapters: list[str], **inputs):
         if self.adapters.mixed:
             inputs["adapter_names"] = adapters
-        out = self.adapters.model(
-            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **inputs
-        )
+        inputs[self._cache_argument] = cache
+        out = self.adapters.model(input_ids=ids, use_cache=True, logits_to_keep=1, **inputs)
         return out.logits[:, -1, :]  # [B, V]
 
     def _advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        """Sample each sequence's next token, send its text, and mark finished ones."""
-        tokens = pick_tokens(
-            logits, [s.job.params for s in sequences], [s.generator for s in sequences]
-        )
-        self.stats.generated_tokens += len(tokens)
-        for s, token in zip(sequences, tokens):
-            s.generated += 1
-            s.next_token = token
-            reason = None
-            if token in self.eos_ids:
-                piece, reason = s.text.flush(), "stop"
-            else:
-                piece, hit_stop = s.text.add(token)
-                if hit_stop:
-                    reason = "stop"
-                elif s.generated >= s.job.params.max_tokens or s.length >= self.context_length:
-                    piece, reason = piece + s.text.flush(), "length"
-            if piece:
-                s.job.sink(Delta(s.index, piece))
-            if reason is not None:
+        """Sample each sequence's next token, send its text, and mark finished ones. A
+        sequence whose sampling fails ends with its job; the others are not touched."""
+        greedy = greedy_tokens(logits)  # every row; sampled rows overwrite theirs
+        failed: dict[int, tuple[Job, str]] = {}
+        for row, s in enumerate(sequences):
+            if s.job.cancelled:
+                s.done = True  # never fed to the model again; leaves at the next _retire
+            if s.done:
+                continue
+            try:
+                token = greedy[row]
+                if s.job.params.temperature > 0:
+                    token = sample_token(logits[row], s.job.params, s.generator)
+                self._emit(s, token)
+            except Exception as e:  # this request's numbers or text, not the batch's
+                traceback.print_exc(file=sys.stderr)
                 s.done = True
-                s.job.sink(Done(s.index, reason, s.generated))
+                failed[id(s.job)] = (s.job, f"sampling failed: {type(e).__name__}: {e}")
+        for job, message in failed.values():
+            self._end_jobs([job], message)
 
-    def _fail(self, sequences: list[_Sequence], message: str | None) -> None:
-        """End `sequences` now; tell their jobs why unless `message` is None (client gone)."""
-        jobs = {id(s.job): s.job for s in sequences}.values()
-        for job in jobs:
-            job.cancelled = True  # its other choices go too
+    def _emit(self, s: _Sequence, token: int) -> None:
+        """Record `s`'s new token, send its text, and mark it done if it finished."""
+        self.stats.generated_tokens += 1
+        s.generated += 1
+        s.next_token = token
+        reason = None
+        if token in self.eos_ids:
+            piece, reason = s.text.flush(), "stop"
+        else:
+            piece, hit_stop = s.text.add(token)
+            if hit_stop:
+                reason = "stop"
+            elif s.generated >= s.job.params.max_tokens or s.length >= self.context_length:
+                piece, reason = piece + s.text.flush(), "length"
+        if piece:
+            s.job.sink(Delta(s.index, piece))
+        if reason is not None:
+            s.done = True
+            s.job.sink(Done(s.index, reason, s.generated))
+
+    def _end_jobs(self, jobs: list[Job], message: str | None) -> None:
+        """End `jobs` now, every choice of each; tell them why unless `message` is None
+        (the client is gone). Their sequences leave the batch."""
+        for job in {id(job): job for job in jobs}.values():
+            job.cancelled = True
             if message is not None:
                 job.sink(Failed(message))
         for s in self._running:
@@ -246,3 +334,11 @@ def context_length(config) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 2048  # configs without a position limit (e.g. ALiBi models): a safe default
+
+
+def cache_argument(model) -> str:
+    """The name under which `model`'s forward takes its KV cache. transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); models that
+    predate the rename still take only the old name."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"

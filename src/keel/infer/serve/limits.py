@@ -5,11 +5,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+from keel.infer.serve.adapter_files import AdapterCaps
 from keel.infer.serve.sampling import SamplingParams
 
 # OpenAI's own bounds; a stop list longer than 4 is refused there too.
 MAX_STOP_STRINGS = 4
-MAX_PROMPTS = 32  # prompts in one /v1/completions request
+# Each generated token is checked against every stop string's possible starts, so their
+# length is bounded too.
+MAX_STOP_LENGTH = 512
 # Parameters keel does not implement: refused when set to anything but their neutral value,
 # so a client never silently gets something other than what it asked for.
 _NEUTRAL = {
@@ -38,6 +41,14 @@ class ServeLimits:
     max_tokens: int = 2048  # cap on a request's max_tokens
     max_body_bytes: int = 1 << 20
     max_n: int = 8
+    max_prompts: int = 16  # prompts in one /v1/completions request
+    max_prompt_tokens: int = 8192  # tokens in one prompt (the model's context may be less)
+    # Prompt tokens prefilled per scheduler step; a longer prompt is prefilled in chunks
+    # between decode steps, so it cannot hold up the sequences already running.
+    max_prefill_tokens: int = 512
+    max_adapters: int = 8  # LoRA adapters served at once (startup ones included)
+    max_lora_rank: int = 256
+    max_adapter_bytes: int = 1 << 30  # adapter_model.safetensors
 
     def problems(self) -> list[str]:
         """Every flag value that cannot work, each naming its flag."""
@@ -46,10 +57,23 @@ class ServeLimits:
             ("--max-batch-size", self.max_batch_size),
             ("--max-concurrency", self.max_concurrency),
             ("--max-tokens", self.max_tokens),
+            ("--max-prompts", self.max_prompts),
+            ("--max-prompt-tokens", self.max_prompt_tokens),
+            ("--max-prefill-tokens", self.max_prefill_tokens),
+            ("--max-adapters", self.max_adapters),
+            ("--max-lora-rank", self.max_lora_rank),
+            ("--max-adapter-size", self.max_adapter_bytes),
         ):
             if value < 1:
                 found.append(f"{flag} {value}: must be at least 1")
         return found
+
+    def adapter_caps(self) -> AdapterCaps:
+        return AdapterCaps(
+            max_adapters=self.max_adapters,
+            max_rank=self.max_lora_rank,
+            max_bytes=self.max_adapter_bytes,
+        )
 
 
 class ApiError(Exception):
@@ -93,6 +117,14 @@ def sampling_params(
 
     A request without max_tokens may fill the context, up to --max-tokens.
     """
+    if prompt_tokens > limits.max_prompt_tokens:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens; this server takes at most "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens)",
+            param=prompt_field,
+            code="context_length_exceeded",
+        )
     if prompt_tokens >= context_length:
         raise ApiError(
             400,
@@ -102,7 +134,8 @@ def sampling_params(
             code="context_length_exceeded",
         )
     room = context_length - prompt_tokens
-    asked = request.max_completion_tokens or request.max_tokens
+    asked = request.max_completion_tokens
+    asked = request.max_tokens if asked is None else asked
     max_tokens = min(limits.max_tokens, room) if asked is None else asked
     if max_tokens < 1 or max_tokens > limits.max_tokens:
         raise ApiError(
@@ -123,9 +156,12 @@ def sampling_params(
         raise ApiError(400, f"n {request.n} must be between 1 and {largest_n}", param="n")
     stop = request.stop
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+    if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LENGTH for s in stop):
         raise ApiError(
-            400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", param="stop"
+            400,
+            f"stop takes at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_LENGTH} characters",
+            param="stop",
         )
     return SamplingParams(
         max_tokens=max_tokens,

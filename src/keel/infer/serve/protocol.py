@@ -6,30 +6,52 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from keel.infer.serve.limits import ApiError
 
+# Strict: a number is a number (not "5" or true), a flag a JSON boolean; unknown fields are
+# ignored as OpenAI does (the ones keel refuses are checked first: limits.refuse_unsupported).
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+# Sampling divides float32 logits by the temperature. Below 0.01 the result is greedy in
+# all but name, and a small enough temperature overflows to inf and then NaN (1e-300 did);
+# vLLM clamps at the same 0.01. 0 asks for greedy decoding itself.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+# torch.Generator takes a signed or unsigned 64-bit seed.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored as OpenAI does; the ones keel refuses are checked first
-    # (limits.refuse_unsupported).
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # the newer name of max_tokens
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("temperature")
+    @classmethod
+    def _samplable(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {value:g} is too small to sample with; use 0 for greedy "
+                f"decoding, or a temperature from {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g}"
+            )
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -37,11 +59,15 @@ class _Body(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
     text: str
 
 
 class Message(BaseModel):
+    model_config = _STRICT
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
 

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from keel.errors import KeelError, ModelError
 from keel.infer.serve.limits import ServeLimits
@@ -29,6 +30,8 @@ class ServeOptions:
     limits: ServeLimits = field(default_factory=ServeLimits)
     backend: str = "keel"
     cache_dir: str = "~/.cache/keel"
+    # Clients may load adapters over HTTP only from inside this folder; None: not at all.
+    adapter_root: str | None = None
 
 
 def check_options(options: ServeOptions) -> list[tuple[str, str]]:
@@ -38,6 +41,9 @@ def check_options(options: ServeOptions) -> list[tuple[str, str]]:
         problems.append(f"--backend {options.backend}: use one of {', '.join(BACKENDS)}")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port {options.port}: must be 0..65535")
+    root = options.adapter_root
+    if root is not None and not Path(root).expanduser().is_dir():
+        problems.append(f"--adapter-root {root}: not a folder; give the folder adapters live in")
     adapters = []
     for spec in options.adapters:
         name, sep, path = spec.partition("=")
@@ -76,21 +82,35 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
         model = model.to("cuda")
     _check_cache_layout(model.config)
     if hasattr(model, "peft_config"):  # --model is a keel output dir holding an adapter
-        served = AdapterSet(model, model.peft_config["default"].base_model_name_or_path)
+        base_name = model.peft_config["default"].base_model_name_or_path
+        served = AdapterSet(model, base_name, options.limits.adapter_caps())
         served.adopt(options.model, "default")
     else:
-        served = AdapterSet(model, options.model)
+        served = AdapterSet(model, options.model, options.limits.adapter_caps())
     for name, path in adapters:
         log(f"loading adapter {name} from {path}")
         served.load(name, path)
-    engine = Engine(served, tokenizer, max_batch_size=options.limits.max_batch_size)
+    engine = Engine(
+        served,
+        tokenizer,
+        max_batch_size=options.limits.max_batch_size,
+        max_prefill_tokens=options.limits.max_prefill_tokens,
+    )
     return ServeState(
         engine=engine,
         tokenizer=tokenizer,
         limits=options.limits,
         default_model=options.model,
         api_key=options.api_key,
+        adapter_root=adapter_root(options),
     )
+
+
+def adapter_root(options: ServeOptions) -> Path | None:
+    """The folder adapters may be loaded from over HTTP (symlinks resolved), or None."""
+    if options.adapter_root is None:
+        return None
+    return Path(options.adapter_root).expanduser().resolve()
 
 
 def _check_cache_layout(config) -> None:

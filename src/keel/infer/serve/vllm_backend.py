@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from keel.errors import KeelError, ModelError
+from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job, SchedulerThread
 
 
@@ -40,6 +41,7 @@ def build_vllm_state(options, adapters: list[tuple[str, str]], log):
     from vllm import EngineArgs, LLMEngine
 
     from keel.infer.serve.app import ServeState
+    from keel.infer.serve.server import adapter_root
     from keel.models import load_tokenizer, resolve_model_path
 
     model_dir, own_adapter = _model_dir(options)
@@ -56,7 +58,7 @@ def build_vllm_state(options, adapters: list[tuple[str, str]], log):
     )
     log(f"starting vLLM on {base_dir}")
     base_name = model_dir if own_adapter is not None else options.model
-    engine = VllmEngine(LLMEngine.from_engine_args(args), base_name)
+    engine = VllmEngine(LLMEngine.from_engine_args(args), base_name, options.limits.adapter_caps())
     for name, path in adapters:
         engine.adapters.add(name, path)
     return ServeState(
@@ -65,6 +67,7 @@ def build_vllm_state(options, adapters: list[tuple[str, str]], log):
         limits=options.limits,
         default_model=options.model,
         api_key=options.api_key,
+        adapter_root=adapter_root(options),
     )
 
 
@@ -96,8 +99,9 @@ def _rank_bucket(rank: int) -> int:
 class VllmAdapters:
     """Served names -> vLLM LoRA requests (vLLM loads each on first use)."""
 
-    def __init__(self, base_name: str):
+    def __init__(self, base_name: str, caps: AdapterCaps):
         self.base_name = base_name
+        self.caps = caps
         self.requests: dict[str, object] = {}
         self._next_id = 1
 
@@ -109,7 +113,12 @@ class VllmAdapters:
 
         if name == self.base_name or name in self.requests:
             raise ModelError(f"a model named {name!r} is already served; pick another name")
-        _rank(path)  # checks that it is an adapter dir
+        if len(self.requests) >= self.caps.max_adapters:
+            raise ModelError(
+                f"this server holds at most {self.caps.max_adapters} adapters (--max-adapters); "
+                "unload one first"
+            )
+        inspect_adapter(name, path, self.caps)  # safetensors only, rank and size capped
         self.requests[name] = LoRARequest(name, self._next_id, str(Path(path).expanduser()))
         self._next_id += 1
 
@@ -117,10 +126,10 @@ class VllmAdapters:
 class VllmEngine(SchedulerThread):
     """The keel engine's interface over `vllm.LLMEngine`, driven by one thread."""
 
-    def __init__(self, llm, base_name: str):
+    def __init__(self, llm, base_name: str, caps: AdapterCaps):
         super().__init__(name="keel-vllm")
         self.llm = llm
-        self.adapters = VllmAdapters(base_name)
+        self.adapters = VllmAdapters(base_name, caps)
         self.context_length = llm.model_config.max_model_len
         self._live: dict[str, tuple[Job, int]] = {}  # vLLM request id -> (job, choice index)
         self._sent: dict[str, int] = {}  # characters of text already sent per request
