@@ -131,3 +131,94 @@ def test_every_shipped_example_parses(path, monkeypatch):
     monkeypatch.chdir(EXAMPLES.parent)
     cfg = load_config(path)
     assert cfg.output.dir
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two equal keys silently (lr: 5.0 won); keel refuses, at any
+    depth, naming both lines."""
+    text = """model:
+  path: bundled:smollm2-135m-instruct
+data:
+  datasets:
+    - path: a.json
+      format: alpaca
+      format: sharegpt
+output:
+  dir: out
+train:
+  lr: 1.0e-4
+  seed: 1
+  lr: 5.0
+"""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    joined = "\n".join(info.value.problems)
+    path = tmp_path / "run.yaml"
+    assert f"train.lr is set twice, at {path}:11 and {path}:13" in joined
+    assert "(5.0)" in joined
+    assert f"data.datasets.0.format is set twice, at {path}:6 and {path}:7" in joined
+    assert len(info.value.problems) == 2, joined
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    text = """model: {path: bundled:smollm2-135m-instruct}
+data: {datasets: [d.json]}
+output: {dir: out}
+train:
+  <<: {lr: 1.0e-4, seed: 3}
+  lr: 2.0e-4
+"""
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.train.lr == pytest.approx(2e-4) and cfg.train.seed == 3
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=inf",
+        "train.lr=nan",
+        "train.lr=.inf",
+        "train.lr=-.inf",
+        "train.lr=1e999",
+        "train.weight_decay=.nan",
+        "train.max_grad_norm=inf",
+        "train.adam_betas=[0.9, .nan]",
+        "preference.beta=inf",
+        "watchdog.stall_timeout_s=inf",
+        "data.val_size=nan",
+    ],
+)
+def test_non_finite_numbers_are_refused_on_the_command_line(tmp_path, override):
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, minimal(tmp_path)), [override])
+    key = override.split("=")[0]
+    joined = "\n".join(info.value.problems)
+    assert f"{key}" in joined and "must be a finite number" in joined, joined
+
+
+def test_non_finite_numbers_are_refused_in_yaml_with_their_line(tmp_path):
+    text = """model: {path: bundled:smollm2-135m-instruct}
+data: {datasets: [d.json]}
+output: {dir: out}
+train:
+  lr: .inf
+  weight_decay: .NaN
+"""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    joined = "\n".join(info.value.problems)
+    assert "train.lr (" in joined and "run.yaml:5) = inf must be a finite number" in joined
+    assert (
+        "train.weight_decay (" in joined and "run.yaml:6) = nan must be a finite number" in joined
+    )
+
+
+def test_check_config_refuses_non_finite_numbers_of_a_config_built_in_code(tmp_path):
+    from keel.config.validate import check_config
+
+    cfg = load_config(write(tmp_path, minimal(tmp_path)))
+    cfg.train.lr = float("inf")
+    cfg.train.adam_betas = [0.9, float("nan")]
+    problems = check_config(cfg)
+    assert "train.lr = inf must be a finite number" in problems
+    assert "train.adam_betas.1 = nan must be a finite number" in problems

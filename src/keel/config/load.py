@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -26,9 +27,9 @@ def load_config(
     lines: dict[str, int] = {}
     source = str(path) if path is not None else "config"
     raw: dict = copy.deepcopy(base or {})  # overrides must not change the caller's dict
-    if path is not None:
-        raw, lines = _read_yaml(Path(path))
     problems: list[str] = []
+    if path is not None:
+        raw, lines, problems = _read_yaml(Path(path))
     for item in overrides:
         problem = apply_override(raw, item)
         if problem:
@@ -45,7 +46,8 @@ def load_config(
     return cfg
 
 
-def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+def _read_yaml(path: Path) -> tuple[dict, dict[str, int], list[str]]:
+    """(the mapping, the line of every key path, problems such as keys given twice)."""
     if not path.is_file():
         raise ConfigError([f"config file {path} does not exist; pass the path to a YAML file"])
     from keel.files import read_text
@@ -66,20 +68,40 @@ def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
             ]
         )
     lines: dict[str, int] = {}
-    _collect_lines(node, "", lines)
-    return raw, lines
+    duplicates: list[str] = []
+    _collect_lines(node, "", lines, duplicates)
+    return raw, lines, [f"{key} is set twice, {_twice(path, *at)}" for key, *at in duplicates]
 
 
-def _collect_lines(node, prefix: str, out: dict[str, int]) -> None:
+def _twice(path: Path, first: int, second: int, value: str) -> str:
+    return (
+        f"at {path}:{first} and {path}:{second}; YAML would silently keep the second "
+        f"({value}): delete one of them"
+    )
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *defaults` may be overridden on purpose
+
+
+def _collect_lines(node, prefix: str, out: dict[str, int], duplicates: list) -> None:
+    """The line of every key path under `node`; (key, first line, second line, second
+    value) to `duplicates` for each key a mapping holds twice, at any depth."""
     if isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], int] = {}
         for key_node, value_node in node.value:
             key = f"{prefix}{key_node.value}"
-            out[key] = key_node.start_mark.line + 1
-            _collect_lines(value_node, key + ".", out)
+            line = key_node.start_mark.line + 1
+            ident = (key_node.tag, str(key_node.value))
+            if ident in seen and key_node.tag != _MERGE_TAG:
+                shown = value_node.value if isinstance(value_node, yaml.ScalarNode) else "..."
+                duplicates.append((key, seen[ident], line, shown))
+            seen.setdefault(ident, line)
+            out[key] = line
+            _collect_lines(value_node, key + ".", out, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for index, item in enumerate(node.value):
             out[f"{prefix}{index}"] = item.start_mark.line + 1
-            _collect_lines(item, f"{prefix}{index}.", out)
+            _collect_lines(item, f"{prefix}{index}.", out, duplicates)
 
 
 def apply_override(raw: dict, item: str) -> str | None:
@@ -235,6 +257,8 @@ def _coerce_union(tp, value, key, problems, where):
             return None
         problems.append(f"{where(key)} must not be empty")
         return _INVALID
+    if float in args and (number := _float(value)) is not None and not math.isfinite(number):
+        return _coerce_scalar(float, value, key, problems, where)  # says: must be finite
     for arg in (a for a in args if a is not type(None)):
         trial: list[str] = []
         result = _coerce(arg, value, key, trial, where)
@@ -267,18 +291,28 @@ def _coerce_scalar(tp, value, key, problems, where):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        number = _float(value)
+        if number is not None and math.isfinite(number):
+            return number
+        if number is not None:  # .inf, nan, 1e999: no setting means that, and lr=inf trains NaN
+            problems.append(f"{where(key)} = {value!r} must be a finite number")
+            return _INVALID
     elif tp is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
     problems.append(f"{where(key)} = {value!r} must be {_type_name(tp)}")
     return _INVALID
+
+
+def _float(value) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
 
 
 def _type_name(tp) -> str:

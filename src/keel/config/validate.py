@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 from pathlib import Path
 
 from keel.config.schema import (
@@ -16,6 +18,9 @@ from keel.config.schema import (
 
 def check_config(cfg: RunConfig) -> list[str]:
     """Every problem with a well-typed config, each naming its key, value and fix."""
+    non_finite = _non_finite(cfg, "")
+    if non_finite:  # every bound below compares numbers, and NaN passes none of them
+        return non_finite
     return [
         *_check_model(cfg),
         *_check_method(cfg),
@@ -26,6 +31,22 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_distributed(cfg),
         *_check_watchdog(cfg),
     ]
+
+
+def _non_finite(node, key: str) -> list[str]:
+    """`key = value must be a finite number` for each inf or NaN float in the config (YAML
+    and overrides are checked as they are read; this covers configs built in code)."""
+    if dataclasses.is_dataclass(node):
+        return [
+            problem
+            for f in dataclasses.fields(node)
+            for problem in _non_finite(getattr(node, f.name), f"{key}{f.name}.")
+        ]
+    if isinstance(node, list):
+        return [p for i, item in enumerate(node) for p in _non_finite(item, f"{key}{i}.")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [f"{key.rstrip('.')} = {node!r} must be a finite number"]
+    return []
 
 
 def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
@@ -92,6 +113,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"or a whole number of samples"
         )
     problems += _positive(data.num_proc, "data.num_proc")
+    problems += _positive(data.max_row_bytes, "data.max_row_bytes")
     stage = cfg.train.stage
     for index, ds in enumerate(data.datasets):
         if ds.format == "text" and stage != "pt":

@@ -110,6 +110,7 @@ def prepare_data(
         base_dir=base_dir,
         rng=np.random.RandomState(seed),
         log=log,
+        max_row_bytes=cfg.max_row_bytes,
     )
     samples, overlong, used_template = _encode_sources(
         cfg, sources, tokenizer, template, stage, load, report, fp

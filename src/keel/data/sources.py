@@ -23,6 +23,7 @@ from keel.config.schema import DataConfig, DatasetConfig
 from keel.data.dataset_info import load_dataset_info, resolve_entry, unknown_name_error
 from keel.data.formats import FORMATS, check_overrides
 from keel.data.report import Rejection
+from keel.data.row_size import check_row_sizes
 from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
 from keel.errors import DataError
 from keel.files import check_utf8, read_text
@@ -160,11 +161,13 @@ def load_source(
     base_dir: Path,
     rng: np.random.RandomState | None = None,
     log: Callable[[str], None] | None = None,
+    max_row_bytes: int = DataConfig.max_row_bytes,
 ) -> list[SourceUnit]:
     """Load a source as one unit per file and keep the rows its split, `num_samples` and
     `max_samples` select, in that order (see keel.data.sampling).
 
-    rng draws `num_samples` rows (default: a generator seeded with 0).
+    rng draws `num_samples` rows (default: a generator seeded with 0). A text file with a
+    row over `max_row_bytes` is a DataError (keel.data.row_size), found before it is parsed.
     """
     limit = src.config.max_samples
     whole = src.num_samples is not None or src.split not in FILE_SPLITS
@@ -175,7 +178,7 @@ def load_source(
         for f in src.files:
             if left is not None and left <= 0:
                 break
-            units.append(_load_file(f, _label(f, base_dir), cache_dir, left))
+            units.append(_load_file(f, _label(f, base_dir), cache_dir, left, max_row_bytes))
             left = left - units[-1].read if left is not None else None
         if src.split not in FILE_SPLITS:
             units = select_rows(units, split_indices(src.split, _count(units), src.label))
@@ -242,12 +245,15 @@ def _load_saved(src: Source) -> SourceUnit:
     return SourceUnit(src.label, ds, read=len(ds))
 
 
-def _load_file(path: Path, label: str, cache_dir: Path, limit: int | None) -> SourceUnit:
+def _load_file(
+    path: Path, label: str, cache_dir: Path, limit: int | None, max_row_bytes: int
+) -> SourceUnit:
     from datasets import load_dataset
 
     kind = LOADERS[path.suffix.lower()]
     if kind not in _BINARY:  # streamed: a multi-GB corpus is not read into memory for this
         check_utf8(path, what="data file", error=DataError, shown=label)
+        check_row_sizes(path, label, kind, max_row_bytes)
     # A UTF-8 BOM is valid: the json and csv loaders drop it; the text loader would keep it
     # in the first line, so it reads with utf-8-sig (which is utf-8 without a BOM).
     extra = {"json": {"parse_agent_traces": False}, "text": {"encoding": "utf-8-sig"}}

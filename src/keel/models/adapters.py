@@ -18,6 +18,7 @@ from keel.config.schema import BUNDLED_PREFIX, FreezeConfig, LoraConfig, MethodC
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
 from keel.models.loading import load_model, load_tokenizer
+from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA can wrap; a target name must match at least one of them.
@@ -308,6 +309,8 @@ def load_for_inference(
         raise ModelError(
             f"--adapter {adapter_dir}: no adapter_config.json there; give a PEFT adapter dir"
         )
+    if adapter_dir is not None and (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        read_checked(adapter_dir / ADAPTER_WEIGHTS)  # a truncated file: its name, no traceback
     base_dir = resolve_model_path(model, cache_dir, log)
     net = load_model(base_dir, dtype=dtype)
     tokenizer_dir = base_dir

@@ -9,8 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from keel.errors import ModelError
+from keel.models.safetensors_files import check_model_dir
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,6 +70,9 @@ def load_model(
     # adapter_config.json as base_model_name_or_path: `keel chat --model <output_dir>`
     # must find the base from any working directory.
     source = str(Path(model_dir).expanduser().resolve())
+    # transformers fails on a truncated file with a traceback from the safetensors reader
+    # (or a damaged file it could map); check every tensor's bytes first, naming the tensor.
+    check_model_dir(Path(source))
     try:
         return AutoModelForCausalLM.from_pretrained(
             source,
@@ -75,7 +80,7 @@ def load_model(
             attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code,
         )
-    except (OSError, ValueError, ImportError) as e:
+    except (OSError, ValueError, ImportError, SafetensorError) as e:
         raise ModelError(f"cannot load a causal-LM model from {source}: {e}") from e
 
 

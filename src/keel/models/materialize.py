@@ -12,9 +12,7 @@ New parameters that are not in the checkpoint (LoRA adapters) are initialised fr
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import struct
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -23,6 +21,7 @@ import torch
 from torch import nn
 
 from keel.errors import ModelError
+from keel.models.safetensors_files import check_model_dir
 from keel.quant.nf4 import is_nf4
 
 _PEFT_PREFIX = "base_model.model."
@@ -131,30 +130,23 @@ class CheckpointReader:
     """
 
     def __init__(self, model_dir: Path):
-        index = model_dir / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = [p.name for p in sorted(model_dir.glob("*.safetensors"))]
-        if not files:
+        checked = check_model_dir(model_dir)  # every tensor's bytes are inside its file
+        if not checked:
             raise ModelError(
                 f"{model_dir} holds no *.safetensors weights; keel trains from "
                 f"safetensors (convert with save_pretrained(safe_serialization=True))"
             )
         self._stack = ExitStack()
         self._where: dict[str, tuple[object, int, dict]] = {}
-        for name in files:
-            handle = self._stack.enter_context(open(model_dir / name, "rb"))
-            header_len = struct.unpack("<Q", handle.read(8))[0]
-            header = json.loads(handle.read(header_len))
-            header.pop("__metadata__", None)
-            for key, info in header.items():
+        for file in checked:
+            handle = self._stack.enter_context(open(file.path, "rb"))
+            for key, info in file.tensors.items():
                 if info["dtype"] not in _SAFETENSORS_DTYPES:
                     raise ModelError(
-                        f"{model_dir / name}: tensor {key} has dtype "
+                        f"{file.path}: tensor {key} has dtype "
                         f"{info['dtype']}, which keel cannot train from"
                     )
-                self._where[key] = (handle, 8 + header_len, info)
+                self._where[key] = (handle, file.data_start, info)
         self.model_dir = model_dir
 
     def keys(self) -> list[str]:
@@ -180,13 +172,28 @@ class CheckpointReader:
         count = rows.stop - rows.start
         buffer = bytearray(count * row_bytes)
         handle.seek(data_start + begin + rows.start * row_bytes)
-        handle.readinto(buffer)
+        _read_exactly(handle, buffer, key)
         flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
         tensor = flat.reshape([count, *shape[1:]] if shape else [])
         return tensor if region is None else tensor[region]
 
     def close(self) -> None:
         self._stack.close()
+
+
+def _read_exactly(handle, buffer: bytearray, key: str) -> None:
+    """Fill `buffer` from `handle`; a short read (the file shrank after it was checked)
+    is an error, never zeros left in the weights."""
+    view, done = memoryview(buffer), 0
+    while done < len(buffer):
+        got = handle.readinto(view[done:])
+        if not got:
+            raise ModelError(
+                f"{handle.name}: reading tensor {key} ended after {done} of {len(buffer)} "
+                f"bytes: the file is shorter than its header says (truncated or changed "
+                f"while keel read it); fetch it again"
+            )
+        done += got
 
 
 def checkpoint_key(param_name: str) -> str:
