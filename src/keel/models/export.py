@@ -21,9 +21,6 @@ when the result is cast to the output dtype; this needs 4 bytes of memory per pa
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +41,8 @@ from keel.models.checkpoint_source import (
 )
 from keel.models.hf_compat import add_legacy_keys
 from keel.models.loading import load_model, load_tokenizer
-from keel.train.checkpoint import fsync_tree
+from keel.models.partial_folder import write_folder_atomically
+from keel.models.safetensors_files import read_checked
 
 Log = Callable[[str], None]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -112,7 +110,7 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
         add_legacy_keys(folder)  # so that transformers 4.x readers load it too
         (folder / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
 
-    _write_atomically(out, write)
+    write_folder_atomically(out, write, log)
     log(f"exported {provenance['dtype']} model -> {out}")
     return out
 
@@ -203,6 +201,7 @@ def _check_adapter_dir(adapter_dir: Path) -> None:
             f"weights such as adapter_model.bin); re-save the adapter with "
             f"save_pretrained(safe_serialization=True)"
         )
+    read_checked(adapter_dir / "adapter_model.safetensors")  # truncated: name it, no traceback
 
 
 def _trained_base(checkpoint: TrainingCheckpoint, cache_dir: str | Path, log: Log) -> Path:
@@ -361,29 +360,3 @@ def _stop_at_end_of_turn(model, tokenizer) -> None:
     listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
     if eos not in listed:
         config.eos_token_id = [*listed, eos] if listed else eos
-
-
-def _write_atomically(out: Path, write: Callable[[Path], None]) -> None:
-    """Run `write(folder)` on a temporary folder beside `out`, then rename it to `out`.
-
-    The rename is atomic on one filesystem: `out` is either absent (or the empty folder it
-    was) or complete, never half-written.
-    """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a model folder is read like any other
-        write(tmp)
-        for path in tmp.iterdir():  # safetensors shards are written private (0600)
-            os.chmod(path, 0o644)
-        fsync_tree(tmp)
-        try:
-            os.rename(tmp, out)  # replaces `out` only if it is an empty folder
-        except OSError as exc:
-            raise ModelError(
-                f"--out {out}: cannot put the export there ({exc.strerror}); something "
-                f"wrote to it meanwhile. Nothing of {out} was changed: give a new folder"
-            ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

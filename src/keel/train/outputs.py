@@ -20,8 +20,15 @@ from keel.errors import KeelError
 from keel.models import load_for_inference, save_model_dir
 from keel.train import checkpoint as ckpt
 from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
+from keel.train.output_folder import (
+    FINAL_SUMMARY,
+    check_ownership,
+    has_run_files,
+    record_written,
+    remove_run_files,
+)
 
-FINAL_MARKER = "keel_run.json"
+FINAL_MARKER = FINAL_SUMMARY
 
 
 def write_final_outputs(
@@ -47,6 +54,7 @@ def write_final_outputs(
         shutil.rmtree(tmp, ignore_errors=True)
         _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
         ckpt.fsync_tree(tmp)
+        record_written(out, [entry.name for entry in tmp.iterdir()])  # before they move in
         for entry in tmp.iterdir():
             target = out / entry.name
             if target.is_dir():
@@ -111,10 +119,15 @@ def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict
     }
 
 
-def prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> list[Path]:
-    """Make `out` ready for this run (refusing a non-empty one that is not this run's);
-    returns the leftovers of interrupted checkpoint saves it removed."""
-    if out.exists() and any(out.iterdir()) and resume_from is None:
+def prepare_output_dir(
+    cfg: RunConfig, out: Path, resume_from: Path | None, log=print
+) -> list[Path]:
+    """Make `out` ready for this run (refusing a non-empty one that is not this run's, and
+    any folder holding files keel did not write); returns the leftovers of interrupted
+    checkpoint saves it removed. output.overwrite removes keel's files only, logging each."""
+    out.mkdir(parents=True, exist_ok=True)
+    check_ownership(out, log)  # claimed at the run's start; again for direct callers
+    if has_run_files(out) and resume_from is None:
         # An interrupted keel run that never completed a checkpoint has nothing to lose:
         # with resume=auto it starts over. Anything else needs an explicit overwrite.
         unfinished_run = (out / "config.yaml").is_file() and not (out / FINAL_MARKER).exists()
@@ -125,6 +138,5 @@ def prepare_output_dir(cfg: RunConfig, out: Path, resume_from: Path | None) -> l
                 f"output.dir {out} is not empty and there is no checkpoint to resume from; "
                 f"choose another output.dir, or set output.overwrite=true to replace it"
             )
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+        remove_run_files(out, log)
     return ckpt.clear_partial_checkpoints(out)

@@ -29,6 +29,7 @@ from keel.models.adapters import apply_method, find_decoder_layers, method_probl
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.quant import import_torchao
+from keel.train.output_folder import unwritable_reason
 from keel.train.precision import Precision, resolve_precision
 
 Log = Callable[[str], None]
@@ -126,6 +127,8 @@ def preflight(
         tokenizer, found = _tokenizer(cfg, model_dir, checked, log)
         problems += found
     problems += _data_settings(cfg, tokenizer, base_dir)
+    unwritable = unwritable_reason(Path(cfg.output.dir).expanduser())
+    problems += [unwritable] if unwritable else []
     if problems:
         raise ConfigError(problems, source=source)
     data = prepare_data(
