@@ -126,7 +126,7 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
             cmd = " ".join(child.cmdline())
         except psutil.NoSuchProcess:
             continue
-        if "keel" in cmd and "torch.distributed.run" not in cmd:
+        if "keel" in cmd and "torch.distributed.run" not in cmd and "torchrun" not in cmd:
             found.append(child)
     return found
 

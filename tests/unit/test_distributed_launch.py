@@ -352,7 +352,7 @@ def test_launch_runs_torchrun_module_and_returns_its_code(monkeypatch):
     code, fake, lines = run_launch(monkeypatch, [1])
     ((cmd, env),) = fake.calls
     assert code == 1
-    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[1:3] == ["-m", "keel.distributed.torchrun"]  # torchrun, with workers' codes
     assert cmd[3:] == torchrun_args(
         nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=1, worker_args=WORKER
     )

@@ -1,6 +1,7 @@
 """Resume continues only the same run, and loading a checkpoint unpickles nothing."""
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -164,6 +165,7 @@ def test_pickled_metadata_is_refused_without_running_it(finished, tmp_path):
     marker = tmp_path / "pwned"
     metadata = out / "checkpoints/step-00000002/state/.metadata"
     metadata.write_bytes(pickle.dumps(Evil(marker)))
+    without_hashes(out)  # as a crafted checkpoint's meta.json would: it is no defence alone
     with pytest.raises(CheckpointError, match="pickled object"):
         assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
     assert not marker.exists()
@@ -275,3 +277,113 @@ def test_idle_warning(global_batch, world, mbs, idle):
         assert warning is None
     else:
         assert idle in warning and "train.global_batch_size=" in warning
+
+
+STEP2 = "checkpoints/step-00000002"
+
+
+def edit_json(path, change):
+    value = json.loads(path.read_text())
+    change(value)
+    path.write_text(json.dumps(value))
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        (lambda t: t.update(step=999), "step is 999 but meta.json says step = 2"),
+        (lambda t: t["scheduler"].update(base_lrs=[5.0]), "trainer.json was changed after keel"),
+    ],
+    ids=["step", "scheduler-lr"],
+)
+def test_an_edited_trainer_json_is_refused(finished, tmp_path, change, expected):
+    """trainer.json's step 2 -> 999 was believed: 'resumed at step 999', nothing trained."""
+    out, base = copy_run(finished, tmp_path)
+    edit_json(out / STEP2 / "trainer.json", change)
+    before = listing(out)
+    with pytest.raises(CheckpointError) as info:
+        resume(base)
+    message = str(info.value)
+    assert expected in message and "trainer.json" in message, message
+    assert "train.resume=never" in message
+    assert listing(out) == before  # refused before anything was written
+
+
+def without_hashes(out):
+    """As checkpoints of older keels are: meta.json records no sha256."""
+    for meta_path in out.glob("checkpoints/*/meta.json"):
+        edit_json(meta_path, lambda meta: meta.pop("sha256"))
+
+
+@pytest.mark.parametrize(
+    "change,field,values",
+    [
+        (lambda t: t.update(step=999), "meta.json says step", "step is 999"),
+        (
+            lambda t: (t.update(step=3), t["scheduler"].update(last_epoch=3)),
+            "folder name says step-00000002",
+            "step is 3",
+        ),
+        (lambda t: t["scheduler"].update(last_epoch=7), "scheduler.last_epoch = 7", "step is 2"),
+    ],
+    ids=["meta", "folder", "scheduler"],
+)
+def test_a_step_that_disagrees_is_refused_without_hashes(finished, tmp_path, change, field, values):
+    out, base = copy_run(finished, tmp_path)
+    without_hashes(out)
+    if field.startswith("folder"):  # meta.json edited too: only the name tells
+        edit_json(out / STEP2 / "meta.json", lambda meta: meta.update(step=3))
+    edit_json(out / STEP2 / "trainer.json", change)
+    with pytest.raises(CheckpointError) as info:
+        resume(base)
+    message = str(info.value)
+    assert field in message and values in message and "trainer.json" in message, message
+
+
+def test_a_checkpoint_without_hashes_resumes(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    without_hashes(out)
+    assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
+
+
+def test_every_small_checkpoint_file_is_hashed(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    meta = json.loads((out / STEP2 / "meta.json").read_text())
+    assert set(meta["sha256"]) == {"trainer.json", "state/.metadata", "rng/rank-00000.safetensors"}
+    rng = out / STEP2 / "rng/rank-00000.safetensors"
+    rng.write_bytes(rng.read_bytes()[:-1] + b" ")
+    with pytest.raises(CheckpointError, match="rank-00000.safetensors was changed"):
+        resume(base)
+
+
+def test_a_checkpoint_past_the_last_step_is_refused(finished, tmp_path):
+    _, base = copy_run(finished, tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        run_training(load_config(None, ["train.max_steps=1"], base=base), log=quiet)
+    assert "step is 2, beyond this run's 1 steps" in str(info.value)
+
+
+def test_a_lora_checkpoint_holds_only_the_adapter(finished):
+    """The tiny model ties lm_head to the frozen embedding; DCP's ignore_frozen_params
+    dropped the embedding under one name only, so lm_head was saved in every checkpoint."""
+    root, _ = finished
+    state = root / "run" / STEP2 / "state"
+    stored = dist_ckpt.stored_model_shapes(state)
+    assert stored and all(".lora_A." in key or ".lora_B." in key for key in stored), stored
+    adapter_bytes = sum(4 * math.prod(shape) for shape in stored.values())  # fp32
+    entries = len(dist_ckpt.AllowListReader(str(state)).read_metadata().storage_data)
+    shards = sum(p.stat().st_size for p in state.glob("*.distcp"))
+    # weights and Adam's two moments, plus DCP's ~1.5 KB of framing per stored entry
+    assert shards <= 3 * adapter_bytes + 2048 * entries, (shards, adapter_bytes, entries)
+
+
+def test_a_checkpoint_that_holds_the_tied_frozen_weight_resumes(finished, tmp_path, monkeypatch):
+    """Checkpoints of older keels hold lm_head; it is not read, and the run resumes."""
+    root, base = finished
+    out = tmp_path / "old"
+    old_base = {**base, "output": {**base["output"], "dir": str(out)}}
+    monkeypatch.setattr(dist_ckpt, "_frozen_keys", lambda module: set())
+    run_training(load_config(None, [], base=old_base), log=quiet)
+    assert any("lm_head" in k for k in dist_ckpt.stored_model_shapes(out / STEP2 / "state"))
+    monkeypatch.undo()
+    assert len(resume(old_base).losses) == 2

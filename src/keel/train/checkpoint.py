@@ -6,8 +6,11 @@ Layout of `<output.dir>/checkpoints/step-00000012/`:
   trainer.json                step (= data position), the scheduler's state and fp16's
                               loss scaler's (scale, growth tracker; {} without fp16)
   rng/rank-00000.safetensors  each process's RNG states (tensors; Python's state as metadata)
-  meta.json                   what run this is (see keel.train.resume); written last: a folder
-                              without it is not a checkpoint
+  meta.json                   what run this is (see keel.train.resume) and the sha256 of each
+                              small file above (trainer.json, rng/*, state/.metadata); written
+                              last: a folder without it is not a checkpoint
+Resuming checks the step in trainer.json against meta.json, the folder's name and the
+scheduler's counter, and each recorded sha256: an edited checkpoint is refused, not believed.
 Nothing in a checkpoint is unpickled when it is loaded: JSON, safetensors, and DCP files read
 with an allow-list (see keel.distributed.checkpoint), so a checkpoint folder from elsewhere
 cannot run code.
@@ -19,6 +22,7 @@ written once, at the end of the run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -137,9 +141,8 @@ def save_checkpoint(
     if dist.is_main:
         trainer = {"step": step, "scheduler": scheduler, "scaler": scaler or {}}
         (tmp / TRAINER).write_text(json.dumps(trainer))
-        (tmp / META).write_text(
-            json.dumps({**meta, "format": FORMAT_VERSION, "step": step}, indent=2)
-        )
+        meta = {**meta, "format": FORMAT_VERSION, "step": step, "sha256": _small_file_hashes(tmp)}
+        (tmp / META).write_text(json.dumps(meta, indent=2))
         if final.exists():  # a previous run died after this step's save; ours is as good
             shutil.rmtree(final)
         commit_dir(tmp, final)
@@ -226,6 +229,86 @@ def clear_partial_checkpoints(output_dir: Path) -> list[Path]:
 def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
     for old in complete_checkpoints(output_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _small_file_hashes(folder: Path) -> dict[str, str]:
+    """sha256 of trainer.json, the RNG files and DCP's index, by path relative to `folder`.
+    The tensor shards are left out: hashing them would read a full model's bytes per save."""
+    files = [folder / TRAINER, folder / STATE_DIR / ".metadata"]
+    files += sorted((folder / RNG_DIR).glob("*.safetensors"))
+    return {str(f.relative_to(folder)): _sha256(f) for f in files if f.is_file()}
+
+
+_FIX = (
+    "restore the file, resume from another checkpoint (train.resume=<checkpoints/step-* folder>), "
+    "or set train.resume=never to start over"
+)
+
+
+def _check_hashes(checkpoint: Path, recorded: dict) -> None:
+    for name, want in sorted(recorded.items()):
+        if Path(name).is_absolute() or ".." in Path(name).parts:  # only the folder's own files
+            raise CheckpointError(f"{checkpoint / META}: {name!r} is not a checkpoint file")
+        path = checkpoint / name
+        got = _sha256(path) if path.is_file() else "missing"
+        if got != want:
+            raise CheckpointError(
+                f"{path} was changed after keel wrote it: its sha256 is {got}, {META} records "
+                f"{want}; refusing to resume from it. Either {_FIX}"
+            )
+
+
+def _check_step(checkpoint: Path, meta: dict) -> None:
+    """The step in trainer.json must agree with every other record of it."""
+    trainer = _read_json(checkpoint / TRAINER)
+    step = trainer.get("step")
+    records = [(META, "step", meta.get("step"))]
+    named = _STEP_DIR.match(checkpoint.name)
+    if named:
+        records.append(("the folder name", checkpoint.name, int(named.group(1))))
+    scheduler = trainer.get("scheduler")
+    if isinstance(scheduler, dict) and "last_epoch" in scheduler:  # LambdaLR: one per step
+        records.append((TRAINER, "scheduler.last_epoch", scheduler["last_epoch"]))
+    for where, field_name, value in records:
+        if type(step) is not int or value != step:
+            raise CheckpointError(
+                f"{checkpoint / TRAINER}: step is {step!r} but {where} says {field_name} = "
+                f"{value!r}; the checkpoint was edited or damaged. Either {_FIX}"
+            )
+
+
+def verify_checkpoint(checkpoint: Path) -> dict:
+    """meta.json of `checkpoint` once its files are shown to be as keel wrote them.
+
+    Checks the sha256 that meta.json records of each small file (checkpoints of older keels
+    record none), and that trainer.json's step equals meta.json's, the folder name's and
+    the scheduler's count. Raises CheckpointError naming the file, the field and the values.
+    """
+    meta = read_meta(checkpoint)
+    hashes = meta.get("sha256") or {}
+    if not isinstance(hashes, dict):
+        raise CheckpointError(f"{checkpoint / META}: sha256 should be an object. Either {_FIX}")
+    _check_step(checkpoint, meta)  # first: its message names the field and the values
+    _check_hashes(checkpoint, hashes)
+    return meta
+
+
+def check_step_within(checkpoint: Path, step: int, total_steps: int) -> None:
+    """A checkpoint past the run's last step would resume into training nothing."""
+    if step > total_steps:
+        raise CheckpointError(
+            f"{checkpoint / TRAINER}: step is {step}, beyond this run's {total_steps} steps, "
+            f"so resuming would train nothing. Set train.max_steps (or train.epochs) to cover "
+            f"at least {step} steps, or set train.resume=never to start over"
+        )
 
 
 def read_meta(checkpoint: Path) -> dict:

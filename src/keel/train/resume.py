@@ -114,6 +114,7 @@ def _method_differences(old: dict, new: dict, prefix: str = "method") -> list[st
 class ResumePoint:
     checkpoint: Path
     global_batch: int  # the checkpoint's: a resumed run keeps its batch
+    step: int  # optimizer steps the checkpoint holds (checked against its files)
 
 
 def find_resume_point(
@@ -134,7 +135,7 @@ def find_resume_point(
         if not found:
             return None
         chosen = found[-1]
-    meta = ckpt.read_meta(chosen)
+    meta = ckpt.verify_checkpoint(chosen)  # refuses an edited checkpoint
     problems = identity_differences(meta.get("run", {}), identity)
     saved_batch = meta["global_batch"]
     if saved_batch != global_batch and cfg.train.global_batch_size is not None:
@@ -155,4 +156,4 @@ def find_resume_point(
             f"config's default, micro_batch_size x grad_accum x processes, is {global_batch}); "
             f"set train.global_batch_size={saved_batch} to say so explicitly"
         )
-    return ResumePoint(checkpoint=chosen, global_batch=saved_batch)
+    return ResumePoint(checkpoint=chosen, global_batch=saved_batch, step=meta["step"])
