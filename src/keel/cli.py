@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
@@ -213,6 +214,26 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
+    serve.add_argument(
+        "--adapter-root",
+        metavar="DIR",
+        help="let clients load LoRA adapters over HTTP from inside DIR (default: off)",
+    )
+    for flag, default, what in (
+        ("--max-prompts", 16, "prompts in one /v1/completions request"),
+        ("--max-prompt-tokens", 8192, "tokens in one prompt"),
+        ("--max-prefill-tokens", 512, "prompt tokens prefilled per step; longer ones in chunks"),
+        ("--max-adapters", 8, "LoRA adapters served at once"),
+        ("--max-lora-rank", 256, "largest LoRA rank an adapter may have"),
+    ):
+        serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} ({default})")
+    serve.add_argument(
+        "--max-adapter-size",
+        type=_size,
+        default="1GiB",
+        metavar="SIZE",
+        help="largest adapter_model.safetensors to load (default 1GiB)",
+    )
 
 
 def _size(text: str) -> int:
@@ -345,6 +366,12 @@ def _serve(args) -> int:
         max_batch_size=args.max_batch_size,
         max_concurrency=args.max_concurrency,
         max_tokens=args.max_tokens,
+        max_prompts=args.max_prompts,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_adapters=args.max_adapters,
+        max_lora_rank=args.max_lora_rank,
+        max_adapter_bytes=args.max_adapter_size,
     )
     options = ServeOptions(
         model=args.model,
@@ -355,6 +382,7 @@ def _serve(args) -> int:
         limits=limits,
         backend=args.backend,
         cache_dir=args.cache_dir,
+        adapter_root=args.adapter_root,
     )
     return run_server(options)
 
@@ -395,6 +423,21 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings(
         "ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning
     )
+    if not _training_worker(args):
+        return _run(args)
+    # A torchrun/srun worker ends here, without interpreter teardown: its gloo threads may
+    # outlive the process group (see keel.distributed.process_group.exit_now).
+    from keel.distributed.process_group import exit_now
+
+    try:
+        code = _run(args)
+    except BaseException:  # what Python would print at exit, then its exit status
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
+def _run(args) -> int:
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:
@@ -405,6 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _training_worker(args) -> bool:
+    """`keel train` in a process that torchrun or srun started as one rank."""
+    from keel.distributed.launch import detect_world
+
+    if args.command != "train":
+        return False
+    try:
+        return detect_world(os.environ).is_distributed
+    except KeelError:  # malformed launcher variables: the command reports them
+        return False
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ rank `rank` (default 0):
   skip_collective  the rank skips one of keel's own collectives in that step
   exit             the rank exits with code 1 at the start of the step
   oom              the forward pass raises torch.OutOfMemoryError
+  nan              the forward pass's embeddings turn NaN (the loss, gradients and, after
+                   the update, the weights follow: a diverged step)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from keel.errors import KeelError
 
 ENV = "KEEL_FAULT"
-KINDS = ("hang", "stall", "skip_collective", "exit", "oom")
+KINDS = ("hang", "stall", "skip_collective", "exit", "oom", "nan")
 
 
 @dataclass

@@ -93,6 +93,9 @@ class DataConfig:
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
     shuffle: bool = True
     num_proc: int = 1  # processes for tokenization
+    # Bytes one row may hold (a JSONL, CSV or text line, a JSON array element); a larger row
+    # is refused (exit 2) naming its file and line before it is parsed. Default 16 MiB
+    max_row_bytes: int = 16 * 2**20
 
 
 @dataclass(kw_only=True)
@@ -129,6 +132,9 @@ class TrainConfig:
     padding_free: bool = True
     eval_every: int = 0  # steps; 0: evaluate at the end only (when a validation split exists)
     resume: str = "auto"  # auto (newest complete checkpoint in output.dir), never, or a path
+    # A signal that, like SIGTERM, makes every rank finish its step, save a checkpoint and
+    # exit 7 (rerun the same command to resume), e.g. SIGUSR1 for SLURM's --signal=USR1@90
+    preempt_signal: Literal["none", "SIGUSR1", "SIGUSR2"] = "none"
     threads: int = 0  # CPU threads for torch; 0: all cores of this process
     loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
 

@@ -8,12 +8,15 @@ failing with "No backend type associated with device type cpu" deep inside a run
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -263,8 +266,24 @@ def explain_startup_error(exc: BaseException, world_size: int) -> str:
 
 
 def shutdown(ctx: DistContext) -> None:
+    """Destroy every process group. Their gloo threads may live on (see `exit_now`)."""
     if ctx.distributed:
         dist.destroy_process_group()
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a worker that ran a process group: flush, then exit without interpreter teardown.
+
+    destroy_process_group() frees a group only once nothing else holds it, and FSDP2 and
+    DTensor keep their DeviceMesh, and so the gloo group, in caches for the life of the
+    process. Its threads then still run while Python and the C++ runtime tear down at exit,
+    which under load ended a finished worker with SIGABRT ("terminate called without an
+    active exception"). Call this only after everything the process writes is closed.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 @contextmanager

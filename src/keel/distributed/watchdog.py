@@ -16,6 +16,8 @@ shapes, dtype). The watchdog thread looks at them every second:
   keeps waiting (`on_stall: warn`) or exits with `EXIT_STALL` (`abort`).
 - **memory** (CPU): RSS above the limit is flagged; the main thread raises out-of-memory
   at its next progress mark, before the kernel's OOM killer ends the process silently.
+  During data preparation (`Progress.memory_watched`) the watchdog ends the process itself
+  with exit 3, naming the phase: the main thread may be in one long library call there.
 
 Phases with long legitimate waits (checkpoint save/load, rank 0 tokenizing, writing the
 outputs) carry their own limits.
@@ -43,8 +45,13 @@ import torch
 
 from keel.distributed.hang_report import build_hang_report, end_frozen_siblings
 
+EXIT_OUT_OF_MEMORY = 3  # keel.errors.OutOfMemory's
 EXIT_HANG = 4
 EXIT_STALL = 5
+MEMORY_HINT = (
+    "lower data.max_row_bytes or data.num_proc, or split the data files; free memory on "
+    "this machine, or run fewer processes on it"
+)
 WARMUP_STEPS = 3  # steps excluded from the median step time (first-step compilation etc.)
 WARMUP_STALL_S = 600.0  # stall limit while the median is unknown
 MIN_STALL_S = 60.0
@@ -58,7 +65,8 @@ class WatchdogSettings:
     on_stall: str  # warn | abort
     diagnostics_dir: Path
     interval_s: float = 1.0
-    rss_limit_bytes: int | None = None
+    rss_limit_bytes: int | None = None  # in steps (CPU; a GPU raises its own OOM)
+    host_rss_limit_bytes: int | None = None  # in memory-watched phases, on any device
 
 
 class Progress:
@@ -74,6 +82,7 @@ class Progress:
         self.step_started: float | None = None
         self.step_seconds: deque[float] = deque(maxlen=256)
         self.alarm: Callable[[], None] | None = None  # raises in the main thread when set
+        self.memory_phases: list[str] = []  # phases outside steps under the memory check
 
     def mark(self, where: str | tuple) -> None:
         self.point += 1
@@ -93,6 +102,16 @@ class Progress:
         finally:
             self.phases.pop()
             self.mark(f"{name}: end")
+
+    @contextmanager
+    def memory_watched(self, what: str):
+        """Put a region outside the steps (data preparation) under the memory check: RSS
+        over the limit there ends the process with exit 3 and a message naming `what`."""
+        self.memory_phases.append(what)
+        try:
+            yield
+        finally:
+            self.memory_phases.pop()
 
     def step_begin(self, step: int) -> None:
         self.step = step
@@ -337,12 +356,30 @@ class Watchdog:
             os._exit(EXIT_STALL)
 
     def _check_memory(self) -> None:
-        limit = self.settings.rss_limit_bytes
-        if limit is None or self.rss_exceeded is not None or not self.progress.step_started:
+        progress = self.progress
+        if progress.step_started:
+            limit = self.settings.rss_limit_bytes
+        else:
+            limit = self.settings.host_rss_limit_bytes if progress.memory_phases else None
+        if limit is None or self.rss_exceeded is not None:
             return
         rss = psutil.Process().memory_info().rss
-        if rss > limit:
+        if rss <= limit:
+            return
+        if progress.step_started:  # raised in the main thread at its next progress mark
             self.rss_exceeded = (rss, limit)
+            return
+        # Data preparation: the main thread may be inside one long library call (a parser,
+        # the tokenizer) and reach no mark before the kernel's OOM killer ends the process
+        # without a word; nothing is saved there, so end it here, saying why.
+        print(
+            f"error: out of memory on rank {self.rank} during {progress.memory_phases[-1]}: "
+            f"resident memory {rss / 2**30:.2f} GiB is over this process's limit of "
+            f"{limit / 2**30:.2f} GiB ({progress.describe()}); {MEMORY_HINT}",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_OUT_OF_MEMORY)
 
     # -- alarms ----------------------------------------------------------------------
     def alarm(self, reason: str) -> None:

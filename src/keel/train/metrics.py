@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 import secrets
 import string
@@ -83,8 +84,10 @@ class MetricsLog:
         return max(steps, default=0)
 
     def write(self, record: dict) -> None:
-        """Log one step's record (train or eval), which holds its `step`."""
-        self._handle.write(json.dumps(record) + "\n")
+        """Log one step's record (train or eval), which holds its `step`. A NaN or an
+        infinity is written as null: bare NaN/Infinity is not JSON, and strict readers
+        (jq, JavaScript, pandas' strict mode) refuse the whole file."""
+        self._handle.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         self._handle.flush()
         scalars = {
             _scalar_name(key): value
@@ -104,6 +107,13 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _json_safe(record: dict) -> dict:
+    return {
+        key: None if isinstance(value, float) and not math.isfinite(value) else value
+        for key, value in record.items()
+    }
 
 
 def _scalar_name(key: str) -> str:

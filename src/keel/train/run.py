@@ -50,6 +50,7 @@ from keel.train.optim import (
     describe_optimizer,
     scheduler_state,
 )
+from keel.train.output_folder import claim_output_dir
 from keel.train.outputs import prepare_output_dir, write_final_outputs
 from keel.train.preference import reduce_statistics, reference_mode
 from keel.train.preflight import preflight
@@ -60,6 +61,7 @@ from keel.train.reference import (
     reference_fingerprint,
 )
 from keel.train.resume import find_resume_point, run_identity
+from keel.train.stops import Preemption, check_finite
 from keel.train.watch import (
     HostOutOfMemory,
     instrument,
@@ -86,9 +88,10 @@ def run_training(
 ) -> RunResult:
     """Train as `cfg` says, in this process or as one rank of a torchrun/srun job.
 
-    Raises KeelError subclasses for anything the user can fix. The watchdog (see
-    keel.distributed.watchdog) may end the process itself: exit 4 for a hang, 5 for a
-    stall with watchdog.on_stall=abort.
+    Raises KeelError subclasses for anything the user can fix, Diverged for a non-finite
+    loss or gradient norm and Preempted after SIGTERM or train.preempt_signal (see
+    keel.train.stops). The watchdog (see keel.distributed.watchdog) may end the process
+    itself: exit 4 for a hang, 5 for a stall with watchdog.on_stall=abort.
     """
     fault = fault_from_env()
     world = detect_world(os.environ)
@@ -107,7 +110,12 @@ def run_training(
             log=log,
         )
     try:
-        with watching(cfg, dist, fault) as watchdog:
+        with (
+            # first: a folder in use, not keel's or not writable is refused before any work
+            claim_output_dir(Path(cfg.output.dir).expanduser(), dist, log),
+            watching(cfg, dist, fault) as watchdog,
+            Preemption(cfg.train.preempt_signal) as preemption,
+        ):
             # Only rank 0 talks; the others would repeat every line world_size times.
             env = _RunEnv(
                 dist=dist,
@@ -115,6 +123,7 @@ def run_training(
                 on_step_end=on_step_end,
                 watchdog=watchdog,
                 fault=fault,
+                preemption=preemption,
             )
             return _train(cfg, base_dir or Path.cwd(), env)
     finally:
@@ -134,6 +143,7 @@ class _RunEnv:
     on_step_end: StepCallback | None
     watchdog: Watchdog
     fault: Fault | None
+    preemption: Preemption
     memory_advice: list[str] = field(default_factory=list)  # the plan's lighter options
 
     def phase(self, name: str, limit: float | None):
@@ -147,7 +157,8 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     out = Path(cfg.output.dir).expanduser()
     # rank 0 converts and tokenizes; the others read its cache
     with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
-        checked = preflight(cfg, base_dir=base_dir, log=log, device=dist.device)
+        with env.watchdog.progress.memory_watched("data preparation"):  # exit 3, not OOM-kill
+            checked = preflight(cfg, base_dir=base_dir, log=log, device=dist.device)
     model_dir, tokenizer, data = checked.model_dir, checked.tokenizer, checked.data
     with env.phase("set-up", slow):
         # Rank 0's choice for all: `auto` measures, and measurements differ between ranks.
@@ -177,6 +188,8 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         shuffle=cfg.data.shuffle,
     )
     total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
+    if resume:
+        ckpt.check_step_within(resume.checkpoint, resume.step, total_steps)
     optimizer = build_optimizer(built.objective, cfg.train)
     log(describe_optimizer(optimizer, cfg.train.optimizer))
     trainer = Trainer(
@@ -204,7 +217,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
 
     def prepare() -> list[Path]:
-        removed = prepare_output_dir(cfg, out, resume_from)
+        removed = prepare_output_dir(cfg, out, resume_from, log)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return removed
 
@@ -223,6 +236,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         log(f"warning: {idle}")
     env.memory_advice = planned.lighter
     loop = _Loop(cfg, out, trainer, plan, data, env, references)
+    env.preemption.enter_loop()  # a signal now stops the run at a step's end, with a save
     losses, stats = loop.run(
         start_step, total_steps, {"global_batch": global_batch, **identity.to_meta()}
     )
@@ -357,11 +371,15 @@ class _Loop:
                 began = time.perf_counter()
                 done = step + 1
                 logged = done % out_cfg.log_every == 0 or done == total
+                saving = bool(out_cfg.save_every and done % out_cfg.save_every == 0)
+                saving = saving or done == total
+                synced = logged or saving  # no checkpoint unread: it may hold a NaN step
                 with self.env.phase("step", self.cfg.watchdog.hang_timeout_s):
                     progress.step_begin(done)
                     result = self._step(step)
                     pending.append(result)
-                    if logged:  # the loop's only host sync: every loss since the last log
+                    if synced:  # the loop's only host sync: every loss since the last one
+                        first = done - len(pending) + 1
                         reduced = self.trainer.reduce_losses(pending)
                         losses += reduced.losses
                         pending = []
@@ -400,18 +418,51 @@ class _Loop:
                         del record["target_tokens"]
                     window = {"real": 0, "seconds": 0.0}
                     if metrics is not None:
-                        metrics.write(record)
+                        metrics.write(record)  # before stopping: it shows the bad value
+                if synced:
+                    self._check_finite(reduced, first)
                 bar.update(record and record["loss"], result.lr, tokens_per_s)
                 self._maybe_eval(done, total, metrics, bar)
-                if (out_cfg.save_every and done % out_cfg.save_every == 0) or done == total:
+                if saving:
                     self._save(done, meta)
                 if self.on_step_end is not None:
                     self.on_step_end(done, record or {"step": done})
+                if done < total and self._preempted():
+                    self._stop(done, meta, pending, saved=saving)
         finally:
             bar.close()
             if metrics is not None:
                 metrics.close()
         return losses, stats
+
+    def _check_finite(self, reduced: ReducedSteps, first: int) -> None:
+        """Diverged at a non-finite loss or grad norm, except under fp16's loss scaler,
+        which skips such steps (their update is never applied) by design."""
+        if self.trainer.scaler.is_enabled():
+            return
+        newest = ckpt.complete_checkpoints(self.out)
+        check_finite(reduced.losses, reduced.grad_norms, first, newest[-1] if newest else None)
+
+    def _preempted(self) -> bool:
+        """Whether any rank got a preemption signal: asked by every rank after every step
+        (one number over the CPU backend, no device sync: 1.6 ms with 2 gloo processes, 3.2 ms
+        through the collective cross-check, on a 2-core machine at load 13), so that all of
+        them stop after the same step and none waits alone in a collective."""
+        with self.env.phase("preemption check", self.cfg.watchdog.hang_timeout_s):
+            return self.env.preemption.agreed(self.dist)
+
+    def _stop(self, done: int, meta: dict, pending: list[StepResult], *, saved: bool):
+        """Save step `done` (once: unless this step already saved) and raise Preempted.
+        Steps not yet read back are checked first: a diverged state is never saved."""
+        if pending:
+            first = done - len(pending) + 1
+            with self.env.phase("step", self.cfg.watchdog.hang_timeout_s):
+                self._check_finite(self.trainer.reduce_losses(pending), first)
+        if not saved:
+            self._save(done, meta)
+        newest = ckpt.complete_checkpoints(self.out)
+        where = newest[-1] if newest else self.out / "checkpoints"
+        raise self.env.preemption.stopped(done, str(where))
 
     def _statistics(self, result: StepResult, reduced: ReducedSteps) -> dict[str, float]:
         """A preference step's named statistics (TRL's names), or nothing for pt/sft."""

@@ -31,9 +31,14 @@ class HostOutOfMemory(RuntimeError):
 
 
 def rss_limit(dist: DistContext) -> int | None:
-    """On a CPU, the RAM this process may use before keel calls it out of memory."""
+    """On a CPU, the RAM this process may use in a step before keel calls it out of memory."""
     if dist.device.type != "cpu":
         return None  # the GPU raises torch.OutOfMemoryError itself
+    return host_rss_limit(dist)
+
+
+def host_rss_limit(dist: DistContext) -> int:
+    """This process's share of the node's RAM (the limit in data preparation, any device)."""
     return int(RSS_SHARE * psutil.virtual_memory().total / max(dist.local_world_size, 1))
 
 
@@ -47,6 +52,7 @@ def watching(cfg: RunConfig, dist: DistContext, fault: Fault | None):
         on_stall=w.on_stall,
         diagnostics_dir=Path(cfg.output.dir).expanduser() / DIAGNOSTICS,
         rss_limit_bytes=rss_limit(dist),
+        host_rss_limit_bytes=host_rss_limit(dist),
     )
     store = watchdog_store(w.hang_timeout_s) if dist.distributed and w.enabled else None
     watchdog = Watchdog(settings, rank=dist.rank, world_size=dist.world_size, store=store)
@@ -83,7 +89,7 @@ def watching(cfg: RunConfig, dist: DistContext, fault: Fault | None):
 
 def instrument(model: nn.Module, watchdog: Watchdog, fault: Fault | None, rank: int) -> None:
     """Progress marks at every decoder layer's forward (cheap: a few attribute stores), and
-    the out-of-memory test fault in the forward pass."""
+    the out-of-memory and NaN test faults in the forward pass."""
     progress = watchdog.progress
     lm = causal_lm_of(model)
     for index, layer in enumerate(decoder_layers(lm)):
@@ -98,6 +104,14 @@ def instrument(model: nn.Module, watchdog: Watchdog, fault: Fault | None, rank: 
 
         # The decoder runs in every forward keel makes (fast head or full forward).
         lm.get_decoder().register_forward_pre_hook(raise_oom)
+    if fault is not None and fault.kind == "nan":
+
+        def poison(_module, _args, output):
+            if fault.due("nan", progress.step, rank):
+                return output * float("nan")
+            return output
+
+        lm.get_input_embeddings().register_forward_hook(poison)
 
 
 @dataclass(frozen=True)

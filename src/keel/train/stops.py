@@ -1,0 +1,107 @@
+"""Stopping a run early without losing or faking work: preemption signals and divergence.
+
+Preemption: SIGTERM (what SLURM, Kubernetes and spot instances send before killing) and
+`train.preempt_signal` (e.g. SIGUSR1 for SLURM's `--signal=USR1@90`). Before the first step
+the signal stops the process at once (Preempted, exit 7: nothing to save). During the loop
+the handler only records it; at the end of each step the ranks agree in one small collective
+(any rank signalled: all stop), save one checkpoint and exit 7; the same command resumes.
+
+Divergence: a non-finite loss or gradient norm stops the run (Diverged, exit 6) before any
+checkpoint or final output of the broken weights is written.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+from pathlib import Path
+
+from keel.distributed.process_group import DistContext
+from keel.errors import Diverged, Preempted
+
+# train.preempt_signal's choices beside "none"; SIGTERM is always handled.
+PREEMPT_SIGNALS = {"SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2}
+
+
+class Preemption:
+    """One run's preemption signals (every process). Use as a context manager around the
+    run: the previous handlers come back when it ends."""
+
+    def __init__(self, preempt_signal: str = "none"):
+        self.signals = [signal.SIGTERM]
+        if preempt_signal != "none":
+            self.signals.append(PREEMPT_SIGNALS[preempt_signal])
+        self.received: int | None = None  # the signal number, once one arrived
+        self.in_loop = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Preemption:
+        # Python lets only the main thread set handlers; a run started from another thread
+        # (a notebook's worker, a test harness) keeps the process's own handling.
+        if threading.current_thread() is threading.main_thread():
+            for number in self.signals:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+
+    def _handle(self, number: int, _frame) -> None:
+        self.received = number
+        if not self.in_loop:  # set-up: nothing to save, so stop now instead of after it
+            raise Preempted(
+                f"{signal.Signals(number).name} arrived before the first training step; "
+                f"nothing was trained in this attempt, so no checkpoint was saved. Run the "
+                f"same command to start again (train.resume=auto continues from the newest "
+                f"checkpoint, if an earlier attempt saved one)"
+            )
+
+    def enter_loop(self) -> None:
+        """From now on a signal is only recorded, and acted on at the end of a step."""
+        self.in_loop = True
+
+    def agreed(self, dist: DistContext) -> bool:
+        """Whether any rank was signalled: the same answer on every rank (one collective of
+        one number, on the CPU backend: no device sync). Every rank calls it every step."""
+        mine = 0.0 if self.received is None else 1.0
+        return dist.all_reduce_sum([mine])[0] > 0
+
+    def stopped(self, step: int, checkpoint: str) -> Preempted:
+        """The error that ends a preempted run after its checkpoint at `step` was saved."""
+        name = signal.Signals(self.received).name if self.received else "a preemption signal"
+        return Preempted(
+            f"preempted: {name} arrived (on this or another rank); every rank finished step "
+            f"{step} and the checkpoint {checkpoint} was saved. Run the same command to "
+            f"resume from it (train.resume=auto)"
+        )
+
+
+def check_finite(
+    losses: list[float], grad_norms: list[float], first_step: int, newest: Path | None
+) -> None:
+    """Raise Diverged at the first step (1-based `first_step` for the first value) whose
+    loss or gradient norm is not finite; `newest` is the newest complete checkpoint. The
+    values are global (all-reduced losses, the global norm): every rank decides alike."""
+    for offset, (loss, norm) in enumerate(zip(losses, grad_norms)):
+        which = (
+            f"the loss is {loss}"
+            if not math.isfinite(loss)
+            else f"the gradient norm is {norm}"
+            if not math.isfinite(norm)
+            else None
+        )
+        if which:
+            kept = (
+                f"the newest complete checkpoint, {newest}, is kept"
+                if newest
+                else "no checkpoint was saved before it"
+            )
+            raise Diverged(
+                f"training diverged at step {first_step + offset}: {which}. Nothing after "
+                f"it was saved and no final outputs were written; {kept}. Lower train.lr, "
+                f"add warm-up (train.warmup_steps) or keep gradient clipping on "
+                f"(train.max_grad_norm), and run again"
+            )

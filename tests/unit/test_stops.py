@@ -1,0 +1,143 @@
+"""Stopping early without losing or faking work: divergence (exit 6) and preemption (exit 7)."""
+
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from keel.config import load_config
+from keel.errors import Diverged, Preempted
+from keel.train import checkpoint as ckpt
+from keel.train.metrics import MetricsLog
+from keel.train.run import run_training
+
+FINAL_OUTPUTS = ("keel_run.json", "adapter_model.safetensors", "adapter_config.json")
+
+
+def config(model_dir, data_file, out, *overrides):
+    base = {
+        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
+        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
+        "data": {"datasets": [str(data_file)], "cutoff_len": 128},
+        "train": {
+            "max_steps": 6,
+            "micro_batch_size": 2,
+            "lr": 1e-2,
+            "precision": "fp32",
+            "threads": 1,
+        },
+        "output": {"dir": str(out), "save_every": 2, "keep_last": 2, "log_every": 4},
+    }
+    return load_config(None, list(overrides), base=base)
+
+
+def quiet(_msg):
+    pass
+
+
+def strict_records(path):
+    """metrics.jsonl read as strict JSON: bare NaN/Infinity raise."""
+
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.open()]
+
+
+def assert_diverged_run_left(out, kept: str):
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == [kept]
+    for name in FINAL_OUTPUTS:
+        assert not (out / name).exists(), name
+    strict_records(out / "metrics.jsonl")  # valid JSON, whatever it holds
+
+
+def test_a_nan_step_stops_the_run_before_any_save(tiny_model_dir, data_file, tmp_path, monkeypatch):
+    # Step 3's loss turns NaN. Step 4 saves but does not log (log_every 5): a check at log
+    # steps alone would save NaN weights as step-4 and publish them at the end.
+    monkeypatch.setenv("KEEL_FAULT", "nan:3")
+    out = tmp_path / "run"
+    with pytest.raises(Diverged, match="diverged at step 3: the loss is nan") as caught:
+        run_training(config(tiny_model_dir, data_file, out, "output.log_every=5"), log=quiet)
+    assert caught.value.exit_code == 6
+    assert "step-00000002" in str(caught.value)  # the checkpoint that is kept
+    assert_diverged_run_left(out, "step-00000002")
+
+
+def test_a_huge_learning_rate_diverges(tiny_model_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(
+        tiny_model_dir,
+        data_file,
+        out,
+        "train.lr=1e6",
+        "train.max_grad_norm=0",
+        "output.log_every=1",
+        "output.save_every=1",
+        "train.max_steps=20",
+    )
+    with pytest.raises(Diverged, match=r"diverged at step (\d+): the (loss|gradient norm)") as e:
+        run_training(cfg, log=quiet)
+    step = int(re.search(r"step (\d+)", str(e.value)).group(1))
+    assert step >= 2  # step 1 is computed on the base weights
+    assert_diverged_run_left(out, f"step-{step - 1:08d}")
+    last = strict_records(out / "metrics.jsonl")[-1]
+    assert last["step"] == step and None in (last["loss"], last["grad_norm"])
+
+
+def test_metrics_write_non_finite_numbers_as_null(tiny_model_dir, data_file, tmp_path):
+    cfg = config(tiny_model_dir, data_file, tmp_path / "out")
+    metrics = MetricsLog(tmp_path, resume_step=0, output=cfg.output)
+    metrics.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "lr": 0.1})
+    metrics.close()
+    (record,) = strict_records(tmp_path / "metrics.jsonl")
+    assert record == {"step": 1, "loss": None, "grad_norm": None, "lr": 0.1}
+
+
+@pytest.fixture
+def survivable():
+    """Without keel's handling a signal would end pytest itself: the test's own handler
+    catches it instead (run_training's replaces it while it runs, then gives it back)."""
+    mine = {}
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        mine[number] = signal.signal(number, lambda _n, _f: None)
+    yield
+    for number, previous in mine.items():
+        signal.signal(number, previous)
+
+
+def test_sigusr1_saves_at_the_step_and_the_rerun_equals_an_uninterrupted_run(
+    tiny_model_dir, data_file, tmp_path, survivable
+):
+    args = ("train.preempt_signal=SIGUSR1", "output.save_every=0", "output.log_every=1")
+    full = run_training(config(tiny_model_dir, data_file, tmp_path / "full", *args), log=quiet)
+
+    def signal_after_3(step, _record):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    out = tmp_path / "run"
+    cfg = config(tiny_model_dir, data_file, out, *args)
+    with pytest.raises(Preempted, match="SIGUSR1.*finished step 3.*same command") as caught:
+        run_training(cfg, log=quiet, on_step_end=signal_after_3)
+    assert caught.value.exit_code == 7
+    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step-00000003"]
+    assert not (out / "keel_run.json").exists()
+    resumed = run_training(cfg, log=quiet)
+    assert resumed.losses == full.losses[3:]
+    assert [r["step"] for r in strict_records(out / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_sigterm_during_set_up_stops_at_once_with_exit_7(
+    tiny_model_dir, data_file, tmp_path, survivable
+):
+    def log(message):
+        if message.startswith("model ready"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "run"
+    with pytest.raises(Preempted, match="SIGTERM arrived before the first training step"):
+        run_training(config(tiny_model_dir, data_file, out), log=log)
+    assert not out.exists() or ckpt.complete_checkpoints(out) == []
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
