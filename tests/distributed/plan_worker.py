@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from keel.config import load_config
 from keel.distributed.launch import detect_world
-from keel.distributed.process_group import DistContext, init_distributed, shutdown
+from keel.distributed.process_group import DistContext, exit_now, init_distributed, shutdown
 from keel.plan import DeviceSpec, plan_run
 from keel.plan.estimate import state_bytes
 from keel.train.model_setup import build_training_model
@@ -104,3 +104,4 @@ def main(model_dir: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here

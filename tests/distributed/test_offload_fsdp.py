@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import build_tiny_model
 
+from keel.distributed.process_group import exit_now
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.offload import HostOffload, offload_checkpointed_inputs
 
@@ -54,6 +55,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     with open(f"{out}.{rank}", "w") as f:
         json.dump({"same": same, "packed": offload.packed}, f)
     dist.destroy_process_group()
+    exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here
 
 
 def test_offload_under_fsdp2_matches_plain_checkpointing(tmp_path):

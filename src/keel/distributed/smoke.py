@@ -45,6 +45,7 @@ from keel.distributed.parallelize import apply_fsdp, full_value
 from keel.distributed.process_group import (
     DistContext,
     backend_for,
+    exit_now,
     init_distributed,
     shutdown,
 )
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_now(main())  # the FSDP2 check leaves gloo threads that must not see teardown
 
 
 # The launcher's side: start the workers above through torchrun and read what they said.
