@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,6 +27,7 @@ from keel.errors import KeelError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 DEFAULT_PORT = 29500
+TORCHRUN_MODULE = "keel.distributed.torchrun"
 # torchrun groups the nodes of one job by this id; every node runs the same command, so a
 # constant is enough (two keel jobs must not share an --rdzv-endpoint anyway).
 RDZV_ID = "keel"
@@ -387,13 +391,36 @@ def _worker_env(environ: Mapping[str, str], nproc: int) -> dict[str, str]:
     return env
 
 
+@contextmanager
+def _forwarding_preemption(proc: subprocess.Popen, log: Callable[[str], None]) -> Iterator[None]:
+    """Pass SIGTERM, SIGUSR1 and SIGUSR2 on to torchrun (keel.distributed.torchrun) while
+    keel waits for it: it asks the workers to save a checkpoint, waits for them and exits
+    with their 7. By default SIGTERM and SIGUSR1/2 would end this process at once (and,
+    as Kubernetes' PID 1, SIGTERM would be ignored), leaving the workers unsaved."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # Python lets only the main thread set handlers
+        return
+
+    def forward(number: int, _frame) -> None:
+        log(f"keel: {signal.Signals(number).name} received; passing it on to torchrun")
+        proc.send_signal(number)
+
+    numbers = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    previous = {number: signal.signal(number, forward) for number in numbers}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def _wait_after_interrupt(proc: subprocess.Popen) -> None:
     try:
         try:
             proc.wait(timeout=INTERRUPT_GRACE_S)
         except subprocess.TimeoutExpired:
             # The SIGINT may have reached keel alone (not the terminal's process group);
-            # SIGTERM makes torchrun stop its workers the same way.
+            # on SIGTERM torchrun asks the workers to save a checkpoint and stop (exit 7).
             proc.terminate()
             proc.wait()
     except KeyboardInterrupt:
@@ -413,8 +440,11 @@ def launch(
 ) -> int:
     """Run torchrun in a subprocess to start `nproc` keel workers on this node.
 
-    Returns torchrun's exit code (it exits 1 whatever code a failed worker had), or 130
-    after Ctrl-C. Raises KeelError for bad flags before anything starts.
+    Returns 0, or the failed workers' own exit code (keel's codes 2-7 first; see
+    keel.distributed.torchrun: torchrun itself exits 1 whatever the workers had), or 130
+    after Ctrl-C. SIGTERM, SIGUSR1 and SIGUSR2 are passed on to torchrun, which has the
+    workers save a checkpoint and exit 7 (never restarted). Raises KeelError for bad flags
+    before anything starts.
     """
     check_launch_args(
         nproc=nproc,
@@ -442,12 +472,17 @@ def launch(
         f"(max {max_restarts} restart(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']}): "
         f"python -m keel {' '.join(worker_args)}"
     )
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args], env=env)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        # The terminal sent SIGINT to torchrun too; it forwards it to the workers and
-        # reaps them. Killing torchrun here would orphan workers that still hold GPUs.
-        log("keel: interrupted; waiting for torchrun to stop the workers (Ctrl-C again to kill it)")
-        _wait_after_interrupt(proc)
-        return 130
+    # torchrun's entry point, run by keel.distributed.torchrun to exit with the workers' code
+    proc = subprocess.Popen([sys.executable, "-m", TORCHRUN_MODULE, *args], env=env)
+    with _forwarding_preemption(proc, log):
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            # The terminal sent SIGINT to torchrun too; it forwards it to the workers and
+            # reaps them. Killing torchrun here would orphan workers that still hold GPUs.
+            log(
+                "keel: interrupted; waiting for torchrun to stop the workers "
+                "(Ctrl-C again to kill it)"
+            )
+            _wait_after_interrupt(proc)
+            return 130
