@@ -1,3 +1,3 @@
-from keel.cli import main
+from keel.cli import entry
 
-raise SystemExit(main())
+entry()

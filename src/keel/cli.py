@@ -8,7 +8,9 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
+from keel.console import quiet_libraries, say
 from keel.errors import KeelError
 
 EPILOG = "Overrides: any config key as key.sub=value, e.g. train.lr=1e-4 data.packing=true"
@@ -17,6 +19,11 @@ EPILOG = "Overrides: any config key as key.sub=value, e.g. train.lr=1e-4 data.pa
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keel", description="Fine-tune LLMs from one YAML.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show technical set-up lines and the libraries' progress bars",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a YAML config", epilog=EPILOG)
@@ -262,7 +269,8 @@ def _train(args) -> int:
     # Loaded in the launcher too, so a bad config fails once, before any worker starts.
     cfg = load_config(args.config, args.overrides)
     if must_launch:
-        worker_args = [*(["--debug"] if args.debug else []), "train", args.config, *args.overrides]
+        passed = [f for f, on in (("--debug", args.debug), ("--verbose", args.verbose)) if on]
+        worker_args = [*passed, "train", args.config, *args.overrides]
         # --nnodes 2 without --nproc means one worker per node.
         return launch(
             nproc=args.nproc or 1,
@@ -274,7 +282,7 @@ def _train(args) -> int:
         )
     from keel.train.run import run_training
 
-    run_training(cfg, base_dir=Path.cwd())
+    run_training(cfg, base_dir=Path.cwd(), log=say, verbose=args.verbose)
     return 0
 
 
@@ -418,15 +426,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # peft calls a transformers API that transformers 5 deprecates; users cannot act on it.
-    warnings.filterwarnings(
-        "ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning
-    )
+    """Run one keel command; returns its exit code (tests and embedding programs call this)."""
+    return _run(parse_args(argv))
+
+
+def entry() -> NoReturn:
+    """The `keel` program (console script and `python -m keel`): main, then exit.
+
+    A `keel train` worker that torchrun or srun started ends without interpreter teardown:
+    its gloo threads may outlive the process group (see
+    keel.distributed.process_group.exit_now). Only the program does this, never `main`,
+    which a test or another program may call in its own process."""
+    args = parse_args()
     if not _training_worker(args):
-        return _run(args)
-    # A torchrun/srun worker ends here, without interpreter teardown: its gloo threads may
-    # outlive the process group (see keel.distributed.process_group.exit_now).
+        raise SystemExit(_run(args))
     from keel.distributed.process_group import exit_now
 
     try:
@@ -438,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
+    # peft calls a transformers API that transformers 5 deprecates; users cannot act on it.
+    warnings.filterwarnings(
+        "ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning
+    )
+    if args.command != "doctor":  # doctor imports neither library
+        quiet_libraries(data=args.command in ("train", "validate"), verbose=args.verbose)
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:
@@ -463,4 +482,4 @@ def _training_worker(args) -> bool:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

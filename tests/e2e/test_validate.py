@@ -80,10 +80,12 @@ def test_good_config_prints_a_summary(tiny_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert lines[-1] == "examples/identity_lora.yaml: config and data are valid"
-    summary = [line.split(":", 1)[0] for line in lines[-5:-1]]
-    assert summary == ["model", "method", "precision", "data"]
-    assert lines[-5].startswith("model:     LlamaForCausalLM (llama, 2 decoder layers)")
-    assert lines[-4].startswith("method:    lora: ") and "parameters trainable" in lines[-4]
-    assert lines[-3].startswith("precision: fp32 on cpu (set by train.precision)")
-    assert lines[-2] == "data:      120 rows read, 120 kept -> 33 train rows, 0 eval rows"
+    summary = [line.split(":", 1)[0] for line in lines[-6:-1]]
+    assert summary == ["model", "method", "precision", "data", "steps"]
+    assert lines[-6].startswith("model:     LlamaForCausalLM (llama, 2 decoder layers)")
+    assert "attention sdpa (auto)" in lines[-6]
+    assert lines[-5].startswith("method:    lora: ") and "parameters trainable" in lines[-5]
+    assert lines[-4].startswith("precision: fp32 on cpu (set by train.precision)")
+    assert lines[-3] == "data:      120 rows read, 120 kept -> 33 train rows, 0 eval rows"
+    assert lines[-2] == "steps:     train.epochs=3: 27 steps (9 steps/epoch of 4 rows)"
     assert not (tmp_path / "out").exists()

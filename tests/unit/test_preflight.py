@@ -226,7 +226,7 @@ def test_flash_attention_without_a_gpu(tiny_model_dir, data_file, tmp_path, no_d
     cfg = config(tiny_model_dir, data_file, tmp_path, "model.attn_implementation=flash_attention_2")
     assert problems_of(cfg, tmp_path) == [
         "model.attn_implementation = flash_attention_2 needs a CUDA GPU and this machine has "
-        "none; use sdpa (the default)"
+        "none; use auto (the default)"
     ]
 
 
@@ -326,6 +326,7 @@ def test_valid_config_returns_what_training_needs(tiny_model_dir, data_file, tmp
         "method",
         "precision",
         "data",
+        "steps",
         "note",
     ]
     assert summary[3].endswith("4 rows read, 4 kept -> 4 train rows, 0 eval rows")

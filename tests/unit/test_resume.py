@@ -83,7 +83,7 @@ def test_the_same_run_resumes(finished, tmp_path):
         ("train.stage=pt", "train.stage", "'sft'", "'pt'"),
         ("train.precision=bf16", "train.precision", "'fp32'", "'bf16'"),
         ("train.global_batch_size=3", "train.global_batch_size", "2", "3"),
-        ("data.cutoff_len=60", "data:", None, None),
+        ("data.cutoff_len=60", "data.cutoff_len", "64", "60"),  # the key, not the fingerprint
         ("train.optimizer=adamw_8bit", "train.optimizer", "'adamw'", "'adamw_8bit'"),
         ("method.type=qlora", "method.type", "'lora'", "'qlora'"),
     ],
@@ -223,6 +223,7 @@ def test_checkpoint_files_are_json_and_safetensors(finished):
         "data_fingerprint",
         "preference",
         "optimizer",
+        "model_revision",
     }
     assert not list(step.rglob("*.pt"))
 
@@ -357,7 +358,8 @@ def test_every_small_checkpoint_file_is_hashed(finished, tmp_path):
 
 
 def test_a_checkpoint_past_the_last_step_is_refused(finished, tmp_path):
-    _, base = copy_run(finished, tmp_path)
+    out, base = copy_run(finished, tmp_path)
+    (out / "keel_run.json").unlink()  # an interrupted run (a finished one: test_retraining.py)
     with pytest.raises(CheckpointError) as info:
         run_training(load_config(None, ["train.max_steps=1"], base=base), log=quiet)
     assert "step is 2, beyond this run's 1 steps" in str(info.value)

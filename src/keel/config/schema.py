@@ -15,9 +15,12 @@ BUNDLED_PREFIX = "bundled:"
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    path: str  # HF model directory, or bundled:smollm2-135m-instruct
+    path: str  # HF model directory, Hugging Face Hub id (owner/name), or bundled:NAME
+    revision: str = "main"  # Hub ids only: the branch, tag or commit sha to use
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # weight storage dtype
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # auto: the fastest the model and machine support (flash_attention_2 on a CUDA GPU with
+    # flash-attn installed, else sdpa where the architecture has it, else eager); logged
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
     trust_remote_code: bool = False
 
@@ -63,7 +66,9 @@ class MethodConfig:
 
 @dataclass(kw_only=True)
 class DatasetConfig:
-    path: str  # a file, a folder, a local HF datasets dir, or a name in dataset_info.json
+    # a file, a folder, a local HF datasets dir, a name in dataset_info.json, or a Hugging
+    # Face Hub dataset id (owner/name) read through the hub cache
+    path: str
     # auto (from the first row, for the stage), alpaca, sharegpt, messages, text (pt only);
     # preference (TRL's prompt/chosen/rejected: dpo, orpo, simpo), kto (prompt/completion/
     # label). In a preference stage alpaca, sharegpt and messages read chosen and rejected
@@ -72,7 +77,10 @@ class DatasetConfig:
     # e.g. {prompt: question, response: answer}; preference data: chosen, rejected, kto_tag
     columns: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}
-    split: str = "train"  # a file has one split, train; slices as in train[:1000] or train[:10%]
+    # a file has one split, train; a Hub dataset has its own (train, test, ...); slices as in
+    # train[:1000] or train[:10%]
+    split: str = "train"
+    revision: str = "main"  # Hub dataset names only: the branch, tag or commit sha to use
     max_samples: int | None = None  # use the first N rows (after split and num_samples)
     # Draw N rows with train.seed, as LLaMA-Factory's num_samples does (every row once, then
     # repeats, when N exceeds the rows); overrides the dataset_info.json entry's
@@ -135,7 +143,9 @@ class TrainConfig:
     # A signal that, like SIGTERM, makes every rank finish its step, save a checkpoint and
     # exit 7 (rerun the same command to resume), e.g. SIGUSR1 for SLURM's --signal=USR1@90
     preempt_signal: Literal["none", "SIGUSR1", "SIGUSR2"] = "none"
-    threads: int = 0  # CPU threads for torch; 0: all cores of this process
+    # CPU threads for torch, per process; 0: the cores this process may run on, shared
+    # among the node's processes. Lower it on a busy machine (keel warns when it is)
+    threads: int = 0
     loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
 
 
@@ -185,7 +195,9 @@ class OutputConfig:
     )
     wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in loggers
     merge_lora: bool = False  # also write a merged HF model to <dir>/merged
-    overwrite: bool = False  # allow a fresh run into a non-empty dir
+    # replace keel's own files in a non-empty dir; a finished run is replaced even with
+    # train.resume=auto (an interrupted one is resumed): keel.train.resume
+    overwrite: bool = False
 
 
 @dataclass(kw_only=True)

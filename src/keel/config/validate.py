@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
+import re
 from pathlib import Path
 
 from keel.config.schema import (
@@ -14,6 +14,7 @@ from keel.config.schema import (
     RunConfig,
     WandbConfig,
 )
+from keel.extras import extra_problem
 
 
 def check_config(cfg: RunConfig) -> list[str]:
@@ -30,6 +31,7 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_output(cfg),
         *_check_distributed(cfg),
         *_check_watchdog(cfg),
+        *_check_extras(cfg),
     ]
 
 
@@ -56,16 +58,38 @@ def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
     return [f"{key} = {value!r} must be {bound}"]
 
 
+# owner/name as the Hub spells repo ids (huggingface_hub's validate_repo_id, two parts).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def is_hub_id(path: str) -> bool:
+    """`owner/name` that is not an existing local path: a Hugging Face Hub model id."""
+    if path.startswith(BUNDLED_PREFIX) or not _HUB_ID.fullmatch(path):
+        return False
+    if "--" in path or ".." in path or path.endswith((".", "-", ".git")):
+        return False
+    return not Path(path).expanduser().exists()
+
+
 def _check_model(cfg: RunConfig) -> list[str]:
     path = cfg.model.path
+    if is_hub_id(path):
+        return []  # resolved in the Hugging Face cache, or downloaded, by keel.models.hub
+    problems = []
+    if cfg.model.revision != "main":
+        problems.append(
+            f"model.revision = {cfg.model.revision!r} applies to Hugging Face Hub ids "
+            f"(owner/name) only, and model.path = {path!r} is not one; drop model.revision"
+        )
     if path.startswith(BUNDLED_PREFIX):
-        return []  # the name is checked where bundled models are known (keel.models)
+        return problems  # the name is checked where bundled models are known (keel.models)
     if not Path(path).expanduser().exists():
-        return [
-            f"model.path = {path!r} does not exist; give an HF model directory or "
+        problems.append(
+            f"model.path = {path!r} does not exist; give an HF model directory, a Hugging "
+            f"Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or "
             f"{BUNDLED_PREFIX}smollm2-135m-instruct"
-        ]
-    return []
+        )
+    return problems
 
 
 def _check_method(cfg: RunConfig) -> list[str]:
@@ -222,17 +246,7 @@ def _check_output(cfg: RunConfig) -> list[str]:
     problems = _positive(out.log_every, "output.log_every")
     problems += _positive(out.keep_last, "output.keep_last")
     problems += _positive(out.save_every, "output.save_every", allow_zero=True)
-    if "tensorboard" in out.loggers and importlib.util.find_spec("tensorboard") is None:
-        problems.append(
-            "output.loggers includes tensorboard, which is not installed; "
-            "pip install tensorboard (or keel[tensorboard]), or drop it"
-        )
     if "wandb" in out.loggers:
-        if importlib.util.find_spec("wandb") is None:
-            problems.append(
-                "output.loggers includes wandb, which is not installed; "
-                "pip install 'keel[wandb]' (or wandb), or drop it"
-            )
         problems += _check_wandb(out.wandb)
     elif out.wandb != WandbConfig():
         # Settings without the logger are most likely a run the user expects on W&B.
@@ -241,6 +255,20 @@ def _check_output(cfg: RunConfig) -> list[str]:
             "add it (output.loggers=[jsonl, wandb]), or remove output.wandb"
         )
     return problems
+
+
+def _check_extras(cfg: RunConfig) -> list[str]:
+    """Optional extras the config needs: checked before any model or data loads."""
+    needs = [(name, f"output.loggers with {name}") for name in ("tensorboard", "wandb")]
+    needs = [(extra, why) for extra, why in needs if extra in cfg.output.loggers]
+    qlora = cfg.method.qlora
+    if cfg.method.type == "qlora":
+        backend = "bnb" if qlora.quant_backend == "bnb" else "qlora"
+        needs.append((backend, f"method.type = qlora with quant_backend {qlora.quant_backend}"))
+    if cfg.train.optimizer != "adamw":
+        needs.append(("qlora", f"train.optimizer = {cfg.train.optimizer}"))
+    found = [extra_problem(extra, why) for extra, why in needs]
+    return [problem for problem in found if problem]
 
 
 def _check_wandb(w: WandbConfig) -> list[str]:

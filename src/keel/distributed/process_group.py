@@ -99,12 +99,13 @@ class DistContext:
         dist.broadcast_object_list(box, src=src, group=self.slow_group if slow else None)
         return box[0]
 
-    def gather_objects(self, obj) -> list:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if not self.distributed or not self._enter("gather_objects", type(obj).__name__):
+    def gather_objects(self, obj, *, slow: bool = False) -> list:
+        """Every rank's `obj`, in rank order, on every rank (`slow`: on the slow group)."""
+        signature = type(obj).__name__
+        if not self.distributed or not self._enter("gather_objects", signature, slow=slow):
             return [obj] * self.world_size
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.slow_group if slow else None)
         return out
 
 

@@ -17,6 +17,7 @@ import torch
 from keel.config.schema import BUNDLED_PREFIX, FreezeConfig, LoraConfig, MethodConfig
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
+from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import load_model, load_tokenizer
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 
@@ -264,7 +265,29 @@ def save_model_dir(
                 if base and Path(base).is_dir():
                     cfg.base_model_name_or_path = str(Path(base).resolve())
         model.save_pretrained(str(out_dir), state_dict=state_dict)
+        if _is_peft(model):
+            _name_hub_base(out_dir)
     tokenizer.save_pretrained(str(out_dir))
+
+
+def _name_hub_base(out_dir: Path) -> None:
+    """Name a Hub base by its id and commit in the saved adapter_config.json and model card.
+
+    A snapshot's path differs between machines; the id and commit do not (PEFT and keel read
+    `revision` to fetch that commit). Rewritten after saving: while saving, PEFT reads the
+    base's config.json, which the local path gives without asking the Hub.
+    """
+    config_file = out_dir / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    base = config.get("base_model_name_or_path")
+    hub = hub_source(base) if base else None
+    if hub is None:
+        return
+    config["base_model_name_or_path"], config["revision"] = hub.repo_id, hub.commit
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = out_dir / "README.md"
+    if card.is_file():
+        card.write_text(card.read_text().replace(base, hub.repo_id))
 
 
 def _without_tied_copies(model, state: dict) -> dict:
@@ -297,6 +320,7 @@ def load_for_inference(
     """
     adapter_dir = Path(adapter).expanduser() if adapter else None
     model_path = Path(model).expanduser()
+    revision = "main"
     if not model.startswith(BUNDLED_PREFIX) and (model_path / "adapter_config.json").is_file():
         if adapter_dir is not None:
             raise ModelError(
@@ -304,14 +328,14 @@ def load_for_inference(
                 "Pass the base model as --model, or drop --adapter."
             )
         adapter_dir = model_path
-        model = _adapter_base(adapter_dir)
+        model, revision = adapter_base(adapter_dir)
     if adapter_dir is not None and not (adapter_dir / "adapter_config.json").is_file():
         raise ModelError(
             f"--adapter {adapter_dir}: no adapter_config.json there; give a PEFT adapter dir"
         )
     if adapter_dir is not None and (adapter_dir / ADAPTER_WEIGHTS).is_file():
         read_checked(adapter_dir / ADAPTER_WEIGHTS)  # a truncated file: its name, no traceback
-    base_dir = resolve_model_path(model, cache_dir, log)
+    base_dir = resolve_model_path(model, cache_dir, log, revision=revision)
     net = load_model(base_dir, dtype=dtype)
     tokenizer_dir = base_dir
     if adapter_dir is not None:
@@ -325,7 +349,9 @@ def load_for_inference(
     return net, load_tokenizer(tokenizer_dir)
 
 
-def _adapter_base(adapter_dir: Path) -> str:
+def adapter_base(adapter_dir: Path) -> tuple[str, str]:
+    """(the base model, its revision) an adapter names: a local folder, a bundled model, or
+    a Hugging Face Hub id with the commit it was trained on."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     base = config.get("base_model_name_or_path")
     if not base:
@@ -333,9 +359,11 @@ def _adapter_base(adapter_dir: Path) -> str:
             f"{adapter_dir}/adapter_config.json names no base model; "
             f"pass --model BASE_DIR --adapter {adapter_dir}"
         )
+    if is_hub_id(base):
+        return base, config.get("revision") or "main"
     if not base.startswith(BUNDLED_PREFIX) and not Path(base).expanduser().is_dir():
         raise ModelError(
             f"the base model of adapter {adapter_dir} ({base}) is not a local directory; "
             f"pass --model BASE_DIR --adapter {adapter_dir}"
         )
-    return base
+    return base, "main"

@@ -92,3 +92,19 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, sdpa_varlen)
+
+
+def auto_attention(config) -> str | None:
+    """`model.attn_implementation: auto` for a model `config`: flash_attention_2 where it can
+    run (a CUDA GPU, flash-attn installed, an architecture that supports it), else None,
+    which lets transformers choose sdpa where the architecture has an sdpa path and eager
+    where it does not (Gemma 2). The caller reads the choice back from the built model."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_flash_attn_2_available
+
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)  # None: remote code
+    if model_class is None or not torch.cuda.is_available():
+        return None
+    if model_class._supports_flash_attn and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return None

@@ -1,4 +1,4 @@
-"""Models that ship inside a pip package as GGUF files, converted once to a HF directory.
+"""Where `model.path` points: bundled GGUF models (converted once), Hub ids, local folders.
 
 `bundled:NAME` lets keel run with no model hub: the GGUF file is dequantized by
 transformers, written as a plain safetensors HF directory under `<cache_dir>/models/NAME`,
@@ -22,6 +22,7 @@ import torch
 
 from keel.config.schema import BUNDLED_PREFIX
 from keel.errors import ModelError
+from keel.models.hub import download_hub_model, is_hub_id
 
 # The converted model must reproduce the GGUF model's logits this closely (fp32 both sides).
 MAX_ABS_DIFF = 1e-4
@@ -51,23 +52,32 @@ BUNDLED_MODELS: dict[str, BundledModel] = {
 
 
 def resolve_model_path(
-    path: str, cache_dir: str | Path, log: Callable[[str], None] = print
+    path: str,
+    cache_dir: str | Path,
+    log: Callable[[str], None] = print,
+    *,
+    revision: str = "main",
 ) -> Path:
     """Turn `model.path` into a local HF model directory.
 
     "bundled:NAME" converts the bundled GGUF once into <cache_dir>/models/NAME and returns
-    that directory (later calls return it at once). Any other value must be an existing
-    directory with a config.json. Raises ModelError with the fix otherwise.
+    that directory (later calls return it at once). A Hub id (owner/name that is not a
+    local path) is the snapshot folder of `revision` in the Hugging Face cache, downloaded
+    when missing (see keel.models.hub). Any other value must be an existing directory with
+    a config.json. Raises ModelError with the fix otherwise.
     """
     if path.startswith(BUNDLED_PREFIX):
         name = path[len(BUNDLED_PREFIX) :]
         return _resolve_bundled(name, Path(cache_dir).expanduser(), log)
+    if is_hub_id(path):
+        return _check_model_dir(download_hub_model(path, revision, log=log), path)
     return _check_model_dir(Path(path).expanduser(), path)
 
 
 def _check_model_dir(directory: Path, given: str) -> Path:
     fix = (
-        "give a Hugging Face model directory (with config.json and weights) "
+        "give a Hugging Face model directory (with config.json and weights), a Hugging "
+        "Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
         f"or one of: {', '.join(BUNDLED_PREFIX + n for n in BUNDLED_MODELS)}"
     )
     if not directory.exists():

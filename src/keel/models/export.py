@@ -30,7 +30,7 @@ import torch
 from keel import __version__
 from keel.config.schema import BUNDLED_PREFIX
 from keel.errors import ModelError
-from keel.models.adapters import _adapter_base
+from keel.models.adapters import adapter_base
 from keel.models.bundled import resolve_model_path
 from keel.models.checkpoint_source import (
     TrainingCheckpoint,
@@ -41,6 +41,7 @@ from keel.models.checkpoint_source import (
 )
 from keel.models.hf_compat import add_legacy_keys
 from keel.models.loading import load_model, load_tokenizer
+from keel.models.model_card import export_card, write_model_card
 from keel.models.partial_folder import write_folder_atomically
 from keel.models.safetensors_files import read_checked
 
@@ -109,6 +110,8 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
         tokenizer.save_pretrained(str(folder), save_jinja_files=False)
         add_legacy_keys(folder)  # so that transformers 4.x readers load it too
         (folder / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        card = export_card(request.model, request.adapter, provenance["dtype"])
+        write_model_card(folder, card, shown_as=out)
 
     write_folder_atomically(out, write, log)
     log(f"exported {provenance['dtype']} model -> {out}")
@@ -162,11 +165,12 @@ def resolve_sources(model: str, adapter: str | None, cache_dir: str | Path, log:
                 base_dir=base_dir, adapter_dir=None, checkpoint=checkpoint, tokenizer_dir=base_dir
             )
         _check_adapter_dir(adapter_dir)
+    revision = "main"
     if model_dir is not None and (model_dir / "adapter_config.json").is_file():
         _refuse_both(model, adapter, "an adapter")
         adapter_dir = model_dir
-        model = _adapter_base(adapter_dir)
-    base_dir = resolve_model_path(model, cache_dir, log)
+        model, revision = adapter_base(adapter_dir)
+    base_dir = resolve_model_path(model, cache_dir, log, revision=revision)
     tokenizer_dir = base_dir
     if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file():
         tokenizer_dir = adapter_dir  # keel saves the tokenizer it trained with beside the adapter

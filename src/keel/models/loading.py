@@ -56,7 +56,7 @@ def load_model(
     model_dir: Path,
     *,
     dtype: torch.dtype | None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ):
     """Load an `AutoModelForCausalLM` from `model_dir` on the CPU, in `dtype`.
@@ -77,7 +77,8 @@ def load_model(
         return AutoModelForCausalLM.from_pretrained(
             source,
             dtype=dtype if dtype is not None else "auto",
-            attn_implementation=attn_implementation,
+            # auto: transformers' own choice, sdpa where the architecture has it, else eager
+            attn_implementation=None if attn_implementation == "auto" else attn_implementation,
             trust_remote_code=trust_remote_code,
         )
     except (OSError, ValueError, ImportError, SafetensorError) as e:

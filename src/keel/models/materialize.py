@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from keel.errors import ModelError
+from keel.models.attention import auto_attention
 from keel.models.safetensors_files import check_model_dir
 from keel.quant.nf4 import is_nf4
 
@@ -31,15 +32,20 @@ def build_empty_model(
     model_dir: Path,
     *,
     dtype: torch.dtype,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ) -> nn.Module:
-    """An `AutoModelForCausalLM` with the architecture of `model_dir`, on the meta device."""
+    """An `AutoModelForCausalLM` with the architecture of `model_dir`, on the meta device.
+
+    `attn_implementation` auto: see keel.models.attention.auto_attention; the choice is
+    the built model's `config._attn_implementation`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     source = str(Path(model_dir).expanduser().resolve())
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        if attn_implementation == "auto":
+            attn_implementation = auto_attention(config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config,

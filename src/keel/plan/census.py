@@ -21,6 +21,7 @@ from torch import nn
 from keel.config import RunConfig
 from keel.config.schema import BUNDLED_PREFIX, MethodConfig
 from keel.errors import ModelError
+from keel.models.hub import CONFIG_FILES, download_hub_model, is_hub_id
 from keel.quant.layout import nf4_bytes, quantizable
 
 ROOT = -1  # unit index of the parameters left to the root FSDP unit
@@ -174,6 +175,11 @@ def read_architecture(cfg: RunConfig, model_dir: Path | None = None, log=print):
             config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
             config.dtype = torch.float32
             return config
+    if model_dir is None and is_hub_id(cfg.model.path):
+        # config.json alone, not the weights: a plan answers in seconds for any model size
+        model_dir = download_hub_model(
+            cfg.model.path, cfg.model.revision, files=CONFIG_FILES, log=log
+        )
     directory = Path(model_dir if model_dir is not None else cfg.model.path).expanduser()
     if not (directory / "config.json").is_file():
         raise ModelError(

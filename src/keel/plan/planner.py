@@ -85,13 +85,19 @@ class Plan:
         )
 
 
-def workload_of(cfg: RunConfig, *, precision: str, checkpoint_itemsize: int) -> Workload:
+def workload_of(
+    cfg: RunConfig, *, precision: str, checkpoint_itemsize: int, auto_attn: str = "sdpa"
+) -> Workload:
+    """The run's per-step work; `auto_attn` is what model.attn_implementation auto means for
+    this model (sdpa or eager: flash-attn on the target machine cannot be known here, and
+    sdpa's estimate is the larger)."""
+    attn = cfg.model.attn_implementation
     return Workload(
         micro_batch_size=cfg.train.micro_batch_size,
         cutoff_len=cfg.data.cutoff_len,
         loss_chunk_size=cfg.train.loss_chunk_size,
         packing=cfg.data.packing,
-        attn=cfg.model.attn_implementation,
+        attn=auto_attn if attn == "auto" else attn,
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         checkpoint_itemsize=checkpoint_itemsize,
@@ -152,6 +158,7 @@ def plan_run(
         cfg,
         precision=precision,
         checkpoint_itemsize=torch.empty((), dtype=on_disk).element_size(),
+        auto_attn=base.config._attn_implementation,  # built without one: transformers' choice
     )
     shapes = Shapes.from_config(arch)
     options = [

@@ -48,6 +48,19 @@ class StepPlan:
             return max_steps
         return max(1, math.ceil(epochs * self.steps_per_epoch))
 
+    def schedule(self, epochs: float, max_steps: int | None) -> str:
+        """How long the run is in steps and epochs, and which key decided it (max_steps
+        overrides epochs when set, as in Hugging Face's Trainer and TRL)."""
+        total = self.total_steps(epochs, max_steps)
+        per_epoch = f"{self.steps_per_epoch} steps/epoch of {self.global_batch} rows"
+        if max_steps is None:
+            return f"train.epochs={epochs:g}: {total} steps ({per_epoch})"
+        spent = round(total / self.steps_per_epoch, 2)
+        return (
+            f"train.max_steps={max_steps} overrides train.epochs={epochs:g}: {total} steps "
+            f"= {spent:g} epochs ({per_epoch})"
+        )
+
     def window(self, step: int) -> list[int]:
         """Row indices of optimizer step `step`'s global batch (0-based step)."""
         epoch, index = divmod(step, self.steps_per_epoch)

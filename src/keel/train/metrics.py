@@ -237,34 +237,55 @@ def plot_losses(metrics_path: Path, out_png: Path) -> bool:
 
 
 class Progress:
-    """A tqdm bar on stderr with loss, lr and tokens/s; tqdm supplies the ETA."""
+    """Training progress: on a terminal, a tqdm bar on stderr with loss, lr and tokens/s (tqdm
+    supplies the ETA); elsewhere (a pipe, a log file) one plain line per logged step through
+    `log`, since a bar's carriage-return updates would make one endless line there."""
 
-    def __init__(self, total: int, initial: int, enabled: bool = True):
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        enabled: bool = True,
+        log: Callable[[str], None] = print,
+        interactive: bool | None = None,
+    ):
+        """`interactive` None: a bar when stderr is a terminal."""
         from tqdm.auto import tqdm
 
-        self.enabled = enabled
+        self.enabled, self.total, self.done, self._log = enabled, total, initial, log
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self._bar = tqdm(
             total=total,
             initial=initial,
             desc="train",
             unit="step",
             file=sys.stderr,
-            disable=not enabled,
+            disable=not (enabled and self.interactive),
             dynamic_ncols=True,
         )
 
     def update(self, loss: float | None, lr: float, tokens_per_s: float) -> None:
         """One step done; `loss` is None on steps that are not logged (reading it would be a
         host sync), and the bar keeps showing the last logged values."""
+        self.done += 1
         if loss is not None:
             self._bar.set_postfix(
                 loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False
             )
+            if self.enabled and not self.interactive:
+                self._log(
+                    f"step {self.done}/{self.total}: loss {loss:.4f}, lr {lr:.2e}, "
+                    f"{tokens_per_s:,.0f} tokens/s"
+                )
         self._bar.update(1)
 
     def write(self, text: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self.interactive:
             self._bar.write(text, file=sys.stderr)
+        else:
+            self._log(text)
 
     def close(self) -> None:
         self._bar.close()

@@ -113,3 +113,41 @@ def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
         key: [float(v) for v in value] if key == "_last_lr" else value
         for key, value in scheduler.state_dict().items()
     }
+
+
+def continue_schedule(
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: TrainConfig,
+    total_steps: int,
+    saved_total: int | None,
+) -> str | None:
+    """After a checkpoint's state is loaded, put each group's lr on this run's schedule.
+
+    The rule: a resumed run follows the schedule for its own length (train.scheduler over
+    `total_steps`) from the saved step on, exactly as an uninterrupted run of that length
+    would. The optimizer state holds the lr the checkpoint's schedule chose for the next
+    step; when the run's length changed (train.max_steps raised to extend it) that is the
+    old schedule's value (0.0 at a cosine's end), so it is replaced, and the line returned
+    says so with both values. None: nothing changed (the same length resumes as it was).
+    """
+    step = scheduler.last_epoch  # optimizer steps done = the 0-based index of the next one
+    moved = None
+    for group, base, factor in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        restored, scheduled = float(group["lr"]), base * factor(step)
+        if math.isclose(restored, scheduled, rel_tol=1e-9, abs_tol=1e-15):
+            continue
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers hold a tensor
+            group["lr"].fill_(scheduled)
+        else:
+            group["lr"] = scheduled
+        moved = moved or (restored, scheduled)
+    if moved is None:
+        return None
+    before = f"its {saved_total}-step schedule" if saved_total else "its schedule"
+    return (
+        f"lr schedule: {cfg.scheduler} over this run's {total_steps} steps; step {step + 1} "
+        f"runs at lr {moved[1]:.3g} where the checkpoint's, from {before}, was {moved[0]:.3g} "
+        f"(a resumed run continues on the schedule of its own length)"
+    )

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from keel import __version__
@@ -18,6 +19,7 @@ from keel.distributed.checkpoint import gather_full_state
 from keel.distributed.process_group import DistContext
 from keel.errors import KeelError
 from keel.models import load_for_inference, save_model_dir
+from keel.models.model_card import ModelCard, write_model_card
 from keel.train import checkpoint as ckpt
 from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
 from keel.train.output_folder import (
@@ -53,6 +55,7 @@ def write_final_outputs(
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
+        _write_cards(cfg, tmp, out, steps, stats["loss"])
         ckpt.fsync_tree(tmp)
         record_written(out, [entry.name for entry in tmp.iterdir()])  # before they move in
         for entry in tmp.iterdir():
@@ -66,11 +69,33 @@ def write_final_outputs(
         log(
             f"done: {steps} steps, {summary['real_tokens']} tokens in "
             f"{summary['train_seconds']:.1f}s ({summary['tokens_per_s']} tokens/s), final loss "
-            f"{stats['loss']}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
+            f"{_loss(stats['loss'])}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
             f"-> {out}"
         )
     dist.barrier()
     return summary
+
+
+def _loss(value: float | None) -> str:
+    # 4 decimals for people; metrics.jsonl and keel_run.json keep the full value
+    return "none" if value is None else f"{value:.4f}"
+
+
+def _write_cards(cfg: RunConfig, tmp: Path, out: Path, steps: int, loss: float | None) -> None:
+    """README.md model cards for the model (or adapter) and the merged copy, if any."""
+    card = ModelCard(
+        base_model=cfg.model.path,
+        adapter=cfg.method.uses_lora,
+        method=cfg.method.type,
+        stage=cfg.train.stage,
+        datasets=tuple(d.path for d in cfg.data.datasets),
+        steps=steps,
+        final_loss=loss,
+    )
+    write_model_card(tmp, card, shown_as=out)
+    if (tmp / "merged").is_dir():
+        merged = replace(card, adapter=False, extra=(("merged", "the adapter, into its base"),))
+        write_model_card(tmp / "merged", merged, shown_as=out / "merged")
 
 
 def _save_model(

@@ -29,6 +29,7 @@ from keel.models.adapters import apply_method, find_decoder_layers, method_probl
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.quant import import_torchao
+from keel.train.loop import StepPlan, default_global_batch
 from keel.train.output_folder import unwritable_reason
 from keel.train.precision import Precision, resolve_precision
 
@@ -78,6 +79,7 @@ class Preflight:
     precision: Precision  # as resolved for `device` (auto measured here on a CPU)
     device: torch.device
     notes: list[str] = field(default_factory=list)  # settings that are ignored here
+    config: RunConfig | None = None  # what was checked (for the summary's steps)
 
     def summary(self) -> list[str]:
         """One line per part, for `keel validate`."""
@@ -89,6 +91,11 @@ class Preflight:
             f"precision: {self.precision.name} on {self.device} ({self.precision.reason})",
             f"data:      {totals.read} rows read, {totals.kept} kept -> "
             f"{len(self.data.train)} train rows, {eval_rows} eval rows",
+            *(
+                [f"steps:     {_schedule(self.config, len(self.data.train))}"]
+                if self.config
+                else []
+            ),
             *(f"note:      {note}" for note in self.notes),
         ]
 
@@ -100,6 +107,7 @@ def preflight(
     log: Log = print,
     device: torch.device | None = None,
     source: str | None = None,
+    model_dir: Path | None = None,
 ) -> Preflight:
     """Check everything about `cfg` short of training, then validate + tokenize its data.
 
@@ -107,7 +115,8 @@ def preflight(
     the config in the error. Problems with the model, method, precision, attention, strategy,
     tokenizer and data settings are found in seconds and raised together as one
     ConfigError before any data row is read; problems in the rows are DataErrors from
-    `prepare_data`. Touches no output folder.
+    `prepare_data`. Touches no output folder. `model_dir`: model.path already resolved
+    (training fetches a Hub model once per node first; see keel.train.hub_fetch).
     """
     device = choose_device(0) if device is None else device
     precision, problems = _precision(cfg, device)
@@ -116,9 +125,12 @@ def preflight(
     notes = _ignored_settings(cfg, device)
     for note in notes:
         log(f"note: {note}")
-    model_dir = tokenizer = checked = None
+    tokenizer = checked = None
     try:
-        model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir, log=log)
+        if model_dir is None:
+            model_dir = resolve_model_path(
+                cfg.model.path, cfg.model.cache_dir, log=log, revision=cfg.model.revision
+            )
     except ModelError as exc:
         problems.append(str(exc))
     if model_dir is not None:
@@ -148,7 +160,23 @@ def preflight(
         precision=precision,
         device=device,
         notes=notes,
+        config=cfg,
     )
+
+
+def _schedule(cfg: RunConfig, rows: int) -> str:
+    """Steps and epochs as one process would run them (without train.global_batch_size,
+    N processes take N times larger batches, so fewer steps per epoch)."""
+    t = cfg.train
+    plan = StepPlan(
+        num_rows=rows,
+        global_batch=t.global_batch_size
+        or default_global_batch(t.micro_batch_size, t.grad_accum, 1),
+        micro_batch_size=t.micro_batch_size,
+        seed=t.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return plan.schedule(t.epochs, t.max_steps)
 
 
 def check_model(
@@ -177,7 +205,7 @@ def check_model(
         trainable=0,
         total=params,
         dtype=dtype,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=_chosen_attention(cfg.model.attn_implementation, model),
         vocab_rows=getattr(model.get_input_embeddings(), "num_embeddings", None),
         method=cfg.method.type,
         seconds=time.perf_counter() - started,
@@ -221,7 +249,7 @@ def _attention(cfg: RunConfig, device: torch.device) -> tuple[str, list[str]]:
         return attn, []
     key = "model.attn_implementation = flash_attention_2"
     if device.type != "cuda":
-        problem = f"{key} needs a CUDA GPU and this machine has none; use sdpa (the default)"
+        problem = f"{key} needs a CUDA GPU and this machine has none; use auto (the default)"
     else:
         from transformers.utils import is_flash_attn_2_available
 
@@ -229,10 +257,16 @@ def _attention(cfg: RunConfig, device: torch.device) -> tuple[str, list[str]]:
             return attn, []
         problem = (
             f"{key} needs the flash-attn package (>= 2.3.3), which is not installed "
-            f"here; pip install flash-attn --no-build-isolation, or use sdpa"
+            f"here; pip install flash-attn --no-build-isolation, or use auto (the default)"
         )
     # Every architecture has eager attention: the other checks still run on the model.
     return "eager", [problem]
+
+
+def _chosen_attention(requested: str, model: torch.nn.Module) -> str:
+    """What the model was built with, and for `auto` that it was chosen."""
+    built = model.config._attn_implementation
+    return f"{built} (auto)" if requested == "auto" else built
 
 
 def _optimizer(cfg: RunConfig, device: torch.device) -> list[str]:

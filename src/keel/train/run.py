@@ -6,6 +6,7 @@ output folder is touched, so bad input never leaves a half-written output direct
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -34,6 +35,7 @@ from keel.distributed.process_group import (
 from keel.distributed.watchdog import Watchdog
 from keel.faults import Fault, at_step_start, fault_from_env
 from keel.train import checkpoint as ckpt
+from keel.train.hub_fetch import fetch_hub_model
 from keel.train.loop import (
     ReducedSteps,
     StepCallback,
@@ -47,6 +49,7 @@ from keel.train.model_setup import build_training_model
 from keel.train.optim import (
     build_optimizer,
     build_scheduler,
+    continue_schedule,
     describe_optimizer,
     scheduler_state,
 )
@@ -62,6 +65,7 @@ from keel.train.reference import (
 )
 from keel.train.resume import find_resume_point, run_identity
 from keel.train.stops import Preemption, check_finite
+from keel.train.threads import set_threads
 from keel.train.watch import (
     HostOutOfMemory,
     instrument,
@@ -85,8 +89,12 @@ def run_training(
     base_dir: Path | None = None,
     log: Callable[[str], None] = print,
     on_step_end: StepCallback | None = None,
+    verbose: bool = True,
 ) -> RunResult:
     """Train as `cfg` says, in this process or as one rank of a torchrun/srun job.
+
+    `verbose` False drops the technical set-up lines (threads, loss head, attention
+    probes, optimizer layout) from `log`; the CLI shows them with --verbose.
 
     Raises KeelError subclasses for anything the user can fix, Diverged for a non-finite
     loss or gradient norm and Preempted after SIGTERM or train.preempt_signal (see
@@ -120,6 +128,7 @@ def run_training(
             env = _RunEnv(
                 dist=dist,
                 log=log if dist.is_main else _quiet,
+                detail=log if dist.is_main and verbose else _quiet,
                 on_step_end=on_step_end,
                 watchdog=watchdog,
                 fault=fault,
@@ -140,6 +149,7 @@ class _RunEnv:
 
     dist: DistContext
     log: Callable[[str], None]
+    detail: Callable[[str], None]  # technical lines: `log` with --verbose, else dropped
     on_step_end: StepCallback | None
     watchdog: Watchdog
     fault: Fault | None
@@ -152,13 +162,17 @@ class _RunEnv:
 
 def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     dist, log, slow = env.dist, env.log, cfg.watchdog.slow_phase_timeout_s
-    _set_threads(cfg.train.threads, dist.local_world_size, log)
+    set_threads(cfg.train.threads, dist.local_world_size, log, env.detail)
     torch.manual_seed(cfg.train.seed + dist.rank)  # dropout differs per rank, as it should
     out = Path(cfg.output.dir).expanduser()
+    with env.phase("model download", cfg.distributed.preprocess_timeout_s):
+        hub_dir = fetch_hub_model(cfg, dist, log)  # once per node; None: not a Hub id
     # rank 0 converts and tokenizes; the others read its cache
     with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
         with env.watchdog.progress.memory_watched("data preparation"):  # exit 3, not OOM-kill
-            checked = preflight(cfg, base_dir=base_dir, log=log, device=dist.device)
+            checked = preflight(
+                cfg, base_dir=base_dir, log=log, device=dist.device, model_dir=hub_dir
+            )
     model_dir, tokenizer, data = checked.model_dir, checked.tokenizer, checked.data
     with env.phase("set-up", slow):
         # Rank 0's choice for all: `auto` measures, and measurements differ between ranks.
@@ -168,30 +182,26 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         configured_batch = cfg.train.global_batch_size or default_global_batch(
             cfg.train.micro_batch_size, cfg.train.grad_accum, dist.world_size
         )
-        resume = on_main(dist, lambda: find_resume_point(cfg, out, identity, configured_batch, log))
+        steps_for = functools.partial(_total_steps, cfg, len(data.train))
+        resume = on_main(
+            dist,
+            lambda: find_resume_point(cfg, out, identity, configured_batch, steps_for, log),
+        )
         planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision.name, log))
     global_batch = resume.global_batch if resume else configured_batch
 
     with env.phase("load", slow):
         built = build_training_model(
-            cfg, model_dir, dist, precision, log, strategy=planned.strategy
+            cfg, model_dir, dist, precision, env.detail, strategy=planned.strategy
         )
     if cfg.watchdog.enabled or env.fault is not None:
         instrument(built.model, env.watchdog, env.fault, dist.rank)
     loaded_peak_mb = peak_rss_mb()  # the loading high-water mark, before any training
-    log(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
-    plan = StepPlan(
-        num_rows=len(data.train),
-        global_batch=global_batch,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.train.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    env.detail(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
+    plan = _step_plan(cfg, len(data.train), global_batch)
     total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
-    if resume:
-        ckpt.check_step_within(resume.checkpoint, resume.step, total_steps)
     optimizer = build_optimizer(built.objective, cfg.train)
-    log(describe_optimizer(optimizer, cfg.train.optimizer))
+    env.detail(describe_optimizer(optimizer, cfg.train.optimizer))
     trainer = Trainer(
         objective=built.objective,
         optimizer=optimizer,
@@ -206,7 +216,9 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         strategy=built.strategy,
     )
     if trainer.scaler.is_enabled():
-        log(f"precision: fp16 with dynamic loss scaling ({_describe_scaler(trainer.scaler)})")
+        env.detail(
+            f"precision: fp16 with dynamic loss scaling ({_describe_scaler(trainer.scaler)})"
+        )
     references = None
     if reference_mode(cfg.train.stage, cfg.preference) == "precompute":
         # Before the checkpoint is loaded: the policy still holds the base weights.
@@ -215,6 +227,10 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     resume_from = resume.checkpoint if resume else None
     with env.phase("checkpoint load", slow):
         start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
+    if resume:  # the schedule of this run's length, which an extension changed
+        moved = continue_schedule(trainer.scheduler, cfg.train, total_steps, resume.total_steps)
+        if moved:
+            log(moved)
 
     def prepare() -> list[Path]:
         removed = prepare_output_dir(cfg, out, resume_from, log)
@@ -225,6 +241,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
         for partial in on_main(dist, prepare):
             log(f"removed an interrupted checkpoint save: {partial}")
     per_process = math.ceil(global_batch / dist.world_size)
+    log(f"steps: {plan.schedule(cfg.train.epochs, cfg.train.max_steps)}")
     log(
         f"training: {len(data.train)} rows, global batch {global_batch} rows over "
         f"{dist.world_size} process(es) (~{per_process} per process, micro-batches of "
@@ -238,7 +255,14 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
     loop = _Loop(cfg, out, trainer, plan, data, env, references)
     env.preemption.enter_loop()  # a signal now stops the run at a step's end, with a save
     losses, stats = loop.run(
-        start_step, total_steps, {"global_batch": global_batch, **identity.to_meta()}
+        start_step,
+        total_steps,
+        {
+            "global_batch": global_batch,
+            "total_steps": total_steps,
+            "config": config_to_dict(cfg),  # a resume names each key that differs
+            **identity.to_meta(),
+        },
     )
     stats["load_peak_rss_mb"] = loaded_peak_mb
     _keep_training_template(cfg, tokenizer, base_dir, data)
@@ -256,6 +280,23 @@ def _train(cfg: RunConfig, base_dir: Path, env: _RunEnv) -> RunResult:
             precision=precision.name,
         )
     return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
+
+
+def _step_plan(cfg: RunConfig, num_rows: int, global_batch: int) -> StepPlan:
+    return StepPlan(
+        num_rows=num_rows,
+        global_batch=global_batch,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+    )
+
+
+def _total_steps(cfg: RunConfig, num_rows: int, global_batch: int) -> int:
+    """The run's optimizer steps for `global_batch` (train.max_steps wins over epochs)."""
+    return _step_plan(cfg, num_rows, global_batch).total_steps(
+        cfg.train.epochs, cfg.train.max_steps
+    )
 
 
 def _keep_training_template(cfg: RunConfig, tokenizer, base_dir: Path, data: PreparedData):
@@ -281,14 +322,6 @@ def _precompute_references(
         micro_batch_size=cfg.train.micro_batch_size,
     )
     return precompute_reference(trainer, job, env.dist, env.log)
-
-
-def _set_threads(requested: int, local_processes: int, log) -> None:
-    # torchrun sets OMP_NUM_THREADS=1 unless told otherwise; choose deliberately instead:
-    # this process's share of the cores it may run on.
-    threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_processes, 1))
-    torch.set_num_threads(threads)
-    log(f"threads: {threads} per process")
 
 
 def _describe_scaler(scaler: torch.amp.GradScaler) -> str:
@@ -353,7 +386,7 @@ class _Loop:
             if main
             else None
         )
-        bar = Progress(total=total, initial=start, enabled=main)
+        bar = Progress(total=total, initial=start, enabled=main, log=self.log)
         progress = self.env.watchdog.progress
         losses: list[float] = []
         stats = {

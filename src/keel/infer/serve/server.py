@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import socket
 import threading
@@ -12,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.errors import KeelError, ModelError
+from keel.extras import require_extra
 from keel.infer.serve.limits import ServeLimits
 
 Log = Callable[[str], None]
@@ -126,14 +126,7 @@ def _check_cache_layout(config) -> None:
 
 
 def _check_web_stack() -> None:
-    missing = [
-        m for m in ("fastapi", "uvicorn", "sse_starlette") if not importlib.util.find_spec(m)
-    ]
-    if missing:
-        raise KeelError(
-            f"keel serve needs {', '.join(missing)}: pip install 'keel[serve]' "
-            "(or: pip install fastapi uvicorn sse-starlette)"
-        )
+    require_extra("serve", "keel serve")
 
 
 def _say(message: str) -> None:
@@ -142,6 +135,8 @@ def _say(message: str) -> None:
 
 def run_server(options: ServeOptions, log: Log = _say) -> int:
     """Serve until interrupted; returns the exit code."""
+    check_options(options)
+    _check_web_stack()  # before the imports below and before the model loads
     import uvicorn
 
     from keel.infer.serve.app import create_app

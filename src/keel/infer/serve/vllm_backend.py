@@ -44,8 +44,8 @@ def build_vllm_state(options, adapters: list[tuple[str, str]], log):
     from keel.infer.serve.server import adapter_root
     from keel.models import load_tokenizer, resolve_model_path
 
-    model_dir, own_adapter = _model_dir(options)
-    base_dir = resolve_model_path(model_dir, options.cache_dir, log)
+    model_dir, revision, own_adapter = _model_dir(options)
+    base_dir = resolve_model_path(model_dir, options.cache_dir, log, revision=revision)
     if own_adapter is not None:
         adapters = [(options.model, own_adapter), *adapters]
     ranks = [_rank(path) for _, path in adapters]
@@ -71,15 +71,16 @@ def build_vllm_state(options, adapters: list[tuple[str, str]], log):
     )
 
 
-def _model_dir(options) -> tuple[str, str | None]:
-    # A keel LoRA output dir is served as its base plus that adapter.
+def _model_dir(options) -> tuple[str, str, str | None]:
+    # A keel LoRA output dir is served as its base (at the revision it names) plus that adapter.
     config = Path(options.model).expanduser() / "adapter_config.json"
     if options.model.startswith("bundled:") or not config.is_file():
-        return options.model, None
-    base = json.loads(config.read_text()).get("base_model_name_or_path")
+        return options.model, "main", None
+    recorded = json.loads(config.read_text())
+    base = recorded.get("base_model_name_or_path")
     if not base:
         raise ModelError(f"{config} names no base model; pass --model BASE --adapter NAME=PATH")
-    return base, options.model
+    return base, recorded.get("revision") or "main", options.model
 
 
 def _rank(path: str) -> int:

@@ -1,0 +1,83 @@
+"""What the CLI prints into a pipe or log file: plain lines, no library progress bars, and
+the technical set-up lines only with --verbose."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARY_BARS = ("Generating train split", "Loading weights", "Writing model shards")
+
+
+def keel(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,  # stdout and stderr are pipes, as in `keel train ... > log`
+        text=True,
+        timeout=600,
+    )
+
+
+def train(model_dir, tmp_path, name, *flags):
+    return keel(
+        *flags,
+        "train",
+        "examples/identity_lora.yaml",
+        f"model.path={model_dir}",
+        f"model.cache_dir={tmp_path / name / 'cache'}",
+        f"output.dir={tmp_path / name / 'out'}",
+        "train.max_steps=2",
+        "train.precision=fp32",
+        "train.threads=1",
+    )
+
+
+def test_piped_train_prints_plain_lines_and_no_library_bars(tiny_model_dir, tmp_path):
+    result = train(tiny_model_dir, tmp_path, "quiet")
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    assert "\r" not in printed
+    assert not [bar for bar in LIBRARY_BARS if bar in printed], printed
+    assert "loss head:" not in printed and "threads: " not in printed
+    assert "steps: train.max_steps=2 overrides train.epochs=3" in result.stdout
+    assert "step 2/2: loss " in result.stdout
+    (done,) = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    loss = done.split("final loss ")[1].split(",")[0]
+    assert len(loss.split(".")[1]) == 4, done  # 4 decimals, not 16 digits
+
+    verbose = train(tiny_model_dir, tmp_path, "verbose", "--verbose")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "loss head: " in verbose.stdout and "threads: 1 per process" in verbose.stdout
+
+
+def test_piped_chat_shows_no_loading_bar(tiny_model_dir, tmp_path):
+    result = keel(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "2",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Loading weights" not in result.stderr and "\r" not in result.stderr
+
+
+def test_validate_reports_steps_and_epochs(tiny_model_dir, tmp_path):
+    result = keel(
+        "validate",
+        "examples/identity_lora.yaml",
+        f"model.path={tiny_model_dir}",
+        f"model.cache_dir={tmp_path / 'cache'}",
+        f"output.dir={tmp_path / 'out'}",
+        "train.max_steps=12",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (steps,) = [line for line in result.stdout.splitlines() if line.startswith("steps:")]
+    assert "train.max_steps=12 overrides train.epochs=3: 12 steps = 1.33 epochs" in steps
