@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument(
         "--model",
         required=True,
-        help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct",
+        help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
+        "or bundled:smollm2-135m-instruct",
     )
     chat.add_argument("--adapter", help="a PEFT adapter dir to apply on top of --model")
     chat.add_argument("--prompt", help="answer this one prompt and exit")
@@ -140,7 +141,8 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--model",
         required=True,
-        help="HF model dir, keel output dir, checkpoints/step-N dir, or bundled:NAME",
+        help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
+        "checkpoints/step-N dir, or bundled:NAME",
     )
     export.add_argument(
         "--adapter",
@@ -173,7 +175,8 @@ def _add_serve(sub) -> None:
     serve.add_argument(
         "--model",
         required=True,
-        help="HF model dir, keel output dir, or bundled:smollm2-135m-instruct",
+        help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
+        "or bundled:smollm2-135m-instruct",
     )
     serve.add_argument(
         "--adapter",

@@ -22,14 +22,14 @@ class ModelConfig:
     # flash-attn installed, else sdpa where the architecture has it, else eager); logged
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model repository's own Python code (transformers)
 
 
 @dataclass(kw_only=True)
 class LoraConfig:
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
+    r: int = 16  # LoRA rank
+    alpha: float = 32.0  # LoRA scale is alpha / r
+    dropout: float = 0.05  # on the LoRA input; 0 costs no work at all
     targets: str | list[str] = "all-linear"  # "all-linear" or module names, e.g. [q_proj, v_proj]
 
 
@@ -53,7 +53,7 @@ class QloraConfig:
 
 @dataclass(kw_only=True)
 class MethodConfig:
-    type: Literal["full", "freeze", "lora", "qlora"] = "lora"
+    type: Literal["full", "freeze", "lora", "qlora"] = "lora"  # which weights train, and how
     lora: LoraConfig = field(default_factory=LoraConfig)  # lora and qlora
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     qlora: QloraConfig = field(default_factory=QloraConfig)
@@ -95,11 +95,11 @@ class DataConfig:
     # tokens per sample (and per packed row); preference stages: per prompt + one answer,
     # packed rows of pairs up to 2 x cutoff_len
     cutoff_len: int = 1024
-    packing: bool = False
+    packing: bool = False  # several samples per row, attention kept within each sample
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
-    overlength: Literal["drop", "truncate", "error"] = "drop"
+    overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle the rows each epoch (with train.seed)
     num_proc: int = 1  # processes for tokenization
     # Bytes one row may hold (a JSONL, CSV or text line, a JSON array element); a larger row
     # is refused (exit 2) naming its file and line before it is parsed. Default 16 MiB
@@ -110,7 +110,7 @@ class DataConfig:
 class TrainConfig:
     # pt: pretraining, sft: supervised, dpo/orpo/simpo: preference pairs, kto: labelled samples
     stage: Literal["pt", "sft", "dpo", "orpo", "simpo", "kto"] = "sft"
-    epochs: float = 1.0
+    epochs: float = 1.0  # passes over the training rows; may be fractional
     max_steps: int | None = None  # overrides epochs when set
     micro_batch_size: int = 1  # rows per forward pass, per process (per device)
     grad_accum: int = 1  # micro-batches per step and process (when global_batch_size is unset)
@@ -118,15 +118,17 @@ class TrainConfig:
     # processes, as in other trainers. Set it for runs that must compute the same steps on
     # any number of processes (the accumulation per process is then derived).
     global_batch_size: int | None = None
-    lr: float = 2e-4
+    lr: float = 2e-4  # peak learning rate (AdamW)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warmup from 0 to lr
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     weight_decay: float = 0.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
-    seed: int = 42
+    seed: int = 42  # data order, sampling, LoRA initialisation
+    # auto: bf16 where it is fast (measured on a CPU; native on a GPU), else fp16 on a GPU,
+    # else fp32. fp16 trains with dynamic loss scaling
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     # Recompute each decoder layer's activations in backward; offload: also keep the saved
     # layer inputs in pinned host memory until backward (GPU; on a CPU it is plain true)
@@ -185,10 +187,10 @@ class WandbConfig:
 
 @dataclass(kw_only=True)
 class OutputConfig:
-    dir: str
+    dir: str  # the run's folder: model, metrics, checkpoints (keel refuses folders it did not make)
     save_every: int = 0  # steps; 0: only the final save
     keep_last: int = 2  # complete checkpoints kept
-    log_every: int = 1
+    log_every: int = 1  # steps between metrics.jsonl lines (and progress lines)
     # metrics.jsonl is always written; tensorboard and wandb add to it
     loggers: list[Literal["jsonl", "tensorboard", "wandb"]] = field(
         default_factory=lambda: ["jsonl"]

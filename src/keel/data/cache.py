@@ -80,13 +80,21 @@ def fingerprint(
                 "tags": s.tags,
                 "split": s.split,
                 "num_samples": s.num_samples,
-                "files": [file_signature(f) for f in s.files],
+                "files": _files_identity(s),
             }
             for s in sources
         ],
     }
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _files_identity(source: Source) -> list:
+    """A Hub dataset's files are fixed by its commit (their cache paths and mtimes differ
+    between machines); local files by their bytes or size and mtime."""
+    if source.hub is not None:
+        return [source.hub.commit, *(source.hub.label(f) for f in source.files)]
+    return [file_signature(f) for f in source.files]
 
 
 def load_cached(path: Path):

@@ -1,8 +1,8 @@
 """Sources: resolve `data.datasets` entries to local files and load them with `datasets`.
 
 A source is a JSON (array) / JSONL / CSV / Parquet / .txt file, a folder of such files, a
-directory written by `Dataset.save_to_disk`, or a name in LLaMA-Factory's
-`dataset_info.json`. Each file becomes one `SourceUnit` so the report can name the file and
+directory written by `Dataset.save_to_disk`, a name in LLaMA-Factory's `dataset_info.json`,
+or a Hugging Face Hub dataset id whose files come from the hub cache (keel.data.hub). Each file becomes one `SourceUnit` so the report can name the file and
 row of every problem. Text files must be UTF-8 (checked before `datasets` reads them, so the
 error names the line and column of the first bad byte). When `datasets` cannot parse a JSON
 file, Python's json re-reads it to report each bad line (or, for a JSON array, the line and
@@ -20,8 +20,10 @@ import numpy as np
 import pyarrow.compute as pc
 
 from keel.config.schema import DataConfig, DatasetConfig
+from keel.config.validate import is_hub_id
 from keel.data.dataset_info import load_dataset_info, resolve_entry, unknown_name_error
 from keel.data.formats import FORMATS, check_overrides
+from keel.data.hub import HubDataset, fetch_hub_dataset
 from keel.data.report import Rejection
 from keel.data.row_size import check_row_sizes
 from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
@@ -56,6 +58,7 @@ class Source:
     entry: dict | None = None  # the dataset_info.json entry, as written
     num_samples: int | None = None  # LLaMA-Factory's: draw N rows with the run's seed
     notes: list[str] = field(default_factory=list)  # logged once when the data is prepared
+    hub: HubDataset | None = None  # a Hub dataset: its commit and split files
 
 
 @dataclass
@@ -115,16 +118,62 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
     else:
         path = _absolute(dc.path, base_dir)
         if not path.exists():
+            if _hub_name(dc.path):
+                return _resolve_hub(i, dc, where)
             if info is not None:
                 raise unknown_name_error(dc.path, info, dataset_dir)
             raise DataError(f"{where}: file not found: {path}")
         fmt, split, raw, notes = dc.format, dc.split, None, []
         columns, tags = dict(dc.columns), dict(dc.tags)
+    if dc.revision != "main":
+        raise DataError(
+            f"{where}: revision = {dc.revision!r} applies to Hugging Face Hub dataset ids "
+            f"only, and this path is local; remove data.datasets.{i}.revision"
+        )
     files, saved = _data_files(path, where)
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
         check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
     label = _label(path, base_dir)
     return Source(dc, label, path, files, saved, fmt, columns, tags, split, raw, num_samples, notes)
+
+
+def _hub_name(path: str) -> bool:
+    """owner/name and not a data file's name: data/train.jsonl that is missing is a typo."""
+    return is_hub_id(path) and Path(path).suffix.lower() not in LOADERS
+
+
+def _resolve_hub(i: int, dc: DatasetConfig, where: str) -> Source:
+    """A Hub dataset: its snapshot in the hub cache (downloaded when missing and online)
+    and the files of the splits that `dc.split` names."""
+    hub = fetch_hub_dataset(dc.path, dc.revision, where, f"data.datasets.{i}")
+    names = list(hub.splits)
+    check_split(dc.split, tuple(names), where, "")
+    used = {name for name, _, _ in split_ranges(dc.split, dict.fromkeys(names, 0), where)}
+    files = [f for name in names if name in used for f in hub.splits[name]]
+    for f in files:
+        if f.suffix.lower() not in LOADERS:
+            raise DataError(
+                f"{where}: {hub.label(f)} is a {f.suffix or 'extension-less'} file; keel "
+                f"reads {', '.join(LOADERS)}: convert it, or download the data elsewhere"
+            )
+    note = (
+        f"data: {dc.path}: Hugging Face dataset at commit {hub.commit} (revision "
+        f"{dc.revision}), split {dc.split}: {', '.join(hub.label(f) for f in files)}"
+    )
+    return Source(
+        dc,
+        dc.path,
+        hub.folder,
+        files,
+        saved=False,
+        format=dc.format,
+        columns=dict(dc.columns),
+        tags=dict(dc.tags),
+        split=dc.split,
+        num_samples=dc.num_samples,
+        notes=[note],
+        hub=hub,
+    )
 
 
 def _absolute(path: str, base_dir: Path) -> Path:
@@ -170,7 +219,8 @@ def load_source(
     row over `max_row_bytes` is a DataError (keel.data.row_size), found before it is parsed.
     """
     limit = src.config.max_samples
-    whole = src.num_samples is not None or src.split not in FILE_SPLITS
+    sliced = src.split not in (src.hub.splits if src.hub else FILE_SPLITS)
+    whole = src.num_samples is not None or sliced
     if src.saved:
         units = [_load_saved(src)]
     else:  # without sampling or slicing, stop reading once max_samples rows are read
@@ -178,10 +228,11 @@ def load_source(
         for f in src.files:
             if left is not None and left <= 0:
                 break
-            units.append(_load_file(f, _label(f, base_dir), cache_dir, left, max_row_bytes))
+            label = src.hub.label(f) if src.hub else _label(f, base_dir)
+            units.append(_load_file(f, label, cache_dir, left, max_row_bytes))
             left = left - units[-1].read if left is not None else None
-        if src.split not in FILE_SPLITS:
-            units = select_rows(units, split_indices(src.split, _count(units), src.label))
+        if sliced:
+            units = select_rows(units, _split_rows(src, units))
     if src.num_samples is not None:
         available = _count(units)
         rng = np.random.RandomState(0) if rng is None else rng
@@ -193,6 +244,21 @@ def load_source(
     if limit is not None and _count(units) > limit:
         units = select_rows(units, np.arange(limit))
     return units
+
+
+def _split_rows(src: Source, units: list[SourceUnit]) -> np.ndarray:
+    """Row positions a sliced split selects; `units` are src.files' rows, split by split."""
+    if src.hub is None:
+        return split_indices(src.split, _count(units), src.label)
+    split_of = {f: name for name, files in src.hub.splits.items() for f in files}
+    sizes, offsets, start = {}, {}, 0
+    for f, unit in zip(src.files, units, strict=True):
+        n = len(unit.dataset) if unit.dataset is not None else 0
+        offsets.setdefault(split_of[f], start)
+        sizes[split_of[f]] = sizes.get(split_of[f], 0) + n
+        start += n
+    ranges = split_ranges(src.split, sizes, src.label)
+    return np.concatenate([offsets[name] + np.arange(a, b) for name, a, b in ranges])
 
 
 def _count(units: list[SourceUnit]) -> int:

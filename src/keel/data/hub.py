@@ -1,0 +1,134 @@
+"""Datasets named by a Hugging Face Hub id (`owner/name`), through huggingface_hub's cache.
+
+Why not `load_dataset("owner/name")`: in datasets 5.2 an offline call never reads the hub
+cache. With HF_HUB_OFFLINE set, `dataset_module_factory` fails its Hub look-up at once
+and falls back to `CachedDatasetModuleFactory`, which only finds an Arrow copy prepared by
+an earlier online call (HF_DATASETS_CACHE/owner___name/<config>/<version>/<hash>), takes
+the most recently modified one whatever `revision` says, and ignores a repo fetched with
+`hf download owner/name --repo-type dataset`. So keel fetches the repo's data files itself
+into the hub cache (HF_HOME / HF_HUB_CACHE; HF_HUB_OFFLINE is honoured by huggingface_hub),
+at an exact commit, then asks `datasets` which files make which split (the README's
+`configs:` or its file-name patterns, as `load_dataset` would) and reads those files as it
+reads local ones: UTF-8 and `data.max_row_bytes` checks, file and line in every message.
+An online `load_dataset` of the same repo fills the same hub cache, so either way works.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.errors import DataError
+
+# The data files keel reads, and the card whose `configs:` maps files to splits.
+DATA_PATTERNS = ("*.json", "*.jsonl", "*.csv", "*.parquet", "*.arrow", "*.txt", "README.md")
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A dataset repo's snapshot in the hub cache and its split files."""
+
+    repo_id: str  # owner/name
+    revision: str  # as configured: branch, tag or commit
+    commit: str  # the full commit sha it resolved to
+    folder: Path  # <cache>/datasets--owner--name/snapshots/<commit>
+    splits: dict[str, list[Path]]  # split name -> its files, in datasets' order
+
+    def label(self, file: Path) -> str:
+        """How messages name one of its files: owner/name/data/train.jsonl."""
+        return f"{self.repo_id}/{file.relative_to(self.folder).as_posix()}"
+
+
+def fetch_hub_dataset(repo_id: str, revision: str, where: str, key: str) -> HubDataset:
+    """The snapshot of dataset `repo_id` at `revision`, downloading what is missing
+    (with huggingface_hub's progress bar) unless HF_HUB_OFFLINE is set. Every failure is a
+    DataError naming `where`, the id and the fix; `key` is the config entry (data.datasets.0)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = snapshot_download(
+            repo_id, repo_type="dataset", revision=revision, allow_patterns=list(DATA_PATTERNS)
+        )
+    except (OSError, ValueError) as exc:  # huggingface_hub's errors derive from these
+        raise DataError(f"{where}: {_explain(exc, repo_id, revision, key)}") from None
+    folder = Path(folder)
+    return HubDataset(repo_id, revision, folder.name, folder, _split_files(folder, where))
+
+
+def _split_files(folder: Path, where: str) -> dict[str, list[Path]]:
+    """Split name -> files, as `load_dataset` would assign them (its own resolution)."""
+    from datasets.load import dataset_module_factory
+
+    try:
+        module = dataset_module_factory(str(folder))
+    except Exception as exc:  # an empty or unreadable repo: say which, no traceback
+        raise DataError(f"{where}: no data files keel can read in {folder}: {exc}") from None
+    params = module.builder_configs_parameters
+    configs = {c.name: c for c in params.builder_configs or []}
+    name = params.default_config_name or (next(iter(configs)) if len(configs) == 1 else None)
+    if name is None:
+        raise DataError(
+            f"{where}: the dataset has several configurations ({', '.join(configs)}) and no "
+            f"default; keel reads a repo's default one: download the configuration you want "
+            f"and point the path at its files"
+        )
+    return _resolve_patterns(configs[name], folder)
+
+
+def _resolve_patterns(config, folder: Path) -> dict[str, list[Path]]:
+    """A builder config's data files: patterns (from the card's `configs:`) are resolved
+    against the snapshot as the builder would (its `_resolve_data_files`)."""
+    from datasets import DownloadConfig
+    from datasets.data_files import DataFilesPatternsDict
+
+    files = config.data_files
+    if isinstance(files, DataFilesPatternsDict):
+        base = folder / config.data_dir if config.data_dir else folder
+        files = files.resolve(str(base), DownloadConfig())
+    return {str(split): [Path(f) for f in paths] for split, paths in files.items()}
+
+
+def _explain(exc: Exception, repo_id: str, revision: str, key: str) -> str:
+    """What went wrong, in the user's terms, and the fix (huggingface_hub's error types)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    name = f"dataset {repo_id} (revision {revision})"
+    pin = "" if revision == "main" else f" --revision {revision}"
+    download = f"`hf download {repo_id} --repo-type dataset{pin}`"
+    local = f"or point {key}.path at a local file or folder"
+    cache = constants.HF_HUB_CACHE
+    if isinstance(exc, GatedRepoError):
+        return (
+            f"{repo_id} is a gated dataset: accept its conditions at "
+            f"https://huggingface.co/datasets/{repo_id}, then log in with `hf auth login`"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"{repo_id} is not a local file or folder, nor a dataset on the Hugging Face Hub "
+            f"(or it is private: log in with `hf auth login`); check the spelling, {local}"
+        )
+    if isinstance(exc, RevisionNotFoundError):
+        return (
+            f"{repo_id} has no revision {revision!r} on the Hugging Face Hub; set "
+            f"{key}.revision to a branch, tag or commit sha that exists (default main)"
+        )
+    if isinstance(exc, IncompleteSnapshotError):
+        return f"{name}: the cached copy at {cache} is incomplete; run {download} again"
+    if isinstance(exc, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+        return (
+            f"{name} is not a local file or folder and is not in the Hugging Face cache at "
+            f"{cache}, and HF_HUB_OFFLINE=1 (nothing is downloaded): download it with "
+            f"{download} on a machine with network (into the same HF_HOME), {local}"
+        )
+    return (
+        f"{name} is not a local file or folder, could not be downloaded from the Hugging Face "
+        f"Hub and is not in the cache at {cache}: {str(exc).splitlines()[0]}; check the "
+        f"network, or download it elsewhere with {download}, {local}"
+    )

@@ -1,0 +1,69 @@
+"""`data.datasets.0.path: owner/name` through the real CLI, offline, from a hub cache laid out
+as huggingface_hub lays it out (HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1: no network)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hub_support import COMMIT, add_snapshot, offline_env
+
+ROOT = Path(__file__).resolve().parents[2]
+REPO = "tiny-org/tiny-alpaca"
+
+
+def keel(*args, hf_home: Path):
+    return subprocess.run(
+        [sys.executable, "-m", "keel", *args],
+        cwd=ROOT,
+        env=offline_env(hf_home),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.fixture
+def hf_home(tmp_path, data_file):
+    """The conftest's 16 alpaca rows as the train split of tiny-org/tiny-alpaca."""
+    home, src = tmp_path / "hf", tmp_path / "repo-src"
+    (src / "data").mkdir(parents=True)
+    rows = json.loads(data_file.read_text())
+    (src / "data" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    add_snapshot(home / "hub", REPO, src, repo_type="dataset")
+    return home
+
+
+def _config(tmp_path, model_dir):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"model: {{path: {model_dir}, cache_dir: {tmp_path / 'kc'}}}\n"
+        "method: {type: lora}\n"
+        "data: {datasets: [{path: local.jsonl, format: alpaca}]}\n"
+        "train: {max_steps: 2, precision: fp32, threads: 1, micro_batch_size: 4}\n"
+        f"output: {{dir: {tmp_path / 'out'}}}\n"
+    )
+    return cfg
+
+
+def test_validate_and_train_take_a_hub_dataset(hf_home, tmp_path, tiny_model_dir):
+    cfg, hub = _config(tmp_path, tiny_model_dir), f"data.datasets.0.path={REPO}"
+    validated = keel("validate", str(cfg), hub, hf_home=hf_home)
+    assert validated.returncode == 0, validated.stderr[-3000:]
+    assert COMMIT in validated.stdout + validated.stderr
+    trained = keel("train", str(cfg), hub, hf_home=hf_home)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "done: 2 steps" in trained.stdout + trained.stderr
+
+
+def test_a_missing_hub_dataset_exits_2(hf_home, tmp_path, tiny_model_dir):
+    cfg = _config(tmp_path, tiny_model_dir)
+    missing = keel("train", str(cfg), "data.datasets.0.path=tiny-org/absent", hf_home=hf_home)
+    assert missing.returncode == 2, missing.stderr[-3000:]
+    assert "Traceback" not in missing.stderr
+    assert "dataset tiny-org/absent (revision main) is not a local file or folder" in (
+        missing.stderr
+    )
+    assert "not in the Hugging Face cache" in missing.stderr
+    assert "`hf download tiny-org/absent --repo-type dataset`" in missing.stderr

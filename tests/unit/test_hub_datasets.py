@@ -1,0 +1,188 @@
+"""Datasets named by a Hugging Face Hub id (`data.datasets.N.path: owner/name`), read from a
+hub cache laid out as huggingface_hub lays it out. HF_HUB_OFFLINE is on in every test."""
+
+import json
+
+import pytest
+from hub_support import COMMIT, add_snapshot
+
+from keel.config.schema import DataConfig, DatasetConfig
+from keel.data import prepare_data
+from keel.errors import DataError
+
+REPO = "tiny-org/tiny-alpaca"
+NEWER = "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def _rows(prefix, n):
+    return [
+        {"instruction": f"{prefix} {i}?", "input": "", "output": f"{prefix} {i}."} for i in range(n)
+    ]
+
+
+def _repo(tmp_path, files: dict[str, list[dict] | str]):
+    """A dataset repo's files: JSONL from rows, or text as given."""
+    src = tmp_path / "repo-src"
+    for name, content in files.items():
+        path = src / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = (
+            content if isinstance(content, str) else "".join(json.dumps(r) + "\n" for r in content)
+        )
+        path.write_text(text)
+    return src
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty offline hub cache (huggingface_hub read its constants at import)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", True)):
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    return cache
+
+
+@pytest.fixture
+def cached(hub_cache, tmp_path):
+    """tiny-org/tiny-alpaca at COMMIT: 5 train rows, 2 test rows (datasets' split names)."""
+    src = _repo(
+        tmp_path, {"data/train.jsonl": _rows("train", 5), "data/test.jsonl": _rows("test", 2)}
+    )
+    return add_snapshot(hub_cache, REPO, src, repo_type="dataset")
+
+
+@pytest.fixture
+def prepare(tiny_tokenizer, tmp_path):
+    """prepare(DatasetConfig or path, **data) -> (PreparedData, decoded rows, log lines)."""
+
+    def run(dataset, **data):
+        dataset = dataset if isinstance(dataset, DatasetConfig) else DatasetConfig(path=dataset)
+        lines = []
+        prepared = prepare_data(
+            DataConfig(datasets=[dataset], **data),
+            tiny_tokenizer,
+            stage="sft",
+            cache_dir=tmp_path / "cache",
+            base_dir=tmp_path,
+            seed=0,
+            log=lines.append,
+        )
+        decoded = [tiny_tokenizer.decode(r["input_ids"]) for r in prepared.train]
+        return prepared, decoded, lines
+
+    return run
+
+
+def test_load_dataset_by_name_offline_does_not_read_the_hub_cache(cached, monkeypatch):
+    """Why keel reads the snapshot itself: datasets 5.2 offline only finds Arrow copies it
+    prepared online before (CachedDatasetModuleFactory), never the hub cache's files."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConnectionError):
+        datasets.load_dataset(REPO, split="train")
+
+
+def test_a_hub_dataset_trains_its_train_split(cached, prepare):
+    prepared, texts, lines = prepare(REPO)
+    assert len(texts) == 5 and all("train" in t and "test" not in t for t in texts)
+    assert [f.file for f in prepared.report.files] == [f"{REPO}/data/train.jsonl"]
+    assert any(COMMIT in line and "revision main" in line for line in lines)
+
+
+def test_the_repo_splits_and_slices(cached, prepare):
+    _, texts, _ = prepare(DatasetConfig(path=REPO, split="test"))
+    assert sorted(texts) == sorted(t for t in texts if "test" in t) and len(texts) == 2
+    _, texts, _ = prepare(DatasetConfig(path=REPO, split="train[:2]+test[-1:]"))
+    assert len(texts) == 3 and sum("test 1?" in t for t in texts) == 1
+    with pytest.raises(DataError, match=r"split 'validation' cannot be used.*train, test"):
+        prepare(DatasetConfig(path=REPO, split="validation"))
+
+
+def test_the_readme_configs_choose_the_files(hub_cache, tmp_path, prepare):
+    """The card's `configs:` maps files to splits, as `load_dataset` reads it."""
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: raw/b.jsonl\n---\n"
+    src = _repo(
+        tmp_path, {"README.md": card, "raw/a.jsonl": _rows("a", 3), "raw/b.jsonl": _rows("b", 2)}
+    )
+    add_snapshot(hub_cache, REPO, src, repo_type="dataset")
+    _, texts, _ = prepare(REPO)
+    assert len(texts) == 2 and all("user\nb " in t for t in texts)
+
+
+def test_a_new_upstream_commit_prepares_again(cached, hub_cache, tmp_path, prepare):
+    first, _, _ = prepare(REPO)
+    assert prepare(REPO)[0].from_cache
+    src = _repo(tmp_path, {"data/train.jsonl": _rows("newer", 3)})
+    add_snapshot(hub_cache, REPO, src, commit=NEWER, repo_type="dataset")  # main moves on
+    newer, texts, _ = prepare(REPO)
+    assert newer.fingerprint != first.fingerprint and not newer.from_cache
+    assert len(texts) == 3
+    pinned, texts, _ = prepare(DatasetConfig(path=REPO, revision=COMMIT))
+    assert pinned.fingerprint != newer.fingerprint and len(texts) == 5
+
+
+def test_max_row_bytes_applies_to_hub_files(hub_cache, tmp_path, prepare):
+    big = [{"instruction": "x" * 5000, "input": "", "output": "y"}]
+    src = _repo(tmp_path, {"data/train.jsonl": _rows("ok", 2) + big})
+    add_snapshot(hub_cache, REPO, src, repo_type="dataset")
+    with pytest.raises(
+        DataError, match=rf"{REPO}/data/train.jsonl: line 3 is larger than data.max_row_bytes"
+    ):
+        prepare(REPO, max_row_bytes=4096)
+
+
+def test_missing_offline_says_it_is_not_in_the_cache(hub_cache, prepare):
+    with pytest.raises(DataError) as caught:
+        prepare("tiny-org/absent")
+    message = str(caught.value)
+    assert message.startswith("data.datasets[0] (tiny-org/absent): dataset tiny-org/absent")
+    assert f"is not in the Hugging Face cache at {hub_cache}" in message
+    assert "HF_HUB_OFFLINE=1" in message
+    assert "`hf download tiny-org/absent --repo-type dataset`" in message
+    assert "point data.datasets.0.path at a local file or folder" in message
+
+
+def test_a_missing_data_file_is_not_taken_for_a_hub_id(hub_cache, prepare):
+    with pytest.raises(DataError, match=r"file not found: .*data/train\.jsonl"):
+        prepare("data/train.jsonl")
+
+
+def test_a_revision_needs_a_hub_id(hub_cache, tmp_path, prepare):
+    (tmp_path / "d.jsonl").write_text(json.dumps(_rows("a", 1)[0]) + "\n")
+    with pytest.raises(DataError, match=r"revision = 'v1' applies to Hugging Face Hub dataset"):
+        prepare(DatasetConfig(path="d.jsonl", revision="v1"))
+
+
+def test_the_fingerprint_is_the_commit_not_the_cache_path(cached, hub_cache, tmp_path, prepare):
+    """The same commit in another HF_HOME reuses the prepared data; a new commit with the
+    same bytes is a new dataset version (prepared again)."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    first = prepare(REPO)[0].fingerprint
+    moved = tmp_path / "elsewhere" / "hub"
+    shutil.copytree(hub_cache, moved, symlinks=True)
+    shutil.rmtree(hub_cache)
+    constants.HF_HUB_CACHE = str(moved)  # restored by the hub_cache fixture's monkeypatch
+    assert prepare(REPO)[0].fingerprint == first
+    files = {"data/train.jsonl": _rows("train", 5), "data/test.jsonl": _rows("test", 2)}
+    add_snapshot(moved, REPO, _repo(tmp_path / "again", files), commit=NEWER, repo_type="dataset")
+    assert prepare(REPO)[0].fingerprint != first
+
+
+@pytest.mark.parametrize("command", ["chat", "serve", "export"])
+def test_model_help_names_hub_ids(command):
+    from keel.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    model = next(a for a in sub.choices[command]._actions if a.dest == "model")
+    assert "Hugging Face Hub id (owner/name)" in model.help
