@@ -186,3 +186,18 @@ def test_model_help_names_hub_ids(command):
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     model = next(a for a in sub.choices[command]._actions if a.dest == "model")
     assert "Hugging Face Hub id (owner/name)" in model.help
+
+
+def test_the_default_revision_leaves_the_data_fingerprint_as_it_was():
+    """Checkpoints written before data.datasets[].revision existed hold fingerprints without
+    it: the default must not change them (they would no longer resume); a pin must."""
+    from dataclasses import asdict
+
+    from keel.config.schema import DatasetConfig
+    from keel.data.cache import _entry_identity
+
+    before = asdict(DatasetConfig(path="train.json"))
+    before.pop("revision")
+    assert _entry_identity(DatasetConfig(path="train.json")) == before
+    pinned = _entry_identity(DatasetConfig(path="owner/name", revision="abc123"))
+    assert pinned["revision"] == "abc123"

@@ -73,7 +73,7 @@ def fingerprint(
         "tokenizer": tokenizer_identity(tokenizer),
         "sources": [
             {
-                "config": asdict(s.config),
+                "config": _entry_identity(s.config),
                 "entry": s.entry,
                 "format": s.format,
                 "columns": s.columns,
@@ -87,6 +87,16 @@ def fingerprint(
     }
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _entry_identity(entry) -> dict:
+    """A dataset entry's settings. `revision` (added later) counts only when it pins
+    something, so data prepared, and checkpoints written, before it existed keep their
+    fingerprint and still resume."""
+    settings = asdict(entry)
+    if settings.get("revision") == "main":
+        del settings["revision"]
+    return settings
 
 
 def _files_identity(source: Source) -> list:
