@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from cli_support import keel
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # 40 hex digits, as the Hub's commits
 
 
@@ -60,3 +62,8 @@ def offline_env(hf_home: Path) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def keel_offline(*args: str, hf_home: Path):
+    """The real `keel` command with `hf_home` as its Hugging Face home, offline."""
+    return keel(*args, env=offline_env(hf_home))

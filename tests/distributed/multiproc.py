@@ -54,16 +54,7 @@ class Workspace:
         self, out: str, *overrides: str, nproc: int | None = None, extra_flags: tuple[str, ...] = ()
     ) -> Path:
         """Run `keel train` to completion; returns output.dir."""
-        args = [
-            sys.executable,
-            "-m",
-            "keel",
-            "train",
-            str(self.config),
-            f"output.dir={self.root / out}",
-            *overrides,
-            *extra_flags,
-        ]
+        args = self.command(out, *overrides, *extra_flags)
         if nproc is not None:
             args += ["--nproc", str(nproc)]
         done = subprocess.run(
@@ -72,6 +63,20 @@ class Workspace:
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
         self.last_output = done.stdout + done.stderr
         return self.root / out
+
+    def command(self, out: str | Path, *args: str) -> list[str]:
+        """The `keel train` command line for this config into output.dir `out` (a folder
+        under root), then `args`: overrides and flags."""
+        config = str(self.config)
+        return [
+            sys.executable,
+            "-m",
+            "keel",
+            "train",
+            config,
+            f"output.dir={self.root / out}",
+            *args,
+        ]
 
 
 def _env() -> dict[str, str]:

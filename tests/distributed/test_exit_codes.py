@@ -65,17 +65,7 @@ def test_a_user_error_met_by_the_workers_exits_2(tmp_path_factory, tiny_model_di
     workspace = Workspace(tmp_path_factory.mktemp("exit-codes"), tiny_model_dir)
     bad = workspace.root / "bad.json"
     bad.write_text('[{"instruction": "a", "output": "b"},')
-    args = [
-        sys.executable,
-        "-m",
-        "keel",
-        "train",
-        str(workspace.config),
-        f"output.dir={workspace.root / 'out'}",
-        f"data.datasets=[{bad}]",
-        "--nproc",
-        "2",
-    ]
+    args = workspace.command("out", f"data.datasets=[{bad}]", "--nproc", "2")
     done = subprocess.run(
         args, cwd=workspace.root, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env()
     )

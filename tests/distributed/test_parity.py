@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -139,19 +138,7 @@ def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace):
     past 1e-5 between 1 and 2 processes, while resuming must reproduce the run exactly."""
     overrides = ("train.max_steps=45", "output.save_every=9", "distributed.strategy=ddp")
     out = workspace.root / "killed"
-    args = [
-        sys.executable,
-        "-m",
-        "keel",
-        "train",
-        str(workspace.config),
-        f"output.dir={out}",
-        *overrides,
-        "--nproc",
-        "2",
-        "--max-restarts",
-        "1",
-    ]
+    args = workspace.command(out, *overrides, "--nproc", "2", "--max-restarts", "1")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.Popen(
         args,

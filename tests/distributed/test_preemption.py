@@ -70,10 +70,7 @@ def preempt(
     """Start `keel train --nproc 2`, call `send(launcher)` once step 2 is logged, and wait
     for the end: (exit code, output, output.dir)."""
     out = workspace.root / name
-    command = [
-        *(sys.executable, "-m", "keel", "train", str(workspace.config)),
-        *(f"output.dir={out}", *RUN, "--nproc", "2", *flags),
-    ]
+    command = workspace.command(out, *RUN, "--nproc", "2", *flags)
     env = {**_env(), "KEEL_FAULT": f"stall:3:0:{STALL_S}"}
     proc = subprocess.Popen(
         command, cwd=workspace.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

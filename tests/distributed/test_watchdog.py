@@ -5,7 +5,6 @@ name the rank, and leave the live ranks' stacks in <output.dir>/diagnostics/."""
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
@@ -26,18 +25,7 @@ def start(workspace, out, *overrides, fault=None) -> subprocess.Popen:
     env = _env()
     if fault:
         env["KEEL_FAULT"] = fault
-    args = [
-        sys.executable,
-        "-m",
-        "keel",
-        "train",
-        str(workspace.config),
-        f"output.dir={workspace.root / out}",
-        *WATCH,
-        *overrides,
-        "--nproc",
-        "2",
-    ]
+    args = workspace.command(out, *WATCH, *overrides, "--nproc", "2")
     return subprocess.Popen(
         args,
         cwd=workspace.root,

@@ -1,14 +1,10 @@
 """The real CLI, in subprocesses, the way users run it: shipped examples, bad input, chat."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_support import ROOT, keel
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL_EXAMPLES = [
     "sharegpt_full.yaml",
     "messages_freeze.yaml",
@@ -23,18 +19,6 @@ SMALL_EXAMPLES = [
     "kto_bundled.yaml",
     "llamafactory_dpo.yaml",
 ]
-
-
-def keel(*args, cwd=ROOT):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def test_every_example_is_covered_here():

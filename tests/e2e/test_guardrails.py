@@ -8,28 +8,17 @@ import time
 
 import pytest
 import yaml
+from config_support import qa_rows, tiny_lora_config
 
-ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(12)]
+ROWS = qa_rows(12)
 
 
 @pytest.fixture
 def workspace(tmp_path, tiny_model_dir):
     data = tmp_path / "qa.json"
     data.write_text(json.dumps(ROWS))
-    config = {
-        "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
-        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-        "data": {"datasets": [str(data)], "cutoff_len": 64},
-        "train": {
-            "max_steps": 6,
-            "micro_batch_size": 2,
-            "lr": 1e-2,
-            "precision": "fp32",
-            "threads": 1,
-            "scheduler": "constant",
-        },
-        "output": {"dir": str(tmp_path / "out"), "save_every": 2},
-    }
+    train = {"max_steps": 6, "scheduler": "constant"}
+    config = tiny_lora_config(tiny_model_dir, data, tmp_path / "out", train=train)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
     return path

@@ -2,26 +2,11 @@
 as huggingface_hub lays it out (HF_HUB_OFFLINE=1 in every subprocess: no network)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from hub_support import COMMIT, add_snapshot, offline_env
+from hub_support import COMMIT, add_snapshot, keel_offline
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = "tiny-org/tiny-llama"
-
-
-def keel(*args, hf_home: Path):
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=ROOT,
-        env=offline_env(hf_home),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.fixture
@@ -45,7 +30,7 @@ def _config(tmp_path, data_file, model_path):
 
 def test_train_chat_export_by_hub_id(hf_home, tmp_path, data_file):
     cfg = _config(tmp_path, data_file, REPO)
-    trained = keel("train", str(cfg), f"model.cache_dir={tmp_path / 'kc'}", hf_home=hf_home)
+    trained = keel_offline("train", str(cfg), f"model.cache_dir={tmp_path / 'kc'}", hf_home=hf_home)
     assert trained.returncode == 0, trained.stderr[-3000:]
     out = tmp_path / "out"
     adapter = json.loads((out / "adapter_config.json").read_text())
@@ -53,33 +38,37 @@ def test_train_chat_export_by_hub_id(hf_home, tmp_path, data_file):
     metas = sorted(out.glob("checkpoints/*/meta.json"))
     assert metas and json.loads(metas[-1].read_text())["run"]["model_revision"] == COMMIT
     # the adapter finds its base by the id, in the cache
-    chat = keel("chat", "--model", str(out), "--prompt", "hi", "--max-new-tokens", "2",
+    chat = keel_offline("chat", "--model", str(out), "--prompt", "hi", "--max-new-tokens", "2",
                 hf_home=hf_home)  # fmt: skip
     assert chat.returncode == 0, chat.stderr[-3000:]
-    exported = keel("export", "--model", str(out), "--out", str(tmp_path / "x"), hf_home=hf_home)
+    exported = keel_offline(
+        "export", "--model", str(out), "--out", str(tmp_path / "x"), hf_home=hf_home
+    )
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "x" / "config.json").is_file()
 
 
 def test_validate_plan_and_chat_take_a_hub_id(hf_home, tmp_path, data_file):
     cfg = _config(tmp_path, data_file, REPO)
-    validated = keel("validate", str(cfg), hf_home=hf_home)
+    validated = keel_offline("validate", str(cfg), hf_home=hf_home)
     assert validated.returncode == 0, validated.stderr[-3000:]
-    planned = keel("plan", str(cfg), hf_home=hf_home)
+    planned = keel_offline("plan", str(cfg), hf_home=hf_home)
     assert planned.returncode == 0, planned.stderr[-3000:]
-    chat = keel("chat", "--model", REPO, "--prompt", "hi", "--max-new-tokens", "2",
+    chat = keel_offline("chat", "--model", REPO, "--prompt", "hi", "--max-new-tokens", "2",
                 hf_home=hf_home)  # fmt: skip
     assert chat.returncode == 0, chat.stderr[-3000:]
 
 
 def test_missing_id_and_unknown_revision_exit_2(hf_home, tmp_path, data_file):
-    missing = keel("train", str(_config(tmp_path, data_file, "tiny-org/absent")), hf_home=hf_home)
+    missing = keel_offline(
+        "train", str(_config(tmp_path, data_file, "tiny-org/absent")), hf_home=hf_home
+    )
     assert missing.returncode == 2, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
-    assert "tiny-org/absent (revision main) is not in the Hugging Face cache" in missing.stderr
+    assert "tiny-org/absent (revision main) is not a local folder and is not in" in missing.stderr
     assert not (tmp_path / "out" / "config.yaml").exists()
     cfg = _config(tmp_path, data_file, REPO)
-    unknown = keel("validate", str(cfg), "model.revision=v9", hf_home=hf_home)
-    assert unknown.returncode == 2 and "(revision v9) is not in the Hugging Face" in unknown.stderr
-    pinned = keel("validate", str(cfg), f"model.revision={COMMIT}", hf_home=hf_home)
+    unknown = keel_offline("validate", str(cfg), "model.revision=v9", hf_home=hf_home)
+    assert unknown.returncode == 2 and "(revision v9) is not a local folder" in unknown.stderr
+    pinned = keel_offline("validate", str(cfg), f"model.revision={COMMIT}", hf_home=hf_home)
     assert pinned.returncode == 0, pinned.stderr[-3000:]

@@ -2,26 +2,11 @@
 as huggingface_hub lays it out (HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1: no network)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from hub_support import COMMIT, add_snapshot, offline_env
+from hub_support import COMMIT, add_snapshot, keel_offline
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = "tiny-org/tiny-alpaca"
-
-
-def keel(*args, hf_home: Path):
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=ROOT,
-        env=offline_env(hf_home),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.fixture
@@ -49,17 +34,19 @@ def _config(tmp_path, model_dir):
 
 def test_validate_and_train_take_a_hub_dataset(hf_home, tmp_path, tiny_model_dir):
     cfg, hub = _config(tmp_path, tiny_model_dir), f"data.datasets.0.path={REPO}"
-    validated = keel("validate", str(cfg), hub, hf_home=hf_home)
+    validated = keel_offline("validate", str(cfg), hub, hf_home=hf_home)
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert COMMIT in validated.stdout + validated.stderr
-    trained = keel("train", str(cfg), hub, hf_home=hf_home)
+    trained = keel_offline("train", str(cfg), hub, hf_home=hf_home)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: 2 steps" in trained.stdout + trained.stderr
 
 
 def test_a_missing_hub_dataset_exits_2(hf_home, tmp_path, tiny_model_dir):
     cfg = _config(tmp_path, tiny_model_dir)
-    missing = keel("train", str(cfg), "data.datasets.0.path=tiny-org/absent", hf_home=hf_home)
+    missing = keel_offline(
+        "train", str(cfg), "data.datasets.0.path=tiny-org/absent", hf_home=hf_home
+    )
     assert missing.returncode == 2, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
     assert "dataset tiny-org/absent (revision main) is not a local file or folder" in (

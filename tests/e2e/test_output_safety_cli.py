@@ -11,24 +11,11 @@ import sys
 from pathlib import Path
 
 import yaml
+from cli_support import ROOT, keel
 
 from keel.config import load_config
 from keel.train.output_folder import LOCK
 from keel.train.run import run_training
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def keel(*args):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def train_flags(model_dir: Path, tmp_path: Path, out: Path) -> list[str]:

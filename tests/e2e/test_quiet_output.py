@@ -1,24 +1,9 @@
 """What the CLI prints into a pipe or log file: plain lines, no library progress bars, and
 the technical set-up lines only with --verbose."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from cli_support import keel
 
-ROOT = Path(__file__).resolve().parents[2]
 LIBRARY_BARS = ("Generating train split", "Loading weights", "Writing model shards")
-
-
-def keel(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        capture_output=True,  # stdout and stderr are pipes, as in `keel train ... > log`
-        text=True,
-        timeout=600,
-    )
 
 
 def train(model_dir, tmp_path, name, *flags):

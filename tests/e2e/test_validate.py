@@ -1,26 +1,8 @@
 """`keel validate` through the real CLI: model problems come first, all at once, with no data
 row read; a good config prints one summary line per part."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def keel(*args):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from cli_support import ROOT, keel
 
 
 @pytest.fixture

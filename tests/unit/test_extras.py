@@ -1,25 +1,17 @@
 """A missing optional extra is a user error (exit 2) naming the pip command, before any load."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from config_support import hide_modules, minimal_config
 
 from keel.config import load_config
 from keel.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def hide(monkeypatch, *names: str) -> None:
-    """Make `find_spec` report `names` as not installed."""
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a)
-    )
 
 
 @pytest.mark.parametrize(
@@ -35,27 +27,16 @@ def hide(monkeypatch, *names: str) -> None:
 def test_config_needing_a_missing_extra_names_the_pip_command(
     tmp_path, monkeypatch, overrides, module, extra
 ):
-    hide(monkeypatch, module)
-    (tmp_path / "d.json").write_text("[]")
-    base = {
-        "model": {"path": str(tmp_path)},
-        "data": {"datasets": [str(tmp_path / "d.json")]},
-        "output": {"dir": str(tmp_path / "out")},
-    }
+    hide_modules(monkeypatch, module)
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides, base=base)
+        load_config(None, overrides, base=minimal_config(tmp_path))
     (problem,) = [p for p in info.value.problems if "not installed" in p]
     assert f"needs {module}, which is not installed" in problem
     assert problem.endswith(f"pip install 'keel[{extra}]'")
 
 
 def test_installed_extras_are_not_a_problem(tmp_path):
-    (tmp_path / "d.json").write_text("[]")
-    base = {
-        "model": {"path": str(tmp_path)},
-        "data": {"datasets": [str(tmp_path / "d.json")]},
-        "output": {"dir": str(tmp_path / "out"), "loggers": ["jsonl", "tensorboard"]},
-    }
+    base = minimal_config(tmp_path, loggers=["jsonl", "tensorboard"])
     assert load_config(None, [], base=base).output.loggers == ["jsonl", "tensorboard"]
 
 

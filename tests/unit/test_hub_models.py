@@ -78,7 +78,9 @@ def test_revision_pinned_to_the_commit(cached_model, tmp_path):
 
 
 def test_unknown_revision_names_it(cached_model, tmp_path):
-    with pytest.raises(ModelError, match=r"\(revision v9\) is not in the Hugging Face cache"):
+    with pytest.raises(
+        ModelError, match=r"\(revision v9\) is not a local folder and is not in the"
+    ):
         resolve_model_path(REPO, tmp_path, log=lambda _: None, revision="v9")
 
 
@@ -86,9 +88,8 @@ def test_missing_id_offline_says_it_is_not_in_the_cache(hub_cache, tmp_path):
     with pytest.raises(ModelError) as caught:
         resolve_model_path("tiny-org/absent", tmp_path, log=lambda _: None)
     message = str(caught.value)
-    assert f"tiny-org/absent (revision main) is not in the Hugging Face cache at {hub_cache}" in (
-        message
-    )
+    assert message.startswith("model tiny-org/absent (revision main) is not a local folder")
+    assert f"is not in the Hugging Face cache at {hub_cache}" in message
     assert "HF_HUB_OFFLINE=1" in message and "`hf download tiny-org/absent`" in message
     assert "point model.path at a local folder" in message
 

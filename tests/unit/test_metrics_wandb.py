@@ -1,13 +1,13 @@
 """W&B as a logger, offline: W&B gets exactly what metrics.jsonl gets, a resumed run continues
 the same W&B run without logging a step twice, and W&B's own failures are handled."""
 
-import importlib.util
 import json
 import struct
 import zlib
 from pathlib import Path
 
 import pytest
+from config_support import hide_modules, minimal_config
 
 from keel.config import config_to_dict, load_config
 from keel.config.schema import OutputConfig, WandbConfig
@@ -282,24 +282,13 @@ def test_wandb_failing_mid_run_warns_once_and_training_logs_on(tmp_path, monkeyp
 
 def check(tmp_path, *overrides: str) -> list[str]:
     """The output.* problems of a minimal config with `overrides` (there must be some)."""
-    (tmp_path / "d.json").write_text("[]")
-    base = {
-        "model": {"path": str(tmp_path)},
-        "data": {"datasets": [str(tmp_path / "d.json")]},
-        "output": {"dir": str(tmp_path / "out")},
-    }
     with pytest.raises(ConfigError) as info:
-        load_config(None, list(overrides), base=base)
+        load_config(None, list(overrides), base=minimal_config(tmp_path))
     return [p for p in info.value.problems if "output." in p]
 
 
 def test_wandb_not_installed_is_a_config_problem_with_the_fix(tmp_path, monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *args: None if name == "wandb" else real(name, *args),
-    )
+    hide_modules(monkeypatch, "wandb")
     (problem,) = check(tmp_path, "output.loggers=[jsonl, wandb]")
     assert "wandb, which is not installed" in problem and "pip install 'keel[wandb]'" in problem
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import yaml
+from config_support import qa_rows, tiny_lora_config
 
 import keel.distributed.checkpoint as dist_ckpt
 from keel.config import load_config
@@ -18,24 +19,11 @@ from keel.train import checkpoint as ckpt
 from keel.train.loop import StepPlan, default_global_batch
 from keel.train.run import run_training
 
-ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(8)]
+ROWS = qa_rows(8)
 
 
 def base_config(model_dir, data, out) -> dict:
-    return {
-        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-        "data": {"datasets": [str(data)], "cutoff_len": 64},
-        "train": {
-            "max_steps": 2,
-            "micro_batch_size": 2,
-            "lr": 1e-2,
-            "precision": "fp32",
-            "threads": 1,
-            "scheduler": "constant",
-        },
-        "output": {"dir": str(out), "save_every": 2},
-    }
+    return tiny_lora_config(model_dir, data, out, train={"scheduler": "constant"})
 
 
 def quiet(_msg):

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import yaml
+from config_support import qa_rows, tiny_lora_config
 
 from keel.config import load_config
 from keel.errors import CheckpointError
@@ -14,7 +15,7 @@ from keel.train.optim import lr_factor
 from keel.train.resume import _finished_step
 from keel.train.run import run_training
 
-ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"Answer {i}."} for i in range(8)]
+ROWS = qa_rows(8)
 LR = 1e-2
 
 
@@ -23,20 +24,7 @@ class Crash(Exception):
 
 
 def base_config(model_dir, data, out) -> dict:
-    return {
-        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-        "data": {"datasets": [str(data)], "cutoff_len": 64},
-        "train": {
-            "max_steps": 4,
-            "micro_batch_size": 2,
-            "lr": LR,
-            "scheduler": "cosine",
-            "precision": "fp32",
-            "threads": 1,
-        },
-        "output": {"dir": str(out), "save_every": 2},
-    }
+    return tiny_lora_config(model_dir, data, out, train={"max_steps": 4, "scheduler": "cosine"})
 
 
 def crash_after_2(step, _record):

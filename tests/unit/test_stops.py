@@ -6,6 +6,7 @@ import re
 import signal
 
 import pytest
+from config_support import tiny_lora_config
 
 from keel.config import load_config
 from keel.errors import Diverged, Preempted
@@ -17,19 +18,9 @@ FINAL_OUTPUTS = ("keel_run.json", "adapter_model.safetensors", "adapter_config.j
 
 
 def config(model_dir, data_file, out, *overrides):
-    base = {
-        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-        "method": {"type": "lora", "lora": {"r": 4, "alpha": 8, "dropout": 0.0}},
-        "data": {"datasets": [str(data_file)], "cutoff_len": 128},
-        "train": {
-            "max_steps": 6,
-            "micro_batch_size": 2,
-            "lr": 1e-2,
-            "precision": "fp32",
-            "threads": 1,
-        },
-        "output": {"dir": str(out), "save_every": 2, "keep_last": 2, "log_every": 4},
-    }
+    output = {"keep_last": 2, "log_every": 4}
+    train = {"max_steps": 6}
+    base = tiny_lora_config(model_dir, data_file, out, cutoff_len=128, train=train, output=output)
     return load_config(None, list(overrides), base=base)
 
 

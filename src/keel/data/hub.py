@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.errors import DataError
+from keel.hub_cache import HubRepo, fetch_snapshot
 
 # The data files keel reads, and the card whose `configs:` maps files to splits.
 DATA_PATTERNS = ("*.json", "*.jsonl", "*.csv", "*.parquet", "*.arrow", "*.txt", "README.md")
@@ -43,15 +44,8 @@ def fetch_hub_dataset(repo_id: str, revision: str, where: str, key: str) -> HubD
     """The snapshot of dataset `repo_id` at `revision`, downloading what is missing
     (with huggingface_hub's progress bar) unless HF_HUB_OFFLINE is set. Every failure is a
     DataError naming `where`, the id and the fix; `key` is the config entry (data.datasets.0)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(
-            repo_id, repo_type="dataset", revision=revision, allow_patterns=list(DATA_PATTERNS)
-        )
-    except (OSError, ValueError) as exc:  # huggingface_hub's errors derive from these
-        raise DataError(f"{where}: {_explain(exc, repo_id, revision, key)}") from None
-    folder = Path(folder)
+    repo = HubRepo(repo_id, revision, kind="dataset", key=key, local="file or folder")
+    folder = fetch_snapshot(repo, DATA_PATTERNS, lambda message: DataError(f"{where}: {message}"))
     return HubDataset(repo_id, revision, folder.name, folder, _split_files(folder, where))
 
 
@@ -86,49 +80,3 @@ def _resolve_patterns(config, folder: Path) -> dict[str, list[Path]]:
         base = folder / config.data_dir if config.data_dir else folder
         files = files.resolve(str(base), DownloadConfig())
     return {str(split): [Path(f) for f in paths] for split, paths in files.items()}
-
-
-def _explain(exc: Exception, repo_id: str, revision: str, key: str) -> str:
-    """What went wrong, in the user's terms, and the fix (huggingface_hub's error types)."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        IncompleteSnapshotError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    name = f"dataset {repo_id} (revision {revision})"
-    pin = "" if revision == "main" else f" --revision {revision}"
-    download = f"`hf download {repo_id} --repo-type dataset{pin}`"
-    local = f"or point {key}.path at a local file or folder"
-    cache = constants.HF_HUB_CACHE
-    if isinstance(exc, GatedRepoError):
-        return (
-            f"{repo_id} is a gated dataset: accept its conditions at "
-            f"https://huggingface.co/datasets/{repo_id}, then log in with `hf auth login`"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return (
-            f"{repo_id} is not a local file or folder, nor a dataset on the Hugging Face Hub "
-            f"(or it is private: log in with `hf auth login`); check the spelling, {local}"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return (
-            f"{repo_id} has no revision {revision!r} on the Hugging Face Hub; set "
-            f"{key}.revision to a branch, tag or commit sha that exists (default main)"
-        )
-    if isinstance(exc, IncompleteSnapshotError):
-        return f"{name}: the cached copy at {cache} is incomplete; run {download} again"
-    if isinstance(exc, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
-        return (
-            f"{name} is not a local file or folder and is not in the Hugging Face cache at "
-            f"{cache}, and HF_HUB_OFFLINE=1 (nothing is downloaded): download it with "
-            f"{download} on a machine with network (into the same HF_HOME), {local}"
-        )
-    return (
-        f"{name} is not a local file or folder, could not be downloaded from the Hugging Face "
-        f"Hub and is not in the cache at {cache}: {str(exc).splitlines()[0]}; check the "
-        f"network, or download it elsewhere with {download}, {local}"
-    )

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 
 import psutil
 
+from keel.signals import SignalHandling
+
 # keel's own exit codes (keel.errors and keel.distributed.watchdog): 2 user error, 3 out
 # of memory, 4 hang, 5 stall, 6 diverged, 7 preempted.
 KEEL_CODES = range(2, 8)
@@ -86,26 +88,16 @@ def _exit_status(pid: int) -> int | None:
     return result.si_status if result.si_code == os.CLD_EXITED else -result.si_status
 
 
-class PreemptionForwarding:
+class PreemptionForwarding(SignalHandling):
     """While active (a context manager, main thread only): on SIGTERM, SIGUSR1 or SIGUSR2,
     send SIGTERM to this process's children (torchrun's workers), wait until every one has
     exited, then raise WorkersStopped. Raised from the handler, in torchrun's main thread,
     it ends the agent before its monitor sees the failed group, so nothing is restarted."""
 
     def __init__(self, log=lambda message: print(message, file=sys.stderr, flush=True)):
+        super().__init__(PREEMPTION_SIGNALS, self._handle)
         self._log = log
         self._stopping = False
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> PreemptionForwarding:
-        for number in PREEMPTION_SIGNALS:
-            self._previous[number] = signal.signal(number, self._handle)
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
-        self._previous.clear()
 
     def _handle(self, number: int, _frame) -> None:
         name = signal.Signals(number).name

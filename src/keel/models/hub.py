@@ -15,6 +15,7 @@ from pathlib import Path
 
 from keel.config.validate import is_hub_id
 from keel.errors import ModelError
+from keel.hub_cache import HubRepo, fetch_snapshot
 
 __all__ = [
     "CONFIG_FILES",
@@ -77,70 +78,10 @@ def download_hub_model(
     HF_HUB_OFFLINE is set or `local_only`: then the cache alone answers. Every failure is a
     ModelError that names the id, the revision and what to do.
     """
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants
 
     offline = local_only or constants.HF_HUB_OFFLINE
     where = "from the Hugging Face cache" if offline else "from the Hugging Face Hub"
     log(f"model {repo_id} (revision {revision}): {where} ({constants.HF_HUB_CACHE})")
-    try:
-        folder = snapshot_download(
-            repo_id,
-            revision=revision,
-            allow_patterns=list(files),
-            local_files_only=local_only,
-        )
-    except (OSError, ValueError) as exc:  # huggingface_hub's errors derive from these
-        raise ModelError(_explain(exc, repo_id, revision, offline)) from exc
-    return Path(folder)
-
-
-def _explain(exc: Exception, repo_id: str, revision: str, offline: bool) -> str:
-    """What went wrong, in the user's terms, and the fix (huggingface_hub's error types)."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        IncompleteSnapshotError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    name = f"{repo_id} (revision {revision})"
-    cache = constants.HF_HUB_CACHE
-    pin = "" if revision == "main" else f" --revision {revision}"
-    download = f"`hf download {repo_id}{pin}`"
-    local = "or point model.path at a local folder"
-    if isinstance(exc, GatedRepoError):
-        return (
-            f"{repo_id} is a gated model: accept its conditions at "
-            f"https://huggingface.co/{repo_id}, then log in with `hf auth login` (or set HF_TOKEN)"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return (
-            f"{repo_id} is not a local folder, nor a model on the Hugging Face Hub (or it is "
-            f"private: log in with `hf auth login` or set HF_TOKEN); check the spelling, {local}"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return (
-            f"{repo_id} has no revision {revision!r} on the Hugging Face Hub; set "
-            f"model.revision to a branch, tag or commit sha that exists (default main)"
-        )
-    if isinstance(exc, IncompleteSnapshotError):
-        return f"{name}: the cached copy at {cache} is incomplete ({exc}); run {download} again"
-    if isinstance(exc, LocalEntryNotFoundError) and offline:
-        return (
-            f"{name} is not in the Hugging Face cache at {cache} and HF_HUB_OFFLINE=1 "
-            f"(nothing is downloaded): download it with {download} on a machine with network "
-            f"(into the same HF_HOME), {local}"
-        )
-    if isinstance(exc, (LocalEntryNotFoundError, HfHubHTTPError, OSError)):
-        return (
-            f"{name} could not be downloaded from the Hugging Face Hub and is not in the "
-            f"cache at {cache}: {str(exc).splitlines()[0]}; check the network (or HF_ENDPOINT "
-            f"and proxy settings), or download it elsewhere with {download}, {local}"
-        )
-    if isinstance(exc, HFValidationError):
-        return f"model.path {repo_id!r} is not a local folder nor a valid Hub id: {exc}"
-    return f"{name}: {exc}"
+    repo = HubRepo(repo_id, revision, kind="model", key="model", local="folder")
+    return fetch_snapshot(repo, files, ModelError, local_only=local_only)

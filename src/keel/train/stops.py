@@ -19,35 +19,28 @@ from pathlib import Path
 
 from keel.distributed.process_group import DistContext
 from keel.errors import Diverged, Preempted
+from keel.signals import SignalHandling
 
 # train.preempt_signal's choices beside "none"; SIGTERM is always handled.
 PREEMPT_SIGNALS = {"SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2}
 
 
-class Preemption:
+class Preemption(SignalHandling):
     """One run's preemption signals (every process). Use as a context manager around the
     run: the previous handlers come back when it ends."""
 
     def __init__(self, preempt_signal: str = "none"):
-        self.signals = [signal.SIGTERM]
-        if preempt_signal != "none":
-            self.signals.append(PREEMPT_SIGNALS[preempt_signal])
+        extra = [] if preempt_signal == "none" else [PREEMPT_SIGNALS[preempt_signal]]
+        super().__init__([signal.SIGTERM, *extra], self._handle)
         self.received: int | None = None  # the signal number, once one arrived
         self.in_loop = False
-        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Preemption:
         # Python lets only the main thread set handlers; a run started from another thread
         # (a notebook's worker, a test harness) keeps the process's own handling.
         if threading.current_thread() is threading.main_thread():
-            for number in self.signals:
-                self._previous[number] = signal.signal(number, self._handle)
+            super().__enter__()
         return self
-
-    def __exit__(self, *_exc) -> None:
-        for number, previous in self._previous.items():
-            signal.signal(number, previous)
-        self._previous.clear()
 
     def _handle(self, number: int, _frame) -> None:
         self.received = number
