@@ -66,12 +66,14 @@ class Workspace:
 
     def command(self, out: str | Path, *args: str) -> list[str]:
         """The `keel train` command line for this config into output.dir `out` (a folder
-        under root), then `args`: overrides and flags."""
+        under root), then `args`: overrides and flags. With --verbose: tests read the
+        technical set-up lines (optimizer layout, strategy, resume)."""
         config = str(self.config)
         return [
             sys.executable,
             "-m",
             "keel",
+            "--verbose",
             "train",
             config,
             f"output.dir={self.root / out}",
