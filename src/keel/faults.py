@@ -44,8 +44,13 @@ class Fault:
         return True
 
 
-def fault_from_env(environ: Mapping[str, str] = os.environ) -> Fault | None:
-    """The fault `KEEL_FAULT` asks for, or None when it is unset."""
+def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
+    """The fault `KEEL_FAULT` asks for, or None when it is unset.
+
+    `os.environ` is looked up at each call, not bound once as a default: `datasets`' map
+    with num_proc > 1 rebinds `os.environ` to a new object, and a bound default would then
+    never see the variable again (measured: a KEEL_FAULT set after such a map was ignored)."""
+    environ = os.environ if environ is None else environ
     text = environ.get(ENV, "").strip()
     if not text:
         return None

@@ -132,3 +132,14 @@ def test_sigterm_during_set_up_stops_at_once_with_exit_7(
         run_training(config(tiny_model_dir, data_file, out), log=log)
     assert not out.exists() or ckpt.complete_checkpoints(out) == []
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
+
+
+def test_keel_fault_is_read_after_a_library_rebinds_os_environ(monkeypatch):
+    """datasets' map with num_proc > 1 leaves `os.environ` a new object; the fault hook must
+    still see a KEEL_FAULT set afterwards (it read the import-time object before)."""
+    from keel.faults import fault_from_env
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))
+    monkeypatch.setenv("KEEL_FAULT", "nan:3")
+    fault = fault_from_env()
+    assert fault is not None and (fault.kind, fault.step) == ("nan", 3)
