@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import io
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +141,20 @@ def read_text(
         assert problem is not None, "decode failed, so the scan finds the bad byte"
         raise error(describe(problem, shown or str(path), what)) from None
     return text.removeprefix("\ufeff")
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file and folder under root (and root itself) to disk."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            with open(os.path.join(dirpath, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from keel.errors import ModelError
+from keel.files import fsync_tree
 from keel.owner import parse_owner, this_process
-from keel.train.checkpoint import fsync_tree
 
 Log = Callable[[str], None]
 PARTIAL_MARKER = ".keel-partial"

@@ -39,6 +39,7 @@ from torch import nn
 from keel.distributed.checkpoint import UnsafeCheckpointError, load_sharded, save_sharded
 from keel.distributed.process_group import DistContext
 from keel.errors import CheckpointError
+from keel.files import fsync_dir, fsync_tree
 
 CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -86,23 +87,6 @@ def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def fsync_tree(root: Path) -> None:
-    """Flush every file and folder under root (and root itself) to disk."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            with open(os.path.join(dirpath, name), "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_dir(Path(dirpath))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def commit_dir(tmp: Path, final: Path) -> None:

@@ -18,6 +18,7 @@ from keel.config import RunConfig
 from keel.distributed.checkpoint import gather_full_state
 from keel.distributed.process_group import DistContext
 from keel.errors import KeelError
+from keel.files import fsync_tree
 from keel.models import load_for_inference, save_model_dir
 from keel.models.model_card import ModelCard, write_model_card
 from keel.train import checkpoint as ckpt
@@ -56,7 +57,7 @@ def write_final_outputs(
         shutil.rmtree(tmp, ignore_errors=True)
         _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
         _write_cards(cfg, tmp, out, steps, stats["loss"])
-        ckpt.fsync_tree(tmp)
+        fsync_tree(tmp)
         record_written(out, [entry.name for entry in tmp.iterdir()])  # before they move in
         for entry in tmp.iterdir():
             target = out / entry.name
