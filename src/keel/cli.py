@@ -283,6 +283,7 @@ def _train(args) -> int:
             max_restarts=args.max_restarts,
             worker_args=worker_args,
         )
+    quiet_libraries(data=True, verbose=args.verbose)
     from keel.train.run import run_training
 
     run_training(cfg, base_dir=Path.cwd(), log=say, verbose=args.verbose)
@@ -458,8 +459,10 @@ def _run(args) -> int:
     warnings.filterwarnings(
         "ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning
     )
-    if args.command != "doctor":  # doctor imports neither library
-        quiet_libraries(data=args.command in ("train", "validate"), verbose=args.verbose)
+    # doctor imports neither library; train quiets them only where it trains (a launcher
+    # of --nproc workers need not import them)
+    if args.command not in ("doctor", "train"):
+        quiet_libraries(data=args.command == "validate", verbose=args.verbose)
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:
