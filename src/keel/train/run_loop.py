@@ -178,8 +178,11 @@ class TrainingLoop:
         which skips such steps (their update is never applied) by design."""
         if self.trainer.scaler.is_enabled():
             return
-        newest = ckpt.complete_checkpoints(self.out)
-        check_finite(reduced.losses, reduced.grad_norms, first, newest[-1] if newest else None)
+        check_finite(reduced.losses, reduced.grad_norms, first, self._newest_checkpoint)
+
+    def _newest_checkpoint(self) -> Path | None:
+        found = ckpt.complete_checkpoints(self.out)
+        return found[-1] if found else None
 
     def _preempted(self) -> bool:
         """Whether any rank got a preemption signal: asked by every rank after every step

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from keel.distributed.process_group import DistContext
@@ -73,11 +74,15 @@ class Preemption(SignalHandling):
 
 
 def check_finite(
-    losses: list[float], grad_norms: list[float], first_step: int, newest: Path | None
+    losses: list[float],
+    grad_norms: list[float],
+    first_step: int,
+    newest: Callable[[], Path | None],
 ) -> None:
     """Raise Diverged at the first step (1-based `first_step` for the first value) whose
-    loss or gradient norm is not finite; `newest` is the newest complete checkpoint. The
-    values are global (all-reduced losses, the global norm): every rank decides alike."""
+    loss or gradient norm is not finite; `newest()` names the newest complete checkpoint,
+    asked only then (a folder listing kept off the log steps). The values are global
+    (all-reduced losses, the global norm): every rank decides alike."""
     for offset, (loss, norm) in enumerate(zip(losses, grad_norms)):
         which = (
             f"the loss is {loss}"
@@ -87,9 +92,10 @@ def check_finite(
             else None
         )
         if which:
+            kept_checkpoint = newest()
             kept = (
-                f"the newest complete checkpoint, {newest}, is kept"
-                if newest
+                f"the newest complete checkpoint, {kept_checkpoint}, is kept"
+                if kept_checkpoint
                 else "no checkpoint was saved before it"
             )
             raise Diverged(
