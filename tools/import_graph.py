@@ -37,19 +37,19 @@ def package_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "keel"
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(SRC.parent).with_suffix("")
+def _module_name(path: Path, src: Path) -> str:
+    rel = path.relative_to(src.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-def _is_module(name: str) -> bool:
-    return (SRC / name).is_dir() or (SRC / f"{name}.py").is_file()
+def _is_module(src: Path, name: str) -> bool:
+    return (src / name).is_dir() or (src / f"{name}.py").is_file()
 
 
-def _imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[str]:
+def _imported_modules(tree: ast.AST, module: str, is_package: bool, src: Path) -> list[str]:
     base = module.split(".") if is_package else module.split(".")[:-1]
     found = []
     for node in ast.walk(tree):
@@ -64,7 +64,7 @@ def _imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[str]
             found.append(target)
             # `from keel import train` names a package, not an attribute
             if target == "keel":
-                found += [f"keel.{a.name}" for a in node.names if _is_module(a.name)]
+                found += [f"keel.{a.name}" for a in node.names if _is_module(src, a.name)]
     return [name for name in found if name == "keel" or name.startswith("keel.")]
 
 
@@ -72,11 +72,11 @@ def build_graph(src: Path = SRC) -> Graph:
     """Every package-level edge in ``src`` (a ``keel`` source folder)."""
     graph = Graph()
     for path in sorted(src.rglob("*.py")):
-        module = _module_name(path)
+        module = _module_name(path, src)
         source = package_of(module)
         graph.nodes.add(source)
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        for target_module in _imported_modules(tree, module, path.name == "__init__.py"):
+        for target_module in _imported_modules(tree, module, path.name == "__init__.py", src):
             target = package_of(target_module)
             if target in ("keel", source):
                 continue
