@@ -108,9 +108,9 @@ def score(objective, rows: list[dict], pad_id: int, batch_size: int) -> dict[str
     by_sum, by_mean = [], []
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start : start + batch_size], pad_id)
-        loss_sum, count, stats = objective(batch)
-        loss, pairs = loss + loss_sum.item(), pairs + count.item()
-        statistics = stats if statistics is None else statistics + stats
+        out = objective(batch)
+        loss, pairs = loss + out.loss.item(), pairs + out.count.item()
+        statistics = out.statistics if statistics is None else statistics + out.statistics
         scored = score_sequences(
             objective.model,
             batch,
@@ -131,12 +131,13 @@ def score(objective, rows: list[dict], pad_id: int, batch_size: int) -> dict[str
 def measure(policy, reference, cfg, tokenizer, rows: list[dict]) -> Measurement:
     """Score the held-out pairs with a DPO objective and greedily answer the prompts."""
     from keel.infer.generate import generate_reply
+    from keel.stages.registry import get_stage
     from keel.train.preference import PreferenceObjective
 
     objective = PreferenceObjective(
         policy,
-        stage="dpo",
-        settings=cfg.preference,
+        stage=get_stage("dpo"),
+        settings=cfg.stage_settings,
         reference=reference,
         chunk_size=cfg.train.loss_chunk_size,
     )
@@ -185,7 +186,7 @@ def report(before: Measurement, after: Measurement, cfg, trained: dict, command:
         "",
         f"Training: {trained['steps']} steps, {trained['pairs_seen']} pairs seen over "
         f"{cfg.train.epochs:g} epochs, LoRA r={cfg.method.lora.r}, lr {cfg.train.lr:g}, "
-        f"beta {cfg.preference.beta:g}, precision {trained['precision']}, "
+        f"beta {cfg.stage_settings.beta:g}, precision {trained['precision']}, "
         f"{trained['threads']} CPU thread(s): {trained['wall']:.0f} s wall "
         f"({trained['train_seconds']:.0f} s in optimizer steps), training loss "
         f"{trained['first_loss']:.3f} (step 1) -> {trained['last_loss']:.3f} (last step).",

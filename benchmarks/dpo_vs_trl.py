@@ -80,7 +80,7 @@ def run_keel(data: Path, steps: int, work: Path, threads: int) -> dict:
             "scheduler": "cosine",
             "threads": threads,
         },
-        "preference": {"beta": BETA, "loss_type": "sigmoid", "reference": "auto"},
+        "dpo": {"beta": BETA, "loss_type": "sigmoid", "reference": "auto"},
         "output": {"dir": str(out), "overwrite": True, "log_every": 1},
     }
     ends: list[float] = []  # when each step's bookkeeping ended; the last one also saved

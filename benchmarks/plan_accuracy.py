@@ -133,11 +133,12 @@ def predict(config: Path, case: tuple):
     """The plan's option for this run, as `keel train` would see it."""
     from keel.config import load_config
     from keel.plan import devices_for_run, plan_run
+    from keel.precision import Precision
 
     _model, method, ckpt, _cutoff, precision, processes, strategy = case
     cfg = load_config(config)
     devices = devices_for_run("cpu", world_size=processes, local_world_size=processes)
-    plan = plan_run(cfg, devices=devices, precision=precision)
+    plan = plan_run(cfg, devices=devices, precision=Precision(precision, "set by train.precision"))
     return plan.option_for("single" if processes == 1 else strategy, method, ckpt)
 
 

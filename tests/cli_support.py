@@ -1,10 +1,27 @@
-"""The real `keel` command in a subprocess, as a user runs it (the e2e tests' entry point)."""
+"""The `keel` command as the e2e tests run it.
+
+- `keel`: the real program in a subprocess, as a user runs it (pipes, as in `keel train ...
+  > log`), for what only a process shows: its exit status, signals, what reaches a pipe.
+- `keel_in_process`: `keel.cli.main(argv)` in the test's own process, for what a command
+  decides and prints. A subprocess pays the interpreter and the torch/transformers imports
+  again (5-10 s on the 2-core CI machine); main is what the program runs, and its return
+  value is the program's exit status (`keel.cli.entry`).
+- `keel_commands`: several commands through main in ONE new interpreter, for tests whose
+  environment must be set before the libraries are imported (huggingface_hub reads HF_HOME
+  and HF_HUB_OFFLINE at import).
+"""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,3 +40,64 @@ def keel(
         text=True,
         timeout=timeout,
     )
+
+
+def keel_in_process(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """`keel *args` through keel.cli.main in this process, run from `cwd`: its exit code,
+    stdout and stderr. An exception that escapes main is printed to stderr with code 1, as
+    the program prints it; torch's thread count (train.threads sets it for the whole
+    process) is put back afterwards."""
+    import torch
+
+    threads, previous = torch.get_num_threads(), Path.cwd()
+    os.chdir(cwd)
+    try:
+        code, out, err = _main_captured(list(args))
+    finally:
+        os.chdir(previous)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["keel", *args], code, out, err)
+
+
+def keel_commands(
+    *commands: Sequence[str], env: dict[str, str], cwd: Path = ROOT, timeout: float = 600
+) -> list[subprocess.CompletedProcess[str]]:
+    """Each of `commands` (a keel argv) through keel.cli.main, in order, in one new
+    interpreter with environment `env`: one result per command, as `keel_in_process`."""
+    with tempfile.TemporaryDirectory() as folder:
+        results = Path(folder, "results.json")
+        argvs = json.dumps([list(command) for command in commands])
+        done = subprocess.run(
+            [sys.executable, __file__, str(results), argvs],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcomes = json.loads(results.read_text())
+    return [
+        subprocess.CompletedProcess(["keel", *command], code, out, err)
+        for command, (code, out, err) in zip(commands, outcomes, strict=True)
+    ]
+
+
+def _main_captured(argv: list[str]) -> tuple[int, str, str]:
+    from keel.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return code, out.getvalue(), err.getvalue()
+
+
+if __name__ == "__main__":  # keel_commands' interpreter: results file, then the argvs
+    outcomes = [_main_captured(argv) for argv in json.loads(sys.argv[2])]
+    Path(sys.argv[1]).write_text(json.dumps(outcomes))

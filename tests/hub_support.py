@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cli_support import keel
+from cli_support import keel, keel_commands
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # 40 hex digits, as the Hub's commits
 
@@ -67,3 +67,9 @@ def offline_env(hf_home: Path) -> dict[str, str]:
 def keel_offline(*args: str, hf_home: Path):
     """The real `keel` command with `hf_home` as its Hugging Face home, offline."""
     return keel(*args, env=offline_env(hf_home))
+
+
+def keel_offline_commands(*commands: list[str], hf_home: Path):
+    """`commands` (keel argvs) one after another in one new interpreter with `hf_home` as
+    its Hugging Face home, offline (set before huggingface_hub is imported, as for a user)."""
+    return keel_commands(*commands, env=offline_env(hf_home))

@@ -2,7 +2,7 @@
 
 Every key of `keel.config.schema.RunConfig`, recursively, becomes one table row: its name,
 its type (a `Literal` as its choices), its default and the comments written beside the field
-in schema.py. The rows replace what lies between the BEGIN and END markers of
+in its module (schema.py; a stage's section: the stage's module in keel.stages). The rows replace what lies between the BEGIN and END markers of
 docs/configuration.md, so the reference cannot fall behind the schema:
 
     python tools/config_reference.py          # rewrite the block
@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import io
 import sys
 import tokenize
+import types
 import typing
 from pathlib import Path
 
@@ -38,7 +40,7 @@ class Key:
 
 
 class _Comments:
-    """The comments of schema.py: beside each field, above it, and above a class's fields."""
+    """The comments of one module: beside each field, above it, and above a class's fields."""
 
     def __init__(self, source: str):
         tokens = tokenize.generate_tokens(io.StringIO(source).readline)
@@ -62,7 +64,9 @@ class _Comments:
 
     def of(self, cls: type, name: str, first: bool) -> tuple[str, str]:
         """(the field's comments, a note for its whole section) for field `name` of `cls`."""
-        node = self.fields[(cls.__name__, name)]
+        node = self.fields.get((cls.__name__, name))
+        if node is None:  # a field added in code: a stage's section, its class has the note
+            return "", ""
         beside = [
             self.by_line[n] for n in range(node.lineno, node.end_lineno + 1) if n in self.by_line
         ]
@@ -72,10 +76,15 @@ class _Comments:
         return " ".join(above + beside), ""
 
 
+@functools.cache
+def _comments_of(module: str) -> _Comments:
+    return _Comments(Path(sys.modules[module].__file__).read_text(encoding="utf-8"))
+
+
 def _type_text(tp) -> str:
     if typing.get_origin(tp) is typing.Literal:
         return " \\| ".join(str(choice) for choice in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, __import__("types").UnionType):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join(_type_text(part) for part in typing.get_args(tp))
     if tp is type(None):
         return "null"
@@ -103,9 +112,13 @@ def _default_text(f: dataclasses.Field) -> str:
 
 
 def _section_type(tp):
-    """The dataclass a field holds (itself, or a list's items), or None."""
+    """The dataclass a field holds (itself, an optional one, or a list's items), or None."""
     if dataclasses.is_dataclass(tp):
         return tp, ""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        parts = [part for part in typing.get_args(tp) if part is not type(None)]
+        if len(parts) == 1 and dataclasses.is_dataclass(parts[0]):  # a stage's section
+            return parts[0], ""
     if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
         return typing.get_args(tp)[0], "[]"
     return None, ""
@@ -113,12 +126,12 @@ def _section_type(tp):
 
 def reference_keys(cls: type = schema.RunConfig, prefix: str = "") -> list[tuple[str, list[Key]]]:
     """[(section name, its keys)] for `cls` and every dataclass below it, in schema order."""
-    comments = _Comments(Path(schema.__file__).read_text(encoding="utf-8"))
-    return _walk(cls, prefix, comments)
+    return _walk(cls, prefix)
 
 
-def _walk(cls: type, prefix: str, comments: _Comments) -> list[tuple[str, list[Key]]]:
+def _walk(cls: type, prefix: str) -> list[tuple[str, list[Key]]]:
     hints = typing.get_type_hints(cls)
+    comments = _comments_of(cls.__module__)
     keys: list[Key] = []
     below: list[tuple[str, list[Key]]] = []
     note = ""
@@ -128,7 +141,7 @@ def _walk(cls: type, prefix: str, comments: _Comments) -> list[tuple[str, list[K
         note = note or section_note
         inner, suffix = _section_type(hints[f.name])
         if inner is not None:
-            sections = _walk(inner, f"{name}{suffix}.", comments)
+            sections = _walk(inner, f"{name}{suffix}.")
             first_name, first_keys = sections[0] if sections else ("", [])
             if meaning and not any(not k.type for k in first_keys):  # no note of its own
                 sections[0] = (first_name, [Key(first_name, "", "", meaning), *first_keys])

@@ -87,13 +87,14 @@ def build_graph(src: Path = SRC) -> Graph:
 
 def package_cycles(graph: Graph) -> list[tuple[str, str]]:
     """Pairs of packages that reach each other (each pair once, sorted)."""
-    reach = {node: _reachable(graph, node) for node in graph.nodes}
+    reach = {node: reachable(graph, node) for node in graph.nodes}
     return sorted(
         (a, b) for a in graph.nodes for b in reach[a] if a < b and a in reach.get(b, set())
     )
 
 
-def _reachable(graph: Graph, start: str) -> set[str]:
+def reachable(graph: Graph, start: str) -> set[str]:
+    """Every package `start` imports, directly or through others."""
     seen: set[str] = set()
     todo = [start]
     while todo:

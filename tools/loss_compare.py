@@ -214,7 +214,8 @@ def record(target: Path, repo: Path, only: str | None, exclude: str | None) -> i
             print(
                 f"{case.name}: {len(results[case.name])} steps, {time.perf_counter() - began:.0f} s"
             )
-    target.write_text(json.dumps({"cases": results}, indent=1, sort_keys=True))
+            # written after every case: a long record is usable while it runs
+            target.write_text(json.dumps({"cases": results}, indent=1, sort_keys=True))
     print(f"wrote {len(results)} cases to {target}")
     return 0
 

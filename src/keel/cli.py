@@ -25,7 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show technical set-up lines and the libraries' progress bars",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_validate(sub)
+    _add_chat(sub)
+    _add_plan(sub)
+    _add_doctor(sub)
+    _add_export(sub)
+    _add_serve(sub)
+    return parser
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="train a model from a YAML config", epilog=EPILOG)
     train.add_argument("config", help="path to the run's YAML config")
     train.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -69,12 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train even when the memory plan says it does not fit (same as distributed.plan=warn)",
     )
 
+
+def _add_validate(sub) -> None:
     check = sub.add_parser(
         "validate", epilog=EPILOG, help="check a config and its data (report only, no training)"
     )
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
 
+
+def _add_chat(sub) -> None:
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one --prompt)")
     chat.add_argument(
         "--model",
@@ -92,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
 
+
+def _add_plan(sub) -> None:
     plan = sub.add_parser(
         "plan", epilog=EPILOG, help="memory per device of each strategy, from the config alone"
     )
@@ -118,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON document on stdout (messages go to stderr)",
     )
 
+
+def _add_doctor(sub) -> None:
     doctor = sub.add_parser(
         "doctor",
         help="can this machine train? versions, devices, "
@@ -128,9 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON document on stdout (messages go to stderr)",
     )
-    _add_export(sub)
-    _add_serve(sub)
-    return parser
 
 
 def _add_export(sub) -> None:
@@ -194,6 +209,11 @@ def _add_serve(sub) -> None:
         metavar="KEY",
         help="require the header Authorization: Bearer KEY on /v1 routes",
     )
+    _add_serve_engine(serve)
+
+
+def _add_serve_engine(serve) -> None:
+    """How `keel serve` decodes, and the limits on what one request or adapter may ask."""
     serve.add_argument(
         "--max-batch-size",
         type=int,
@@ -247,7 +267,7 @@ def _add_serve(sub) -> None:
 
 
 def _size(text: str) -> int:
-    from keel.plan.devices import parse_memory
+    from keel.config.sizes import parse_memory
 
     try:
         return parse_memory(text)
@@ -257,16 +277,10 @@ def _size(text: str) -> int:
 
 def _train(args) -> int:
     from keel.config import load_config
-    from keel.distributed.launch import detect_world, launch, needs_launch
+    from keel.distributed.launch import LaunchSpec, detect_world, launch, needs_launch
 
-    flags = dict(
-        nproc=args.nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
-        max_restarts=args.max_restarts,
-    )
-    must_launch = needs_launch(detect_world(os.environ), **flags)
+    spec = LaunchSpec.from_flags(args)
+    must_launch = needs_launch(detect_world(os.environ), spec)
     if args.force:  # an override, so the workers get it too
         args.overrides = [*args.overrides, "distributed.plan=warn"]
     # Loaded in the launcher too, so a bad config fails once, before any worker starts.
@@ -274,15 +288,7 @@ def _train(args) -> int:
     if must_launch:
         passed = [f for f, on in (("--debug", args.debug), ("--verbose", args.verbose)) if on]
         worker_args = [*passed, "train", args.config, *args.overrides]
-        # --nnodes 2 without --nproc means one worker per node.
-        return launch(
-            nproc=args.nproc or 1,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            max_restarts=args.max_restarts,
-            worker_args=worker_args,
-        )
+        return launch(spec, worker_args=worker_args)
     quiet_libraries(data=True, verbose=args.verbose)
     from keel.train.run import run_training
 
@@ -322,7 +328,7 @@ def _plan(args) -> int:
 
     from keel.config import load_config
     from keel.plan import advice, detect_devices, plan_run, summary, table, to_json
-    from keel.train.precision import resolve_precision
+    from keel.precision import resolve_precision
 
     cfg = load_config(args.config, args.overrides)
     devices = detect_devices(
@@ -333,7 +339,7 @@ def _plan(args) -> int:
     )
     precision = None  # on a GPU, plan_run resolves auto itself (bf16)
     if devices.kind == "cpu":  # auto on a CPU measures it, as training does
-        precision = resolve_precision(cfg.train.precision, torch.device("cpu")).name
+        precision = resolve_precision(cfg.train.precision, torch.device("cpu"))
     plan = plan_run(
         cfg,
         devices=devices,
@@ -349,14 +355,14 @@ def _plan(args) -> int:
 
 def _doctor(args) -> int:
     from keel.doctor import run_doctor
-    from keel.train.precision import cpu_bf16_speedup
+    from keel.precision import cpu_bf16_speedup
 
     # The CPU's bf16 is measured by the same probe `precision: auto` uses.
     return run_doctor(as_json=args.json, cpu_bf16_speedup=cpu_bf16_speedup)
 
 
 def _export(args) -> int:
-    from keel.models.export import ExportRequest, export_model
+    from keel.export import ExportRequest, export_model
 
     request = ExportRequest(
         model=args.model,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from keel.distributed.launch import detect_world
-from keel.distributed.parallelize import apply_ddp, apply_fsdp
+from keel.distributed.parallelize import ParallelizeSettings, parallelize
 from keel.distributed.process_group import (
     backend_for,
     exit_now,
@@ -21,25 +21,15 @@ from keel.distributed.process_group import (
     on_main,
     shutdown,
 )
+from keel.distributed.strategy import Strategy
 from keel.errors import KeelError
 
 
-def wrapped(strategy: str, ctx) -> nn.Module:
+def wrapped(strategy: Strategy, ctx) -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    if strategy == "ddp":
-        return apply_ddp(model, ctx)
-    if strategy == "fsdp":
-        return apply_fsdp(
-            model,
-            [model[0]],
-            ctx,
-            param_dtype=None,
-            reduce_dtype=None,
-            reshard_after_forward=True,
-            cpu_offload=False,
-        )
-    return model
+    settings = ParallelizeSettings(strategy=strategy, units=[model[0]])
+    return parallelize(model, ctx.dims.with_strategy(strategy), settings)
 
 
 def main(out: Path) -> None:
@@ -54,7 +44,7 @@ def main(out: Path) -> None:
         log=lambda _m: None,
     )
     seen: dict = {"launcher": world.launcher}
-    for strategy in ("none", "ddp", "fsdp"):
+    for strategy in (Strategy.SINGLE, Strategy.DDP, Strategy.FSDP):
         model = wrapped(strategy, ctx)
         model(torch.ones(2, 4)).sum().backward()
         seen[strategy] = {

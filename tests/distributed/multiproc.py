@@ -1,4 +1,6 @@
 """Multi-process runs, launched the way users launch them: `keel train cfg.yaml --nproc 2`.
+The one-process runs they are compared with go through keel.cli.main in the test process:
+the same training, without an interpreter start and the library imports for each.
 
 Every run uses the same tiny model, an 11-row dataset and a global batch of 5 rows, so the
 last step of an epoch holds one row: with 2 processes, one of them runs filler micro-batches
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from cli_support import keel_in_process
 from conftest import QA
 
 ROWS = 12  # 11 train rows after holding one out for eval
@@ -50,35 +53,35 @@ class Workspace:
         self.config = root / "run.yaml"
         self.config.write_text(yaml.safe_dump(base_config(model_dir, data, root / "cache")))
 
-    def train(
-        self, out: str, *overrides: str, nproc: int | None = None, extra_flags: tuple[str, ...] = ()
-    ) -> Path:
-        """Run `keel train` to completion; returns output.dir."""
-        args = self.command(out, *overrides, *extra_flags)
-        if nproc is not None:
+    def train(self, out: str, *overrides: str, nproc: int | None = None) -> Path:
+        """Run `keel train` to completion (`nproc` processes under torchrun, or one: this
+        process); returns output.dir."""
+        args = self.command(out, *overrides)
+        if nproc is None:
+            done = keel_in_process(*self.keel_argv(out, *overrides), cwd=self.root)
+        else:
             args += ["--nproc", str(nproc)]
-        done = subprocess.run(
-            args, cwd=self.root, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=_env()
-        )
+            done = subprocess.run(
+                args,
+                cwd=self.root,
+                capture_output=True,
+                text=True,
+                timeout=RUN_TIMEOUT_S,
+                env=_env(),
+            )
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
         self.last_output = done.stdout + done.stderr
         return self.root / out
 
     def command(self, out: str | Path, *args: str) -> list[str]:
         """The `keel train` command line for this config into output.dir `out` (a folder
-        under root), then `args`: overrides and flags. With --verbose: tests read the
-        technical set-up lines (optimizer layout, strategy, resume)."""
-        config = str(self.config)
-        return [
-            sys.executable,
-            "-m",
-            "keel",
-            "--verbose",
-            "train",
-            config,
-            f"output.dir={self.root / out}",
-            *args,
-        ]
+        under root), then `args`: overrides and flags."""
+        return [sys.executable, "-m", "keel", *self.keel_argv(out, *args)]
+
+    def keel_argv(self, out: str | Path, *args: str) -> list[str]:
+        """`command`'s arguments after `keel`. With --verbose: tests read the technical
+        set-up lines (optimizer layout, strategy, resume)."""
+        return ["--verbose", "train", str(self.config), f"output.dir={self.root / out}", *args]
 
 
 def _env() -> dict[str, str]:

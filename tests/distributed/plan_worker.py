@@ -19,9 +19,9 @@ from keel.distributed.launch import detect_world
 from keel.distributed.process_group import DistContext, exit_now, init_distributed, shutdown
 from keel.plan import DeviceSpec, plan_run
 from keel.plan.estimate import state_bytes
+from keel.precision import Precision
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer
-from keel.train.precision import Precision
 
 CASES = [("ddp", "full"), ("ddp", "lora"), ("fsdp", "full"), ("fsdp", "lora"), ("fsdp", "freeze")]
 
@@ -63,7 +63,7 @@ def measure(cfg, model_dir: Path, ctx: DistContext) -> list[int]:
     built = build_training_model(cfg, model_dir, ctx, Precision("fp32", "test"), lambda _m: None)
     optimizer = build_optimizer(built.objective, cfg.train)
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
-    loss, _ = built.objective({"input_ids": ids, "targets": ids, "position_ids": None})
+    loss = built.objective({"input_ids": ids, "targets": ids, "position_ids": None}).loss
     loss.backward()
     optimizer.step()
     return allocated(built.objective, optimizer)
@@ -71,7 +71,7 @@ def measure(cfg, model_dir: Path, ctx: DistContext) -> list[int]:
 
 def predicted(cfg, model_dir: Path, strategy: str, world: int, rank: int) -> dict:
     devices = DeviceSpec(kind="cpu", per_node=world, memory_bytes=2**40)
-    plan = plan_run(cfg, model_dir, devices=devices, precision="fp32")
+    plan = plan_run(cfg, model_dir, devices=devices, precision=Precision("fp32", "test"))
     option = plan.option_for("single" if world == 1 else strategy, cfg.method.type, False)
     device = option.per_device
     return {

@@ -28,7 +28,7 @@ def test_object_collectives_work_in_every_strategy(tmp_path):
     ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
     for seen in ranks:
         assert seen["launcher"] == "torchrun"
-        for strategy in ("none", "ddp", "fsdp"):
+        for strategy in ("single", "ddp", "fsdp"):
             assert seen[strategy]["broadcast"] == {"from": 0, "strategy": strategy}
             assert seen[strategy]["gathered"] == [0, 10]
             assert seen[strategy]["summed"] == [3.0]

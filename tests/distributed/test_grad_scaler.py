@@ -1,6 +1,6 @@
 """fp16 loss scaling over 2 gloo processes: every rank skips the same steps.
 
-Rank 1 alone sees an inf gradient. Under FSDP (`grad_scaler(..., "fsdp")`) both ranks skip
+Rank 1 alone sees an inf gradient. Under FSDP (`grad_scaler(..., Strategy.FSDP)`) both ranks skip
 the step and halve the scale. The negative control: a plain GradScaler over gradients that
 are not DTensors lets rank 0 step while rank 1 skips — the disagreement the sharded scaler
 prevents. (FSDP2's DTensor gradients also agree with a plain GradScaler in torch 2.13: its
@@ -17,13 +17,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from keel.distributed.process_group import exit_now
+from keel.distributed.strategy import Strategy
+from keel.precision import Precision
 from keel.train.loop import grad_scaler
-from keel.train.precision import Precision
 
 FP16 = Precision("fp16", "test")
 
 
-def _step(model: nn.Module, strategy: str, rank: int, grad) -> dict:
+def _step(model: nn.Module, strategy: Strategy, rank: int, grad) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = grad_scaler(torch.device("cpu"), FP16, strategy)
     scaler.scale(model(torch.ones(2, 4)).sum()).backward()
@@ -43,7 +44,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     seen = {}
-    for strategy in ("none", "fsdp"):
+    for strategy in (Strategy.SINGLE, Strategy.FSDP):
         torch.manual_seed(0)
         sharded = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (world,)))
         seen[f"fsdp2-{strategy}"] = _step(
@@ -62,10 +63,10 @@ def test_ranks_agree_on_skipping_an_fp16_step(tmp_path):
     out = str(tmp_path / "seen")
     mp.spawn(_worker, args=(2, str(tmp_path / "store"), out), nprocs=2)
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
-    for case in ("fsdp2-fsdp", "local-fsdp", "fsdp2-none"):
+    for case in ("fsdp2-fsdp", "local-fsdp", "fsdp2-single"):
         assert [r[case]["stepped"] for r in ranks] == [False, False], case
         assert [r[case]["scale"] for r in ranks] == [2.0**15, 2.0**15], case
     assert ranks[0]["local-fsdp"]["class"] == "ShardedGradScaler"
     # Negative control: without the sharded scaler's all-reduce the ranks disagree.
-    assert [r["local-none"]["stepped"] for r in ranks] == [True, False]
-    assert [r["local-none"]["scale"] for r in ranks] == [2.0**16, 2.0**15]
+    assert [r["local-single"]["stepped"] for r in ranks] == [True, False]
+    assert [r["local-single"]["scale"] for r in ranks] == [2.0**16, 2.0**15]

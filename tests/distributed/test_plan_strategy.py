@@ -7,6 +7,7 @@ from multiproc import Workspace
 
 from keel.config import load_config
 from keel.plan import devices_for_run, plan_run
+from keel.precision import Precision
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +20,7 @@ def test_auto_shards_when_a_replica_does_not_fit(workspace):
     overrides = ["method.type=full", "distributed.strategy=auto"]
     cfg = load_config(workspace.config, overrides)
     devices = devices_for_run("cpu", world_size=2, local_world_size=2)
-    plan = plan_run(cfg, devices=devices, precision="fp32")
+    plan = plan_run(cfg, devices=devices, precision=Precision("fp32", "test"))
     ddp = plan.option_for("ddp", "full", False).per_device.total
     fsdp = plan.option_for("fsdp", "full", False).per_device.total
     assert fsdp < ddp

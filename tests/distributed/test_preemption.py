@@ -3,7 +3,9 @@ save one checkpoint and exit 7; the same command resumes, and the losses equal a
 uninterrupted run's exactly (fp32, same seed). The signal may reach the workers (SLURM's
 tasks) or the launcher (Kubernetes' PID 1, `scancel --signal`, a batch script passing on
 SLURM's `--signal=B:USR1@90`): the launcher passes it on as SIGTERM and never restarts a
-preempted run."""
+preempted run. The workers meet SIGTERM the same way on every path, so the resume is run
+once (on the workers' path); the launcher's paths check that SIGTERM reached the workers and
+that they saved exactly as there (one complete checkpoint, exit 7, no restart)."""
 
 import os
 import re
@@ -18,7 +20,7 @@ import psutil
 import pytest
 from multiproc import RUN_TIMEOUT_S, Workspace, _env, train_losses
 
-from keel.train import checkpoint as ckpt
+from keel.checkpoint.layout import complete_checkpoints
 
 # fp32, no periodic checkpoints (the default, when SIGTERM used to lose the whole run)
 RUN = ("train.max_steps=8", "output.save_every=0", "output.log_every=1")
@@ -87,23 +89,18 @@ def preempt(
     return proc.returncode, output, out
 
 
-def check_saved_once_and_resumes_exactly(
-    workspace: Workspace, code: int, output: str, out: Path, uninterrupted: Path, flags=()
-) -> None:
+def check_saved_once(code: int, output: str, out: Path) -> int:
+    """The preempted run exited 7 with one complete checkpoint, at the step it names, and
+    no summary (it did not finish, nor was it restarted to finish): that step."""
     assert code == 7, output[-4000:]  # the workers' code, through torchrun
     stopped = re.search(r"preempted: SIGTERM arrived .* finished step (\d+)", output)
     assert stopped, output[-4000:]
     step = int(stopped.group(1))
     assert 3 <= step < 8
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [f"step-{step:08d}"]
+    assert [p.name for p in complete_checkpoints(out)] == [f"step-{step:08d}"]
     assert not (out / "keel_run.json").exists()
     assert sorted(train_losses(out)) == list(range(1, step + 1))
-
-    # the same command, without the test's stall
-    workspace.train(out.name, *RUN, nproc=2, extra_flags=flags)
-    assert f"at step {step}" in workspace.last_output
-    assert train_losses(out) == train_losses(uninterrupted)  # exactly
-    assert len(train_losses(out)) == 8
+    return step
 
 
 def test_sigterm_saves_once_exits_7_and_the_same_command_resumes_exactly(workspace, uninterrupted):
@@ -112,19 +109,25 @@ def test_sigterm_saves_once_exits_7_and_the_same_command_resumes_exactly(workspa
             worker.send_signal(signal.SIGTERM)
 
     code, output, out = preempt(workspace, "preempted", to_each_worker)
-    check_saved_once_and_resumes_exactly(workspace, code, output, out, uninterrupted)
+    step = check_saved_once(code, output, out)
+
+    # the same command, without the test's stall
+    workspace.train(out.name, *RUN, nproc=2)
+    assert f"at step {step}" in workspace.last_output
+    assert train_losses(out) == train_losses(uninterrupted)  # exactly
+    assert len(train_losses(out)) == 8
 
 
-def test_sigterm_to_the_launcher_is_passed_on_and_saves_once(workspace, uninterrupted):
+def test_sigterm_to_the_launcher_is_passed_on_and_saves_once(workspace):
     """Kubernetes sends SIGTERM to the container's PID 1, `keel train --nproc 2` itself."""
     code, output, out = preempt(
         workspace, "launcher-sigterm", lambda launcher: launcher.send_signal(signal.SIGTERM)
     )
-    check_saved_once_and_resumes_exactly(workspace, code, output, out, uninterrupted)
+    check_saved_once(code, output, out)
     assert "SIGTERM received; passing it on to torchrun" in output
 
 
-def test_sigusr1_to_the_launcher_saves_once_and_is_never_restarted(workspace, uninterrupted):
+def test_sigusr1_to_the_launcher_saves_once_and_is_never_restarted(workspace):
     """SLURM's --signal=B:USR1@90, passed on by the batch script; the workers' config has
     no train.preempt_signal (SIGUSR1 would kill them), so they are sent SIGTERM. With
     --max-restarts torchrun would restart the preempted workers, which would then finish."""
@@ -132,7 +135,7 @@ def test_sigusr1_to_the_launcher_saves_once_and_is_never_restarted(workspace, un
     code, output, out = preempt(
         workspace, "launcher-usr1", lambda launcher: launcher.send_signal(signal.SIGUSR1), flags
     )
-    check_saved_once_and_resumes_exactly(workspace, code, output, out, uninterrupted, flags)
+    check_saved_once(code, output, out)
     assert "SIGUSR1 received; sent SIGTERM to 2 worker(s)" in output
 
 

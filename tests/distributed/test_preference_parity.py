@@ -17,10 +17,10 @@ import pytest
 import yaml
 from multiproc import Workspace
 
-from keel.train.preference import PAIR_METRICS as METRICS_OF_PAIRS
+from keel.stages.pairs import PAIR_METRICS as METRICS_OF_PAIRS
 
 REL = 1e-5
-BETA = 0.1  # preference.beta of every run here (the default)
+BETA = 0.1  # dpo.beta (and kto.beta) of every run here (the default)
 QUESTIONS = [
     ("Who are you?", "I am Keel, a small assistant.", "No."),
     ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
@@ -148,17 +148,17 @@ def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(wor
     got = workspace.train(
         "dpo-full-precompute",
         *full,
-        "preference.reference=precompute",
+        "dpo.reference=precompute",
         "distributed.strategy=fsdp",
         nproc=2,
     )
     assert "reference log-probs: one pass" in workspace.last_output
     assert_same_metrics(got, want, PAIR_METRICS)
     first = workspace.train(
-        "dpo-full-resumed", *full, "preference.reference=precompute", "train.max_steps=4"
+        "dpo-full-resumed", *full, "dpo.reference=precompute", "train.max_steps=4"
     )
     assert "loaded from cache" in workspace.last_output
-    resumed = workspace.train("dpo-full-resumed", *full, "preference.reference=precompute")
+    resumed = workspace.train("dpo-full-resumed", *full, "dpo.reference=precompute")
     assert first == resumed and "resumed from" in workspace.last_output
     assert_same_metrics(resumed, want, PAIR_METRICS)
 

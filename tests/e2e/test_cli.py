@@ -1,9 +1,13 @@
-"""The real CLI, in subprocesses, the way users run it: shipped examples, bad input, chat."""
+"""The CLI the way users run it: shipped examples, bad input, chat.
+
+Bad input goes through the real program (its exit status and stderr); the runs go through
+keel.cli.main in this process (what the program runs: the same parsing, checks and training),
+which spares each of them an interpreter start and the torch/transformers imports."""
 
 import json
 
 import pytest
-from cli_support import ROOT, keel
+from cli_support import ROOT, keel, keel_in_process
 
 SMALL_EXAMPLES = [
     "sharegpt_full.yaml",
@@ -30,7 +34,7 @@ def test_every_example_is_covered_here():
 def test_shipped_example_runs_on_a_tiny_model(example, tiny_model_dir, tmp_path):
     """Each example, with the tiny model swapped in, trains 2 steps and writes its outputs."""
     out = tmp_path / "out"
-    result = keel(
+    result = keel_in_process(
         "train",
         f"examples/{example}",
         f"model.path={tiny_model_dir}",
@@ -79,7 +83,7 @@ def test_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
 
 def test_chat_prompt_after_training(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    trained = keel(
+    trained = keel_in_process(
         "train",
         "examples/identity_lora.yaml",
         f"model.path={tiny_model_dir}",
@@ -89,7 +93,7 @@ def test_chat_prompt_after_training(tiny_model_dir, tmp_path):
         "train.precision=fp32",
     )
     assert trained.returncode == 0, trained.stderr[-2000:]
-    reply = keel(
+    reply = keel_in_process(
         "chat",
         "--model",
         str(out),
@@ -106,7 +110,7 @@ def test_chat_prompt_after_training(tiny_model_dir, tmp_path):
 
 def test_validate_reports_data_and_trains_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    result = keel(
+    result = keel_in_process(
         "validate",
         "examples/llamafactory_lora.yaml",
         f"model.path={tiny_model_dir}",

@@ -1,5 +1,5 @@
 """`keel export` as users run it, and the result loaded by a process that imports neither
-keel nor peft."""
+keel nor peft. The refused second export goes through keel.cli.main in the test process."""
 
 import json
 import os
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from cli_support import keel_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,6 @@ def test_exported_folder_loads_without_keel_or_peft(tiny_model_dir, tmp_path):
     report = json.loads(loaded.stdout.strip().splitlines()[-1])
     assert report == {"new_tokens": 3, "class": "LlamaForCausalLM", "imported": []}
     assert AutoTokenizer.from_pretrained(str(out)).chat_template  # the base's template, kept
-    again = run("-m", "keel", "export", *flags, "--out", str(out))
+    again = keel_in_process("export", *flags, "--out", str(out))
     assert again.returncode == 2 and "is not empty" in again.stderr
     assert "Traceback" not in again.stderr

@@ -1,4 +1,8 @@
-"""Stalls and out-of-memory in one process, met for real through KEEL_FAULT (keel.faults)."""
+"""Stalls and out-of-memory in one process, met for real through KEEL_FAULT (keel.faults).
+
+The faulted runs are real processes (exit codes, the stack dump on stderr, an abort); the
+runs after them, and the refused fault, go through keel.cli.main in the test process (the
+same training, without an interpreter start and the library imports for each)."""
 
 import json
 import os
@@ -8,6 +12,7 @@ import time
 
 import pytest
 import yaml
+from cli_support import keel_in_process
 from config_support import qa_rows, tiny_lora_config
 
 ROWS = qa_rows(12)
@@ -83,10 +88,10 @@ def test_out_of_memory_exits_3_with_a_message_and_the_checkpoint_resumes(workspa
     assert "out of memory in step 5 on rank 0, in a micro-batch of 2 row(s), the longest" in message
     assert "train.micro_batch_size=1" in message  # what to change
     assert "checkpoints/step-00000004, is intact" in message
-    resumed, _ = keel_train(workspace)
+    resumed = keel_in_process("train", str(workspace))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
-    clean, _ = keel_train(workspace, out=tmp_path / "clean")
+    clean = keel_in_process("train", str(workspace), f"output.dir={tmp_path / 'clean'}")
     assert clean.returncode == 0, clean.stderr[-3000:]
     got, want = losses(tmp_path / "out"), losses(tmp_path / "clean")
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
@@ -94,6 +99,7 @@ def test_out_of_memory_exits_3_with_a_message_and_the_checkpoint_resumes(workspa
         assert got[step] == pytest.approx(want[step], rel=1e-6)
 
 
-def test_a_malformed_fault_is_a_user_error(workspace):
-    done, _ = keel_train(workspace, fault="explode:3")
+def test_a_malformed_fault_is_a_user_error(workspace, monkeypatch):
+    monkeypatch.setenv("KEEL_FAULT", "explode:3")
+    done = keel_in_process("train", str(workspace))
     assert done.returncode == 2 and "KEEL_FAULT='explode:3'" in done.stderr

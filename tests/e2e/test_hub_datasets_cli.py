@@ -4,7 +4,7 @@ as huggingface_hub lays it out (HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1: no n
 import json
 
 import pytest
-from hub_support import COMMIT, add_snapshot, keel_offline
+from hub_support import COMMIT, add_snapshot, keel_offline, keel_offline_commands
 
 REPO = "tiny-org/tiny-alpaca"
 
@@ -34,10 +34,11 @@ def _config(tmp_path, model_dir):
 
 def test_validate_and_train_take_a_hub_dataset(hf_home, tmp_path, tiny_model_dir):
     cfg, hub = _config(tmp_path, tiny_model_dir), f"data.datasets.0.path={REPO}"
-    validated = keel_offline("validate", str(cfg), hub, hf_home=hf_home)
+    validated, trained = keel_offline_commands(
+        ["validate", str(cfg), hub], ["train", str(cfg), hub], hf_home=hf_home
+    )
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert COMMIT in validated.stdout + validated.stderr
-    trained = keel_offline("train", str(cfg), hub, hf_home=hf_home)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: 2 steps" in trained.stdout + trained.stderr
 

@@ -1,5 +1,7 @@
-"""Output folders through the real CLI: a second run into a busy folder, an output.dir that
-is a file, reruns of a shipped example, and SIGTERM in the middle of `keel export`."""
+"""Output folders through the CLI: a second run into a busy folder, an output.dir that is a
+file, reruns of a shipped example, and SIGTERM in the middle of `keel export`. The busy
+folder and the signal need real processes; the other commands go through keel.cli.main in
+the test process (what the program runs, without an interpreter start per command)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from cli_support import ROOT, keel
+from cli_support import ROOT, keel, keel_in_process
 
 from keel.config import load_config
 from keel.train.output_folder import LOCK
@@ -72,7 +74,7 @@ def test_output_dir_that_is_a_file_exits_2_before_loading(tiny_model_dir, tmp_pa
     a_file = tmp_path / "results.txt"
     a_file.write_text("my results")
     for out in (a_file, a_file / "run"):
-        done = keel(
+        done = keel_in_process(
             "train", "examples/identity_lora.yaml", *train_flags(tiny_model_dir, tmp_path, out)
         )
         assert done.returncode == 2, done.stderr[-3000:]
@@ -87,11 +89,11 @@ def test_rerunning_the_demo_into_its_folder_works_and_spares_foreign_files(
     out = tmp_path / "demo"
     flags = [*train_flags(tiny_model_dir, tmp_path, out), "train.resume=never"]
     for _ in range(2):
-        done = keel("train", "examples/identity_lora.yaml", *flags)
+        done = keel_in_process("train", "examples/identity_lora.yaml", *flags)
         assert done.returncode == 0, done.stderr[-3000:]
     assert f"output.overwrite: removing {out / 'keel_run.json'}" in done.stdout
     (out / "my_eval.py").write_text("print('mine')\n")
-    refused = keel("train", "examples/identity_lora.yaml", *flags)
+    refused = keel_in_process("train", "examples/identity_lora.yaml", *flags)
     assert refused.returncode == 2 and f"{out / 'my_eval.py'}" in refused.stderr
     assert (out / "my_eval.py").read_text() == "print('mine')\n"
     assert (out / "keel_run.json").is_file()
@@ -100,7 +102,7 @@ def test_rerunning_the_demo_into_its_folder_works_and_spares_foreign_files(
 # `keel export` whose writing pauses (inside the temporary folder) until it is signalled.
 PAUSED_EXPORT = """
 import sys, time
-import keel.models.export as export
+import keel.export.write as export
 real = export.add_legacy_keys
 def paused(folder):
     real(folder)
@@ -133,6 +135,6 @@ def test_sigterm_during_export_leaves_no_partial_folder(tiny_model_dir, tmp_path
         process.kill()
         process.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    again = keel("export", "--model", str(tiny_model_dir), "--out", str(out))
+    again = keel_in_process("export", "--model", str(tiny_model_dir), "--out", str(out))
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "config.json").is_file()

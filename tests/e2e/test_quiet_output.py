@@ -1,7 +1,7 @@
 """What the CLI prints into a pipe or log file: plain lines, no library progress bars, and
 the technical set-up lines only with --verbose."""
 
-from cli_support import keel
+from cli_support import keel, keel_in_process
 
 LIBRARY_BARS = ("Generating train split", "Loading weights", "Writing model shards")
 
@@ -55,7 +55,7 @@ def test_piped_chat_shows_no_loading_bar(tiny_model_dir, tmp_path):
 
 
 def test_validate_reports_steps_and_epochs(tiny_model_dir, tmp_path):
-    result = keel(
+    result = keel_in_process(
         "validate",
         "examples/identity_lora.yaml",
         f"model.path={tiny_model_dir}",

@@ -1,8 +1,9 @@
-"""`keel validate` through the real CLI: model problems come first, all at once, with no data
-row read; a good config prints one summary line per part."""
+"""`keel validate` through the CLI (keel.cli.main in the test process: what the program runs,
+without an interpreter start per command): model problems come first, all at once, with no
+data row read; a good config prints one summary line per part."""
 
 import pytest
-from cli_support import ROOT, keel
+from cli_support import ROOT, keel_in_process
 
 
 @pytest.fixture
@@ -14,7 +15,7 @@ def broken_data(tmp_path):
 
 
 def validate(tiny_model_dir, tmp_path, data, *overrides):
-    return keel(
+    return keel_in_process(
         "validate",
         "examples/identity_lora.yaml",
         f"model.path={tiny_model_dir}",

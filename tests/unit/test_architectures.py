@@ -18,12 +18,14 @@ import torch.nn.functional as F
 
 from keel.config.schema import DataConfig, MethodConfig, ModelConfig, OutputConfig, RunConfig
 from keel.data import collate
+from keel.distributed.parallel_dims import ParallelDims
 from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import Strategy
 from keel.errors import ModelError
 from keel.models.attention import VARLEN_ATTENTION
+from keel.precision import Precision
 from keel.train.model_setup import build_training_model
 from keel.train.objective import causal_lm_of
-from keel.train.precision import Precision
 
 VOCAB = 256
 TINY = dict(
@@ -144,7 +146,13 @@ def scale_logits(model, magnitude: float) -> None:
 
 
 def build(
-    path, family: Family, *, method: str = "full", checkpointing: bool = False, dtype: str = "auto"
+    path,
+    family: Family,
+    *,
+    method: str = "full",
+    checkpointing: bool = False,
+    dtype: str = "auto",
+    dist: DistContext | None = None,
 ):
     """keel's training model for `path`, and what build_training_model logged."""
     cfg = RunConfig(
@@ -155,7 +163,8 @@ def build(
     )
     cfg.train.gradient_checkpointing = checkpointing
     lines: list[str] = []
-    built = build_training_model(cfg, path, DistContext(), Precision("fp32", "test"), lines.append)
+    dist = dist or DistContext()
+    built = build_training_model(cfg, path, dist, Precision("fp32", "test"), lines.append)
     return built, lines
 
 
@@ -213,8 +222,8 @@ def keel_loss(objective, samples) -> tuple[float, int]:
     padding-free when the model runs keel's varlen attention, right-padded otherwise."""
     attention = causal_lm_of(objective.model).config._attn_implementation
     with torch.no_grad():
-        loss, n = objective.eval()(keel_batch(samples, attention == VARLEN_ATTENTION))
-    return float(loss), int(n)
+        out = objective.eval()(keel_batch(samples, attention == VARLEN_ATTENTION))
+    return float(out.loss), int(out.count)
 
 
 def assert_loss_sees_computed_buffers(path, family: Family, reference, want: float) -> None:
@@ -335,11 +344,13 @@ def test_probe_runs_through_the_fsdp_root_unit(name, tmp_path, monkeypatch):
         pytest.skip("a process group already exists in this process")
     family = FAMILIES[name]
     path = save_tiny_model(tiny_config(family), tmp_path / name)
-    monkeypatch.setattr(model_setup, "choose_strategy", lambda *_: ("fsdp", "forced by test"))
+    forced = (Strategy.FSDP, "forced by test")
+    monkeypatch.setattr(model_setup, "choose_strategy", lambda *_: forced)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        built, lines = build(path, family)
-        assert built.strategy == "fsdp"
+        one_rank = DistContext(dims=ParallelDims.for_strategy(Strategy.FSDP, 1).build_mesh("cpu"))
+        built, lines = build(path, family, dist=one_rank)
+        assert built.strategy is Strategy.FSDP
         assert type(built.model.get_output_embeddings().weight).__name__ == "DTensor"
         assert built.objective.fast_head is family.fast, lines
         want, _ = hugging_face_loss(path, family, samples())

@@ -5,9 +5,9 @@ import torch
 from conftest import TINY_DECODER
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keel.precision import Precision
 from keel.train.loop import Trainer
 from keel.train.objective import CausalLMObjective
-from keel.train.precision import Precision
 
 # bf16 keeps 8 bits of mantissa: one step's summed CE over ~30 tokens of a random model
 # lands within ~0.5% of fp32 (measured 0.3% over 4 steps); a loss 2% off would mean a

@@ -183,7 +183,7 @@ train:
         "train.weight_decay=.nan",
         "train.max_grad_norm=inf",
         "train.adam_betas=[0.9, .nan]",
-        "preference.beta=inf",
+        "dpo.beta=inf",
         "watchdog.stall_timeout_s=inf",
         "data.val_size=nan",
     ],

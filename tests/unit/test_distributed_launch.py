@@ -14,6 +14,7 @@ from keel.cli import main, parse_args
 from keel.distributed import launch as launch_mod
 from keel.distributed.launch import (
     SHUTDOWN_TIMEOUT_S,
+    LaunchSpec,
     WorldInfo,
     check_launch_args,
     detect_world,
@@ -193,9 +194,7 @@ WORKER = ["train", "cfg.yaml", "train.lr=1e-4"]
 
 
 def test_torchrun_args_single_node_is_standalone():
-    args = torchrun_args(
-        nproc=4, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=2, worker_args=WORKER
-    )
+    args = torchrun_args(LaunchSpec(nproc=4, max_restarts=2), worker_args=WORKER)
     parsed = get_args_parser().parse_args(args)
     assert parsed.standalone and parsed.module
     assert (parsed.nproc_per_node, parsed.max_restarts, parsed.nnodes) == ("4", 2, "1:1")
@@ -204,14 +203,8 @@ def test_torchrun_args_single_node_is_standalone():
 
 
 def test_torchrun_args_multi_node_uses_c10d_rendezvous():
-    args = torchrun_args(
-        nproc=8,
-        nnodes=2,
-        node_rank=1,
-        rdzv_endpoint="node0:29500",
-        max_restarts=0,
-        worker_args=["--debug", *WORKER],
-    )
+    spec = LaunchSpec(nproc=8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
+    args = torchrun_args(spec, worker_args=["--debug", *WORKER])
     parsed = get_args_parser().parse_args(args)
     assert not parsed.standalone and parsed.module
     assert (parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.nnodes) == (
@@ -226,11 +219,6 @@ def test_torchrun_args_multi_node_uses_c10d_rendezvous():
 
 
 # --- flag checks -------------------------------------------------------------------------
-
-
-def flags(**changes):
-    base = dict(nproc=None, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=0)
-    return {**base, **changes}
 
 
 @pytest.mark.parametrize(
@@ -252,16 +240,16 @@ def flags(**changes):
 )
 def test_bad_launch_flags_name_the_flag(changes, named):
     with pytest.raises(KeelError, match=re.escape(named)):
-        needs_launch(SINGLE, **flags(**changes))
+        needs_launch(SINGLE, LaunchSpec(**changes))
 
 
 def test_needs_launch_decisions():
-    assert needs_launch(SINGLE, **flags()) is False
-    assert needs_launch(SINGLE, **flags(nproc=1, max_restarts=3)) is True
-    assert needs_launch(SINGLE, **flags(nnodes=2, rdzv_endpoint="[::1]:29500")) is True
+    assert needs_launch(SINGLE, LaunchSpec()) is False
+    assert needs_launch(SINGLE, LaunchSpec(nproc=1, max_restarts=3)) is True
+    assert needs_launch(SINGLE, LaunchSpec(nnodes=2, rdzv_endpoint="[::1]:29500")) is True
     # Inside a worker, no flags: just train.
-    assert needs_launch(detect_world(TORCHRUN), **flags()) is False
-    assert needs_launch(detect_world(SRUN), **flags()) is False
+    assert needs_launch(detect_world(TORCHRUN), LaunchSpec()) is False
+    assert needs_launch(detect_world(SRUN), LaunchSpec()) is False
     # One srun task per node may run the launcher for its GPUs.
     per_node = {
         **SRUN,
@@ -272,7 +260,7 @@ def test_needs_launch_decisions():
     }
     assert (
         needs_launch(
-            detect_world(per_node), **flags(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")
+            detect_world(per_node), LaunchSpec(nproc=8, nnodes=2, rdzv_endpoint="gpu07:29500")
         )
         is True
     )
@@ -292,12 +280,19 @@ def test_needs_launch_decisions():
 )
 def test_launch_flags_clash_with_an_outer_launcher(env, changes):
     with pytest.raises(KeelError, match="already running under torchrun/srun"):
-        needs_launch(detect_world(env), **flags(**changes))
+        needs_launch(detect_world(env), LaunchSpec(**changes))
+
+
+def test_nnodes_without_nproc_starts_one_worker_per_node():
+    spec = LaunchSpec.from_flags(parse_args(["train", "c.yaml", "--nnodes", "2"]))
+    assert spec == LaunchSpec(nnodes=2) and spec.given_flags() == ["--nnodes 2"]
+    args = torchrun_args(LaunchSpec(nnodes=2, rdzv_endpoint="node0:29500"), worker_args=WORKER)
+    assert get_args_parser().parse_args(args).nproc_per_node == "1"
 
 
 def test_check_launch_args_accepts_a_good_multi_node_setup():
     check_launch_args(
-        nproc=8, nnodes=4, node_rank=3, rdzv_endpoint="10.1.2.3:29500", max_restarts=2
+        LaunchSpec(nproc=8, nnodes=4, node_rank=3, rdzv_endpoint="10.1.2.3:29500", max_restarts=2)
     )
 
 
@@ -331,16 +326,8 @@ def run_launch(monkeypatch, waits, **changes):
     fake = FakeTorchrun(waits)
     monkeypatch.setattr(launch_mod.subprocess, "Popen", fake)
     lines: list[str] = []
-    kwargs = dict(
-        nproc=2,
-        nnodes=1,
-        node_rank=0,
-        rdzv_endpoint=None,
-        max_restarts=1,
-        worker_args=WORKER,
-        log=lines.append,
-    )
-    code = launch(**{**kwargs, **changes})
+    spec = LaunchSpec(**{"nproc": 2, "max_restarts": 1, **changes})
+    code = launch(spec, worker_args=WORKER, log=lines.append)
     return code, fake, lines
 
 
@@ -353,9 +340,7 @@ def test_launch_runs_torchrun_module_and_returns_its_code(monkeypatch):
     ((cmd, env),) = fake.calls
     assert code == 1
     assert cmd[1:3] == ["-m", "keel.distributed.torchrun"]  # torchrun, with workers' codes
-    assert cmd[3:] == torchrun_args(
-        nproc=2, nnodes=1, node_rank=0, rdzv_endpoint=None, max_restarts=1, worker_args=WORKER
-    )
+    assert cmd[3:] == torchrun_args(LaunchSpec(nproc=2, max_restarts=1), worker_args=WORKER)
     assert env["OMP_NUM_THREADS"] == "4"  # 9 cores // 2 workers, not torchrun's 1
     assert len(lines) == 1 and "2 worker(s)" in lines[0] and "train cfg.yaml" in lines[0]
 
@@ -419,14 +404,14 @@ def test_cli_refuses_to_launch_inside_torchrun(monkeypatch, capsys):
 
 
 def test_cli_bad_config_fails_once_before_launching(plain_env, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(launch_mod, "launch", lambda **kw: pytest.fail("launched"))
+    monkeypatch.setattr(launch_mod, "launch", lambda *a, **kw: pytest.fail("launched"))
     assert main(["train", str(tmp_path / "missing.yaml"), "--nproc", "2"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_cli_launches_workers_with_the_same_arguments(plain_env, monkeypatch):
     seen = {}
-    monkeypatch.setattr(launch_mod, "launch", lambda **kw: seen.update(kw) or 7)
+    monkeypatch.setattr(launch_mod, "launch", lambda spec, **kw: seen.update(kw, spec=spec) or 7)
     monkeypatch.chdir(ROOT)
     argv = [
         "--debug",
@@ -447,7 +432,7 @@ def test_cli_launches_workers_with_the_same_arguments(plain_env, monkeypatch):
         "train.lr=1e-4",
         "train.epochs=1",
     ]
-    assert (seen["nproc"], seen["nnodes"], seen["max_restarts"]) == (2, 1, 1)
+    assert seen["spec"] == LaunchSpec(nproc=2, nnodes=1, max_restarts=1)
 
 
 def test_overrides_may_follow_the_flags():
@@ -499,14 +484,7 @@ def test_keel_commands_in_launch_scripts_parse(script):
         args = parse_args(shlex.split(command)[1:])
         assert (ROOT / args.config).is_file()
         assert all("=" in item for item in args.overrides)
-        needs_launch(
-            SINGLE,
-            nproc=args.nproc,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            rdzv_endpoint=args.rdzv_endpoint,
-            max_restarts=args.max_restarts,
-        )
+        needs_launch(SINGLE, LaunchSpec.from_flags(args))
 
 
 def test_plain_torchrun_command_in_script_parses():

@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-from keel.distributed.parallelize import choose_strategy
 from keel.distributed.process_group import (
     DistContext,
     backend_for,
@@ -12,6 +11,7 @@ from keel.distributed.process_group import (
     main_rank_first,
     on_main,
 )
+from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
 from keel.models.materialize import (
     allocate,
     build_empty_model,
@@ -37,10 +37,30 @@ def test_backend_always_has_a_cpu_backend():
     ],
 )
 def test_auto_strategy_shards_only_what_does_not_fit(replica, device, want):
-    strategy, why = choose_strategy("auto", 2, replica, device)
+    strategy, why = choose_strategy(None, 2, replica, device)
     assert strategy == want and "GiB" in why
-    assert choose_strategy("auto", 1, replica, device)[0] == "none"
-    assert choose_strategy("ddp", 2, 70 * GIB, 80 * GIB)[0] == "ddp"  # explicit wins
+    assert choose_strategy(None, 1, replica, device)[0] is Strategy.SINGLE
+    assert choose_strategy(Strategy.DDP, 2, 70 * GIB, 80 * GIB)[0] is Strategy.DDP  # explicit
+
+
+@pytest.mark.parametrize(
+    "requested,cpu_offload,dp_size,cuda,want",
+    [
+        ("auto", False, 2, True, None),  # auto: decided from memory
+        ("ddp", True, 2, True, Strategy.DDP),  # offload is an fsdp setting
+        ("fsdp", False, 2, True, Strategy.FSDP),
+        ("fsdp", True, 2, True, Strategy.FSDP_OFFLOAD),
+        ("fsdp", True, 2, False, Strategy.FSDP),  # a CPU has nothing to offload from
+        ("fsdp", True, 1, True, Strategy.SINGLE),  # one process: no wrapper
+    ],
+)
+def test_one_decider_from_config_words_to_a_strategy(requested, cpu_offload, dp_size, cuda, want):
+    """The YAML's words (distributed.strategy, distributed.fsdp.cpu_offload) map to the one
+    vocabulary the planner, the trainer and model set-up share."""
+    got = configured_strategy(requested, cpu_offload=cpu_offload, dp_size=dp_size, cuda=cuda)
+    assert got is want
+    if got is not None and got is not Strategy.SINGLE:
+        assert got.config_value == requested
 
 
 @pytest.mark.parametrize(

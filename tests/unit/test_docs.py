@@ -16,6 +16,7 @@ import importlib.util
 import re
 import shlex
 import sys
+import types
 import typing
 from pathlib import Path
 
@@ -199,12 +200,20 @@ def test_the_configuration_reference_is_generated_from_the_schema():
     assert _generator().updated(text) == text, "run: python tools/config_reference.py"
 
 
+def _unwrapped(tp):
+    """The dataclass of an optional section (a stage's: `dpo: DpoSettings | None`), else tp."""
+    parts = [part for part in typing.get_args(tp) if part is not type(None)]
+    if typing.get_origin(tp) is types.UnionType and len(parts) == 1:
+        return parts[0] if dataclasses.is_dataclass(parts[0]) else tp
+    return tp
+
+
 def schema_keys(cls=RunConfig, prefix: str = "") -> list[str]:
     """Every key of the schema, recursively (list items as name[])."""
     keys = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        tp, name = hints[f.name], f"{prefix}{f.name}"
+        tp, name = _unwrapped(hints[f.name]), f"{prefix}{f.name}"
         if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
             tp, name = typing.get_args(tp)[0], f"{name}[]"
         if dataclasses.is_dataclass(tp):
@@ -227,7 +236,7 @@ def _resolves(key: str) -> bool:
             continue
         if node is None or part not in hints:
             return False
-        tp = hints[part]
+        tp = _unwrapped(hints[part])
         if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
             tp = typing.get_args(tp)[0]
         node = tp if dataclasses.is_dataclass(tp) else None

@@ -14,8 +14,8 @@ from keel.cli import main
 from keel.config import load_config
 from keel.config.schema import LoraConfig, MethodConfig
 from keel.errors import CheckpointError, ModelError
+from keel.export import ExportRequest, export_model
 from keel.models.adapters import apply_method, load_for_inference, save_model_dir
-from keel.models.export import ExportRequest, export_model
 from keel.models.loading import load_model, load_tokenizer
 
 IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 8, 61, 140]])  # [1, T]
@@ -300,12 +300,14 @@ def test_fsdp_checkpoint_exports_like_the_unmerged_adapter(tiny_model_dir, tmp_p
     """An FSDP2 run saves DTensor shards; a 1-rank mesh saves them the way 2+ ranks do."""
     import torch.distributed as dist
 
+    from keel.checkpoint.checkpointer import Checkpointer, StatefulParts
+    from keel.checkpoint.identity import run_identity
     from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from keel.distributed.parallel_dims import ParallelDims
     from keel.distributed.process_group import DistContext
-    from keel.train.checkpoint import save_checkpoint
+    from keel.distributed.strategy import Strategy
+    from keel.precision import Precision
     from keel.train.model_setup import build_training_model
-    from keel.train.precision import Precision
-    from keel.train.resume import run_identity
 
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")
@@ -317,7 +319,7 @@ def test_fsdp_checkpoint_exports_like_the_unmerged_adapter(tiny_model_dir, tmp_p
     )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        ctx = DistContext()
+        ctx = DistContext(dims=ParallelDims.for_strategy(Strategy.FSDP, 1).build_mesh("cpu"))
         built = build_training_model(
             cfg, tiny_model_dir, ctx, Precision("fp32", "test"), quiet, strategy="fsdp"
         )
@@ -329,18 +331,15 @@ def test_fsdp_checkpoint_exports_like_the_unmerged_adapter(tiny_model_dir, tmp_p
                 param.to_local().copy_(torch.randn(param.shape, generator=generator) * 0.2)
         values = {n: p.full_tensor().clone() for n, p in lora.items()}
         optimizer = torch.optim.AdamW([p for p in built.objective.parameters() if p.requires_grad])
-        identity = run_identity(cfg, tiny_model_dir, "fp32", "test-data")
+        identity = run_identity(cfg, tiny_model_dir, Precision("fp32", "test"), "test-data")
         meta = {"global_batch": 1, **identity.to_meta()}
-        checkpoint = save_checkpoint(
-            tmp_path / "run",
-            1,
+        parts = StatefulParts(
             module=built.objective,
             optimizer=optimizer,
-            scheduler={},
-            meta=meta,
-            keep_last=1,
-            dist=ctx,
+            scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0),
         )
+        checkpointer = Checkpointer(parts, output_dir=tmp_path / "run", keep_last=1, dist=ctx)
+        checkpoint = checkpointer.save(1, meta)
     finally:
         dist.destroy_process_group()
     out = export(checkpoint, tmp_path / "out")
@@ -358,7 +357,7 @@ def test_legacy_keys_say_what_the_new_ones_say(tmp_path):
     run with its default rope_theta. The 5.x reading must not change."""
     from transformers import AutoConfig, LlamaConfig
 
-    from keel.models.hf_compat import add_legacy_keys
+    from keel.export.hf_compat import add_legacy_keys
 
     rope = {"rope_type": "linear", "rope_theta": 500000.0, "factor": 2.0}
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, rope_parameters=rope)

@@ -7,9 +7,9 @@ import pytest
 from conftest import build_tiny_tokenizer
 
 from keel.config import load_config
+from keel.export import ExportRequest, export_model
 from keel.models.attention import auto_attention
-from keel.models.export import ExportRequest, export_model
-from keel.train.loop import StepPlan
+from keel.train.batch_source import StepPlan
 from keel.train.metrics import Progress
 from keel.train.run import run_training
 from keel.train.threads import busy_warning, set_threads

@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch import nn
 
+from keel import precision as prec
+from keel.checkpoint.checkpointer import Checkpointer, StatefulParts
+from keel.checkpoint.layout import TRAINER
 from keel.distributed.process_group import DistContext
-from keel.train import checkpoint as ckpt
-from keel.train import precision as prec
+from keel.distributed.strategy import Strategy
+from keel.precision import Precision
 from keel.train.loop import Trainer, grad_scaler
-from keel.train.precision import Precision
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
 FP16 = Precision("fp16", "test")
@@ -40,12 +42,13 @@ def test_the_scaler_each_strategy_gets():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     cpu = torch.device("cpu")
-    for strategy in ("none", "ddp"):
+    for strategy in (Strategy.SINGLE, Strategy.DDP):
         scaler = grad_scaler(cpu, FP16, strategy)
         assert type(scaler) is torch.amp.GradScaler and scaler.is_enabled()
-    assert isinstance(grad_scaler(cpu, FP16, "fsdp"), ShardedGradScaler)
+    for strategy in (Strategy.FSDP, Strategy.FSDP_OFFLOAD):
+        assert isinstance(grad_scaler(cpu, FP16, strategy), ShardedGradScaler)
     for name in ("fp32", "bf16"):
-        for strategy in ("none", "ddp", "fsdp"):
+        for strategy in Strategy:
             assert not grad_scaler(cpu, Precision(name, "test"), strategy).is_enabled()
 
 
@@ -77,18 +80,18 @@ def _steps(trainer: Trainer, overflows: list[bool]) -> None:
         trainer.optimizer.zero_grad(set_to_none=True)
 
 
-def _save(trainer, folder, step: int, **scaler):
-    return ckpt.save_checkpoint(
-        folder,
-        step,
+def _checkpointer(trainer: Trainer, folder) -> Checkpointer:
+    parts = StatefulParts(
         module=trainer.objective,
         optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler.state_dict(),
-        meta={},
-        keep_last=2,
-        dist=DistContext(),
-        **scaler,
+        scheduler=trainer.scheduler,
+        scaler=trainer.scaler,
     )
+    return Checkpointer(parts, output_dir=folder, keep_last=2, dist=DistContext())
+
+
+def _save(trainer, folder, step: int):
+    return _checkpointer(trainer, folder).save(step, meta={})
 
 
 def test_the_loss_scale_survives_a_checkpoint_and_a_resume(tmp_path):
@@ -99,12 +102,12 @@ def test_the_loss_scale_survives_a_checkpoint_and_a_resume(tmp_path):
     _steps(trainer, [True, False, True, False, False, False])
     state = trainer.scaler.state_dict()
     assert state["scale"] == 2.0**14 and state["_growth_tracker"] == 3
-    path = _save(trainer, tmp_path, 6, scaler=state)
-    assert json.loads((path / ckpt.TRAINER).read_text())["scaler"] == state
+    path = _save(trainer, tmp_path, 6)
+    assert json.loads((path / TRAINER).read_text())["scaler"] == state
     resumed = _trainer(FP16)
     assert resumed.scaler.get_scale() == 2.0**16  # a fresh scaler
     lines = []
-    assert _restore(resumed, path, DistContext(), lines.append) == 6
+    assert _restore(_checkpointer(resumed, tmp_path), path, lines.append) == 6
     assert resumed.scaler.state_dict() == state
     assert "fp16 loss scale 16384" in lines[-1]
     # The next steps scale the same way in both (same scale, same growth tracker)
@@ -118,14 +121,12 @@ def test_checkpoints_without_a_scaler_still_load(tmp_path):
     trainer = _trainer(Precision("fp32", "test"))
     assert trainer.scaler.state_dict() == {}  # disabled: nothing to save
     path = _save(trainer, tmp_path, 1)
-    data = json.loads((path / ckpt.TRAINER).read_text())
+    data = json.loads((path / TRAINER).read_text())
     assert data["scaler"] == {}
     del data["scaler"]  # as an older keel wrote it
-    (path / ckpt.TRAINER).write_text(json.dumps(data))
-    state = ckpt.load_checkpoint(
-        path, module=trainer.objective, optimizer=trainer.optimizer, dist=DistContext()
-    )
-    assert state.scaler == {} and state.step == 1
+    (path / TRAINER).write_text(json.dumps(data))
+    restored = _checkpointer(trainer, tmp_path).load(path)
+    assert not restored.scaler_restored and restored.step == 1
 
 
 def test_fp16_with_fsdp_is_accepted(tmp_path):

@@ -11,6 +11,7 @@ from keel.errors import ConfigError, ModelError
 from keel.models import apply_method, load_for_inference, load_model, resolve_model_path
 from keel.models.adapters import save_model_dir
 from keel.models.hub import download_hub_model, hub_source, is_hub_id
+from keel.precision import Precision
 
 REPO = "tiny-org/tiny-llama"
 
@@ -177,12 +178,17 @@ def test_adapter_names_the_hub_id_and_commit(cached_model, tmp_path, tiny_tokeni
 
 
 def test_run_identity_records_the_commit(cached_model, tmp_path, data_file, tiny_model_dir):
-    from keel.train.resume import identity_differences, run_identity
+    from keel.checkpoint.identity import identity_differences, run_identity
 
-    hub = run_identity(load_config(_config(tmp_path, data_file, REPO)), cached_model, "fp32", "d")
+    hub = run_identity(
+        load_config(_config(tmp_path, data_file, REPO)),
+        cached_model,
+        Precision("fp32", "test"),
+        "d",
+    )
     assert hub.model_revision == COMMIT
     local_cfg = load_config(_config(tmp_path, data_file, str(tiny_model_dir)))
-    local = run_identity(local_cfg, tiny_model_dir, "fp32", "d")
+    local = run_identity(local_cfg, tiny_model_dir, Precision("fp32", "test"), "d")
     assert local.model_revision == ""
     older = {k: v for k, v in local.to_meta()["run"].items() if k != "model_revision"}
     assert identity_differences(older, local) == []  # checkpoints from before still resume

@@ -16,8 +16,8 @@ from conftest import TINY_DECODER, build_tiny_tokenizer
 from safetensors.torch import load_file
 from torch import nn
 
+import keel.checkpoint.checkpointer as checkpointer
 import keel.quant
-import keel.train.checkpoint as train_ckpt
 from keel.config import TrainConfig, load_config
 from keel.errors import ConfigError
 from keel.quant.optim_state import LOW_BIT
@@ -157,13 +157,13 @@ def test_resume_with_8bit_state_continues_exactly(workspace, uninterrupted, monk
     train(workspace, "stopped", "train.optimizer=adamw_8bit", "train.max_steps=4")
     shutil.copytree(root / "stopped", root / "dropped")
 
-    real_load, loaded = train_ckpt.load_sharded, []
+    real_load, loaded = checkpointer.load_sharded, []
 
     def spy(path, module, optimizer):
         real_load(path, module, optimizer)
         loaded.extend(type(v).__name__ for s in optimizer.state.values() for v in s.values())
 
-    monkeypatch.setattr(train_ckpt, "load_sharded", spy)
+    monkeypatch.setattr(checkpointer, "load_sharded", spy)
     lines = []
     got = train(workspace, "stopped", "train.optimizer=adamw_8bit", log=lines.append)
     assert any(line.startswith("resumed from") and "step-00000004" in line for line in lines)
@@ -179,7 +179,7 @@ def test_resume_with_8bit_state_continues_exactly(workspace, uninterrupted, monk
         real_load(path, module, optimizer)
         optimizer.state.clear()
 
-    monkeypatch.setattr(train_ckpt, "load_sharded", drop)
+    monkeypatch.setattr(checkpointer, "load_sharded", drop)
     dropped = train(workspace, "dropped", "train.optimizer=adamw_8bit")
     assert len(dropped.losses) == 2 and dropped.losses[0] == want.losses[4]  # same weights
     assert dropped.losses[1] != want.losses[5]  # ... but moments started over

@@ -15,8 +15,8 @@ import pytest
 
 from keel.config import load_config
 from keel.errors import KeelError
-from keel.models.export import ExportRequest, export_model
-from keel.models.partial_folder import PARTIAL_MARKER
+from keel.export import ExportRequest, export_model
+from keel.export.partial_folder import PARTIAL_MARKER
 from keel.owner import Owner
 from keel.train import run as run_module
 from keel.train.output_folder import LOCK, MARKER, unwritable_reason

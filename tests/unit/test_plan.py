@@ -9,9 +9,11 @@ import yaml
 
 from keel.cli import main
 from keel.config import load_config
+from keel.config.sizes import parse_memory
 from keel.errors import ConfigError
-from keel.plan import DeviceSpec, advice, decide, detect_devices, parse_memory, plan_run
+from keel.plan import DeviceSpec, advice, decide, detect_devices, plan_run
 from keel.plan.devices import GIB
+from keel.precision import Precision
 
 # Qwen2-72B's architecture as its config.json gives it; no weights anywhere.
 QWEN2_72B = {
@@ -282,8 +284,13 @@ def test_bf16_frozen_weights_what_if_matches_a_real_bf16_build(tmp_path):
     arch = read_architecture(cfg)
     import torch
 
-    fp32 = take_census(build_meta_model(arch, dtype=torch.float32), MethodConfig())
-    bf16 = take_census(build_meta_model(arch, dtype=torch.bfloat16), MethodConfig())
+    fp32_compute = Precision("fp32", "test")
+    fp32 = take_census(
+        build_meta_model(arch, dtype=torch.float32), MethodConfig(), precision=fp32_compute
+    )
+    bf16 = take_census(
+        build_meta_model(arch, dtype=torch.bfloat16), MethodConfig(), precision=fp32_compute
+    )
     assert fp32.with_frozen_itemsize(2) == bf16
 
 
@@ -300,7 +307,7 @@ def test_preference_stages_plan_pairs_and_the_reference_copy(tmp_path):
     sft, dpo = option("full"), option("full", "train.stage=dpo")
     assert dpo.params == 2 * sft.params and dpo.grads == sft.grads
     assert dpo.activations > 1.9 * sft.activations  # twice the tokens per row
-    precomputed = option("full", "train.stage=dpo", "preference.reference=precompute")
+    precomputed = option("full", "train.stage=dpo", "dpo.reference=precompute")
     assert precomputed.params == sft.params
     assert option("lora", "train.stage=dpo").params == option("lora").params
     kto = option("full", "train.stage=kto")

@@ -16,6 +16,7 @@ from keel.losses import IGNORE_INDEX, chunked_cross_entropy
 from keel.models import apply_method
 from keel.plan.activations import Regime, Shapes, activation_bytes, autocast_copy_bytes
 from keel.plan.census import build_meta_model, take_census
+from keel.precision import Precision
 
 ROWS, SEQ = 2, 64
 
@@ -99,10 +100,13 @@ def test_saved_tensors_match_the_formula(case):
     }
     measured = saved_bytes(model, batch, kw.get("autocast", False))
 
-    census = take_census(build_meta_model(config, dtype=dtype), method, copy_first=False)
+    precision = Precision("bf16" if kw.get("autocast") else "fp32", "test")
+    census = take_census(
+        build_meta_model(config, dtype=dtype), method, copy_first=False, precision=precision
+    )
     shapes = Shapes.from_config(config)
     regime = Regime.of(
-        precision="bf16" if kw.get("autocast") else "fp32",
+        precision=precision,
         param_itemsize=census.param_itemsize,
         fsdp_mixed=False,
         cpu=True,

@@ -13,11 +13,11 @@ from keel.config import load_config
 from keel.distributed.process_group import DistContext
 from keel.plan import DeviceSpec, plan_run
 from keel.plan.estimate import state_bytes
+from keel.precision import Precision
 from keel.quant import import_torchao
 from keel.quant.optim_state import LOW_BIT
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer
-from keel.train.precision import Precision
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def one_step(optimizer: torch.optim.Optimizer, params) -> None:
 def test_the_plan_counts_what_the_optimizer_allocates(model_dir, choice):
     cfg = config(model_dir, choice)
     devices = DeviceSpec(kind="cpu", per_node=1, memory_bytes=2**40)
-    plan = plan_run(cfg, model_dir, devices=devices, precision="fp32")
+    plan = plan_run(cfg, model_dir, devices=devices, precision=Precision("fp32", "test"))
     assert plan.work.optimizer == choice
     want = plan.option_for("single", "full", False).per_device.optimizer
 
@@ -92,7 +92,9 @@ def test_under_fsdp_the_rule_applies_to_each_shard(model_dir, choice):
     state equals what torchao allocates for tensors of that rank's unpadded shard shapes."""
     cfg = config(model_dir, choice)
     devices = DeviceSpec(kind="cpu", per_node=2, memory_bytes=2**40)
-    census = plan_run(cfg, model_dir, devices=devices, precision="fp32").censuses["full"]
+    census = plan_run(
+        cfg, model_dir, devices=devices, precision=Precision("fp32", "test")
+    ).censuses["full"]
     optim = import_torchao("optim", needed_for="this test")
     for rank in range(2):
         shards = []

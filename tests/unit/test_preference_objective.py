@@ -9,10 +9,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from keel.config.schema import PreferenceConfig
 from keel.data import collate
+from keel.precision import Precision
+from keel.stages.base import ObjectiveOutput
+from keel.stages.registry import get_stage
 from keel.train.loop import Trainer
-from keel.train.precision import Precision
 from keel.train.preference import (
     PreferenceObjective,
     SequenceScorer,
@@ -106,8 +107,13 @@ def lora(model, seed: int = 0, perturb: bool = False):
     return peft_model
 
 
+def parts(out: ObjectiveOutput) -> tuple:
+    return out.loss, out.count, out.statistics
+
+
 def objective(policy, stage="dpo", **settings) -> PreferenceObjective:
-    built = PreferenceObjective(policy, stage=stage, settings=PreferenceConfig(**settings))
+    record = get_stage(stage)
+    built = PreferenceObjective(policy, stage=record, settings=record.settings(**settings))
     ok, why = built.check_fast_head()
     assert ok, why
     built.fast_head = True
@@ -117,7 +123,7 @@ def objective(policy, stage="dpo", **settings) -> PreferenceObjective:
 def test_dpo_with_lora_starts_at_ln2_with_zero_margins(model):
     """At step 1 the LoRA policy (B = 0) is its own reference: every pair's loss is ln 2."""
     built = objective(lora(model))
-    loss_sum, pairs, stats = built(collate(pair_rows(), 0))
+    loss_sum, pairs, stats = parts(built(collate(pair_rows(), 0)))
     assert pairs.item() == 3
     assert loss_sum.item() / 3 == pytest.approx(math.log(2), rel=1e-6)
     named = reduce_statistics(built.metric_names, stats.tolist())
@@ -142,22 +148,22 @@ def test_lora_reference_equals_a_separately_loaded_base(model):
 def test_precomputed_reference_gives_the_live_loss(model):
     built = objective(lora(model, perturb=True))
     rows = pair_rows()
-    live_loss, _, live_stats = built(collate(rows, 0))
+    live_loss, _, live_stats = parts(built(collate(rows, 0)))
     reference, _ = built(collate(rows, 0), mode="reference")
     at = 0
     for row in rows:
         row["reference_logps"] = reference[at : at + 2].tolist()
         at += 2
-    loss, _, stats = built(collate(rows, 0))
+    loss, _, stats = parts(built(collate(rows, 0)))
     assert loss.item() == pytest.approx(live_loss.item(), rel=1e-6)
     assert stats.tolist() == pytest.approx(live_stats.tolist(), rel=1e-6)
     rows[0]["reference_logps"] = [0.0, 0.0]  # negative control: the reference is used
-    assert built(collate(rows, 0))[0].item() != pytest.approx(live_loss.item(), rel=1e-3)
+    assert built(collate(rows, 0)).loss.item() != pytest.approx(live_loss.item(), rel=1e-3)
 
 
 def test_orpo_nll_is_minus_mean_chosen_logp(model):
     built = objective(copy.deepcopy(model), stage="orpo", beta=0.1)
-    _, _, stats = built(collate(pair_rows(), 0))
+    stats = built(collate(pair_rows(), 0)).statistics
     named = reduce_statistics(built.metric_names, stats.tolist())
     assert named["nll_loss"] == pytest.approx(-named["logps/chosen"], rel=1e-6)
     per_token = [alone_logp(model, p, c) / len(c) for p, c in zip(PROMPTS, CHOSEN)]
@@ -188,7 +194,7 @@ def test_kto_statistic_and_loss(model):
     reference_kl = SequenceScorer(copy.deepcopy(model), chunk_size=8, fast_head=True)(batch, "kl_")
     assert total.item() == pytest.approx((policy_kl.sums - reference_kl).sum().item(), rel=1e-5)
     built.set_window_statistic(total.item() / 3)
-    loss_sum, samples, stats = built(batch)
+    loss_sum, samples, stats = parts(built(batch))
     assert samples.item() == 3
     named = reduce_statistics(built.metric_names, stats.tolist())
     assert set(named) == {
@@ -252,7 +258,7 @@ def test_accumulation_normalises_per_pair(model, stage):
     if stage == "kto":
         built.set_window_statistic(r_one.window_statistic)
     with torch.no_grad():
-        per_pair = [built(collate([row], 0))[0].item() for row in rows]
+        per_pair = [built(collate([row], 0)).loss.item() for row in rows]
     mean_of_means = (per_pair[0] + (per_pair[1] + per_pair[2]) / 2) / 2
     assert abs(mean_of_means - sum(per_pair) / 3) > 50 * 1e-5 * abs(
         sum(per_pair) / 3

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from test_train_run import config, quiet
 
 from keel.errors import ConfigError, ModelError
-from keel.models.export import ExportRequest, export_model
+from keel.export import ExportRequest, export_model
 from keel.quant import layout
 from keel.quant import nf4 as keel_nf4
 from keel.train.run import run_training
@@ -89,8 +89,8 @@ def test_qlora_trains_close_to_lora_on_an_nf4_base(tiny_model_dir, data_file, tm
 
 def test_the_frozen_linears_are_nf4_and_the_rest_is_not(tiny_model_dir, data_file, tmp_path):
     from keel.distributed.process_group import DistContext
+    from keel.precision import Precision
     from keel.train.model_setup import build_training_model
-    from keel.train.precision import Precision
 
     cfg = config(tiny_model_dir, data_file, tmp_path / "x", method="qlora")
     built = build_training_model(

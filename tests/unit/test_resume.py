@@ -12,11 +12,12 @@ import pytest
 import yaml
 from config_support import qa_rows, tiny_lora_config
 
-import keel.distributed.checkpoint as dist_ckpt
+import keel.checkpoint.dcp as dcp
+from keel.checkpoint import layout
+from keel.checkpoint.rng import load_rng, restore_rng, save_rng
 from keel.config import load_config
 from keel.errors import CheckpointError
-from keel.train import checkpoint as ckpt
-from keel.train.loop import StepPlan, default_global_batch
+from keel.train.batch_source import StepPlan, default_global_batch
 from keel.train.run import run_training
 
 ROWS = qa_rows(8)
@@ -166,7 +167,7 @@ def test_pickled_optimizer_value_is_refused_without_running_it(finished, tmp_pat
     """An optimizer hyperparameter stored by DCP as pickled bytes holding an object."""
     root, base = finished
     marker = tmp_path / "pwned"
-    real = dist_ckpt.get_state_dict
+    real = dcp.get_state_dict
 
     def poisoned(module, optimizer, **kwargs):
         model_state, optim_state = real(module, optimizer, **kwargs)
@@ -175,9 +176,9 @@ def test_pickled_optimizer_value_is_refused_without_running_it(finished, tmp_pat
 
     out = tmp_path / "poisoned"
     poisoned_base = {**base, "output": {**base["output"], "dir": str(out)}}
-    monkeypatch.setattr(dist_ckpt, "get_state_dict", poisoned)
+    monkeypatch.setattr(dcp, "get_state_dict", poisoned)
     run_training(load_config(None, [], base=poisoned_base), log=quiet)
-    monkeypatch.setattr(dist_ckpt, "get_state_dict", real)
+    monkeypatch.setattr(dcp, "get_state_dict", real)
     with pytest.raises(CheckpointError, match="pickled object") as info:
         resume(poisoned_base)
     assert "exec" in str(info.value)  # refused for the object it holds, not by accident
@@ -197,11 +198,11 @@ def test_a_checkpoint_of_an_older_format_is_refused(finished, tmp_path):
 def test_checkpoint_files_are_json_and_safetensors(finished):
     root, _ = finished
     step = root / "run/checkpoints/step-00000002"
-    trainer = json.loads((step / ckpt.TRAINER).read_text())
+    trainer = json.loads((step / layout.TRAINER).read_text())
     assert trainer["step"] == 2 and "last_epoch" in trainer["scheduler"]
     assert [p.name for p in (step / "rng").iterdir()] == ["rank-00000.safetensors"]
     meta = json.loads((step / "meta.json").read_text())
-    assert meta["format"] == ckpt.FORMAT_VERSION and meta["global_batch"] == 2
+    assert meta["format"] == layout.FORMAT_VERSION and meta["global_batch"] == 2
     assert set(meta["run"]) == {
         "model_path",
         "model_config_sha256",
@@ -209,7 +210,7 @@ def test_checkpoint_files_are_json_and_safetensors(finished):
         "stage",
         "precision",
         "data_fingerprint",
-        "preference",
+        "stage_settings",
         "optimizer",
         "model_revision",
     }
@@ -225,6 +226,19 @@ def test_a_checkpoint_from_before_train_optimizer_resumes_as_adamw(finished, tmp
     assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
 
 
+def test_a_checkpoint_from_before_stage_sections_resumes(finished, tmp_path):
+    """keels before per-stage sections recorded a flat `preference:` section: {} in the run
+    identity of a stage without preference settings, its defaults in the config."""
+    out, base = copy_run(finished, tmp_path)
+    for meta_path in out.glob("checkpoints/*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        assert meta["run"].pop("stage_settings") == {}
+        meta["run"]["preference"] = {}
+        meta["config"]["preference"] = {"beta": 0.1, "loss_type": "sigmoid", "gamma": 0.5}
+        meta_path.write_text(json.dumps(meta))
+    assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
+
+
 def test_rng_round_trip(tmp_path):
     import random
 
@@ -232,18 +246,18 @@ def test_rng_round_trip(tmp_path):
 
     random.seed(3)
     torch.manual_seed(3)
-    ckpt.save_rng(tmp_path / "rng.safetensors")
+    save_rng(tmp_path / "rng.safetensors")
     want = (random.random(), torch.rand(3))
     random.seed(99)
     torch.manual_seed(99)
-    ckpt.restore_rng(ckpt.load_rng(tmp_path / "rng.safetensors"))
+    restore_rng(load_rng(tmp_path / "rng.safetensors"))
     got = (random.random(), torch.rand(3))
     assert got[0] == want[0] and torch.equal(got[1], want[1])
 
 
 def test_default_global_batch_counts_processes():
-    assert default_global_batch(micro_batch_size=4, grad_accum=2, world_size=8) == 64
-    assert default_global_batch(micro_batch_size=1, grad_accum=1, world_size=1) == 1
+    assert default_global_batch(micro_batch_size=4, grad_accum=2, dp_size=8) == 64
+    assert default_global_batch(micro_batch_size=1, grad_accum=1, dp_size=1) == 1
 
 
 @pytest.mark.parametrize(
@@ -358,10 +372,10 @@ def test_a_lora_checkpoint_holds_only_the_adapter(finished):
     dropped the embedding under one name only, so lm_head was saved in every checkpoint."""
     root, _ = finished
     state = root / "run" / STEP2 / "state"
-    stored = dist_ckpt.stored_model_shapes(state)
+    stored = dcp.stored_model_shapes(state)
     assert stored and all(".lora_A." in key or ".lora_B." in key for key in stored), stored
     adapter_bytes = sum(4 * math.prod(shape) for shape in stored.values())  # fp32
-    entries = len(dist_ckpt.AllowListReader(str(state)).read_metadata().storage_data)
+    entries = len(dcp.AllowListReader(str(state)).read_metadata().storage_data)
     shards = sum(p.stat().st_size for p in state.glob("*.distcp"))
     # weights and Adam's two moments, plus DCP's ~1.5 KB of framing per stored entry
     assert shards <= 3 * adapter_bytes + 2048 * entries, (shards, adapter_bytes, entries)
@@ -372,8 +386,8 @@ def test_a_checkpoint_that_holds_the_tied_frozen_weight_resumes(finished, tmp_pa
     root, base = finished
     out = tmp_path / "old"
     old_base = {**base, "output": {**base["output"], "dir": str(out)}}
-    monkeypatch.setattr(dist_ckpt, "_frozen_keys", lambda module: set())
+    monkeypatch.setattr(dcp, "_frozen_keys", lambda module: set())
     run_training(load_config(None, [], base=old_base), log=quiet)
-    assert any("lm_head" in k for k in dist_ckpt.stored_model_shapes(out / STEP2 / "state"))
+    assert any("lm_head" in k for k in dcp.stored_model_shapes(out / STEP2 / "state"))
     monkeypatch.undo()
     assert len(resume(old_base).losses) == 2

@@ -8,9 +8,9 @@ import pytest
 import yaml
 from config_support import qa_rows, tiny_lora_config
 
+from keel.checkpoint.identity import config_differences
 from keel.config import load_config
 from keel.errors import CheckpointError
-from keel.train.config_diff import config_differences
 from keel.train.optim import lr_factor
 from keel.train.resume import _finished_step
 from keel.train.run import run_training

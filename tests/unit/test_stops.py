@@ -8,9 +8,9 @@ import signal
 import pytest
 from config_support import tiny_lora_config
 
+from keel.checkpoint.layout import complete_checkpoints
 from keel.config import load_config
 from keel.errors import Diverged, Preempted
-from keel.train import checkpoint as ckpt
 from keel.train.metrics import MetricsLog
 from keel.train.run import run_training
 
@@ -38,7 +38,7 @@ def strict_records(path):
 
 
 def assert_diverged_run_left(out, kept: str):
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == [kept]
+    assert [p.name for p in complete_checkpoints(out)] == [kept]
     for name in FINAL_OUTPUTS:
         assert not (out / name).exists(), name
     strict_records(out / "metrics.jsonl")  # valid JSON, whatever it holds
@@ -113,7 +113,7 @@ def test_sigusr1_saves_at_the_step_and_the_rerun_equals_an_uninterrupted_run(
     with pytest.raises(Preempted, match="SIGUSR1.*finished step 3.*same command") as caught:
         run_training(cfg, log=quiet, on_step_end=signal_after_3)
     assert caught.value.exit_code == 7
-    assert [p.name for p in ckpt.complete_checkpoints(out)] == ["step-00000003"]
+    assert [p.name for p in complete_checkpoints(out)] == ["step-00000003"]
     assert not (out / "keel_run.json").exists()
     resumed = run_training(cfg, log=quiet)
     assert resumed.losses == full.losses[3:]
@@ -130,7 +130,7 @@ def test_sigterm_during_set_up_stops_at_once_with_exit_7(
     out = tmp_path / "run"
     with pytest.raises(Preempted, match="SIGTERM arrived before the first training step"):
         run_training(config(tiny_model_dir, data_file, out), log=log)
-    assert not out.exists() or ckpt.complete_checkpoints(out) == []
+    assert not out.exists() or complete_checkpoints(out) == []
     assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the test's handler is back
 
 

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
+import keel.checkpoint.commit as commit
+from keel.checkpoint.layout import complete_checkpoints
 from keel.config import load_config
 from keel.errors import DataError, KeelError
-from keel.train import checkpoint as ckpt
 from keel.train.run import run_training
 
 
@@ -49,7 +50,7 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
     cfg_b = config(tiny_model_dir, data_file, tmp_path / "b", method=method)
     with pytest.raises(Crash):
         run_training(cfg_b, log=quiet, on_step_end=crash_at_5)
-    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "b")] == [
+    assert [p.name for p in complete_checkpoints(tmp_path / "b")] == [
         "step-00000002",
         "step-00000004",
     ]
@@ -87,7 +88,7 @@ def test_outputs_of_a_finished_run(tiny_model_dir, data_file, tmp_path):
     summary = json.loads((out / "keel_run.json").read_text())
     assert summary["steps"] == 6 and summary["real_tokens"] > 0 and summary["peak_rss_mb"] > 0
     assert result.summary == summary
-    assert len(ckpt.complete_checkpoints(out)) == 2  # keep_last
+    assert len(complete_checkpoints(out)) == 2  # keep_last
 
 
 def test_crash_mid_save_never_looks_complete(tiny_model_dir, data_file, tmp_path, monkeypatch):
@@ -96,10 +97,10 @@ def test_crash_mid_save_never_looks_complete(tiny_model_dir, data_file, tmp_path
     def broken_commit(tmp, final):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "commit_dir", broken_commit)
+    monkeypatch.setattr(commit, "commit_dir", broken_commit)
     with pytest.raises(OSError):
         run_training(config(tiny_model_dir, data_file, out), log=quiet)
-    assert ckpt.complete_checkpoints(out) == []
+    assert complete_checkpoints(out) == []
     assert (out / "checkpoints/.tmp-step-00000002").is_dir()
     monkeypatch.undo()
     result = run_training(config(tiny_model_dir, data_file, out), log=quiet)

@@ -8,9 +8,10 @@ import torch
 
 from keel.config import DataConfig, DatasetConfig
 from keel.data import collate, prepare_data
-from keel.train.loop import StepPlan, Trainer
+from keel.precision import Precision
+from keel.train.batch_source import StepPlan
+from keel.train.loop import Trainer
 from keel.train.objective import CausalLMObjective
-from keel.train.precision import Precision
 
 ROWS = [
     {"instruction": "Who are you?", "input": "", "output": "I am Keel."},
@@ -84,8 +85,9 @@ def test_packed_loss_equals_unpacked(tiny_tokenizer, tiny_model_dir, tmp_path, f
     unpacked = rows_of(prepared(tiny_tokenizer, tmp_path / "u", packing=False).train)
     assert len(packed) < len(unpacked) == len(ROWS)
     with torch.no_grad():
-        loss_p, n_p = objective(collate(packed, tiny_tokenizer.pad_token_id))
-        loss_u, n_u = objective(collate(unpacked, tiny_tokenizer.pad_token_id))
+        out_p = objective(collate(packed, tiny_tokenizer.pad_token_id))
+        out_u = objective(collate(unpacked, tiny_tokenizer.pad_token_id))
+        loss_p, n_p, loss_u, n_u = out_p.loss, out_p.count, out_u.loss, out_u.count
     assert int(n_p) == int(n_u) > 0
     torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=1e-5)
 
@@ -103,8 +105,8 @@ def test_unpacked_batches_need_no_position_ids(tiny_tokenizer, tiny_model_dir, t
     assert trainer._batch(unpacked)["position_ids"] is None
     assert trainer._batch(packed)["position_ids"] is not None
     with torch.no_grad():
-        without, _ = trainer.objective(trainer._batch(unpacked))
-        with_ids, _ = trainer.objective(collate(unpacked, 0))
+        without = trainer.objective(trainer._batch(unpacked)).loss
+        with_ids = trainer.objective(collate(unpacked, 0)).loss
     torch.testing.assert_close(without, with_ids, rtol=1e-6, atol=1e-6)
 
 
@@ -123,7 +125,7 @@ def test_fast_head_matches_hugging_face_forward(tiny_tokenizer, tiny_model_dir, 
     assert ok, why
     fast.fast_head = True
     with torch.no_grad():
-        torch.testing.assert_close(fast(batch)[0], slow(batch)[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fast(batch).loss, slow(batch).loss, rtol=1e-5, atol=1e-5)
 
 
 def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir, tmp_path):
@@ -149,7 +151,8 @@ def test_accumulation_normalises_by_window_tokens(tiny_tokenizer, tiny_model_dir
     naive = copy.deepcopy(base)
     objective = CausalLMObjective(naive)
     for mb in (rows[:1], rows[1:]):
-        loss, n = objective(collate(mb, 0))
+        out = objective(collate(mb, 0))
+        loss, n = out.loss, out.count
         (loss / n / 2).backward()
     grads_naive = [p.grad for p in naive.parameters()]
     moved = [p0 - p1 for p0, p1 in zip(base.parameters(), one.parameters())]

@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 import yaml
 
-from keel.config.schema import DatasetConfig, RunConfig
+from keel.config.schema import DatasetConfig, RunConfig, TrainConfig
 from keel.errors import ConfigError
+from keel.stages.registry import STAGES, stage_sections
 
 
 def load_config(
@@ -36,7 +37,10 @@ def load_config(
             problems.append(problem)
             continue
         lines[item.split("=", 1)[0].strip()] = -1  # -1: came from the command line
-    cfg = _build(RunConfig, raw, "", problems, _Locator(source, lines))
+    where = _Locator(source, lines)
+    if isinstance(raw, dict) and "preference" in raw:
+        problems.append(_preference_moved(raw, where))
+    cfg = _build(RunConfig, raw, "", problems, where)
     if not problems:
         from keel.config.validate import check_config
 
@@ -158,7 +162,9 @@ class _Locator:
         self.source, self.lines = source, lines
 
     def __call__(self, key: str) -> str:
-        line = self.lines.get(key)
+        # a section set only through keys below it (an override a.b=c) is where they are
+        below = (line for name, line in self.lines.items() if name.startswith(f"{key}."))
+        line = self.lines.get(key, next(below, None))
         if line is None:
             return key
         if line < 0:
@@ -175,12 +181,7 @@ def _build(cls, raw, prefix: str, problems: list[str], where: _Locator):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
-            hint = (
-                f"; did you mean '{prefix}{close[0]}'?"
-                if close
-                else f"; valid keys: {', '.join(fields)}"
-            )
+            hint = _unknown_key_hint(prefix, str(key), list(fields))
             problems.append(f"unknown key {where(prefix + str(key))}{hint}")
     values = {}
     for name, f in fields.items():
@@ -193,6 +194,47 @@ def _build(cls, raw, prefix: str, problems: list[str], where: _Locator):
     if any(v is _INVALID for v in values.values()) or _missing_required(cls, raw):
         return None
     return cls(**values)
+
+
+def _unknown_key_hint(prefix: str, key: str, valid: list[str]) -> str:
+    """The closest valid key; for a stage's section, else the other sections that hold
+    `key` (`dpo.desirable_weight`: did you mean 'kto.desirable_weight'?); else every key."""
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean '{prefix}{close[0]}'?"
+    section, sections = prefix.rstrip("."), stage_sections()
+    if section in sections:  # another stage's setting, most likely
+        holders = [
+            f"'{name}.{key}'"
+            for name, settings in sections.items()
+            if key in {f.name for f in dataclasses.fields(settings)}
+        ]
+        if holders:
+            return f"; did you mean {' or '.join(holders)}? ({section} has {', '.join(valid)})"
+    return f"; valid keys: {', '.join(valid)}"
+
+
+def _preference_moved(raw: dict, where: _Locator) -> str:
+    """The fix for a `preference:` section (keel before per-stage sections): the section
+    of train.stage to write instead, with the settings that stage reads."""
+    old = raw.pop("preference")
+    old = old if isinstance(old, dict) else {}
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    name = str(train.get("stage", TrainConfig().stage))
+    stage = STAGES.get(name)
+    said = f"{where('preference')} was split into per-stage sections"
+    if stage is None or stage.settings is None:
+        sections = ", ".join(stage_sections())
+        return f"{said} ({sections}) and train.stage {name} has none: remove preference"
+    kept = {key: value for key, value in old.items() if key in stage.knobs}
+    dropped = [str(key) for key in old if key not in stage.knobs]
+    unread = f"; {name} has no {', '.join(dropped)}" if dropped else ""
+    if not kept:
+        return (
+            f"{said}: remove it (train.stage {name} reads {name}: {', '.join(stage.knobs)}){unread}"
+        )
+    written = yaml.safe_dump(kept, default_flow_style=True, width=1000).strip()
+    return f"{said}: for train.stage {name} write {name}: {written} instead{unread}"
 
 
 _INVALID = object()
@@ -257,6 +299,9 @@ def _coerce_union(tp, value, key, problems, where):
             return None
         problems.append(f"{where(key)} must not be empty")
         return _INVALID
+    sections = [a for a in args if dataclasses.is_dataclass(a)]
+    if len(sections) == 1 and len(args) == 2 and type(None) in args:  # an optional section
+        return _coerce(sections[0], value, key, problems, where)  # its own problems, named
     if float in args and (number := _float(value)) is not None and not math.isfinite(number):
         return _coerce_scalar(float, value, key, problems, where)  # says: must be finite
     for arg in (a for a in args if a is not type(None)):
@@ -326,6 +371,13 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def config_to_dict(cfg) -> dict:
-    """The resolved config as plain data (for writing next to the outputs)."""
-    return dataclasses.asdict(cfg)
+def config_to_dict(cfg: RunConfig) -> dict:
+    """The resolved config as plain data (for writing next to the outputs): of the stage
+    sections, only train.stage's, with its values in use (its defaults where unset)."""
+    out = {}
+    for name, value in dataclasses.asdict(cfg).items():
+        if name not in stage_sections():
+            out[name] = value
+        if name == "train" and cfg.stage_settings is not None:
+            out[cfg.train.stage] = dataclasses.asdict(cfg.stage_settings)
+    return out

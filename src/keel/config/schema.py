@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from keel.stages.base import StageSettings
+from keel.stages.registry import STAGE_NAMES, STAGES, stage_sections
+
 BUNDLED_PREFIX = "bundled:"
 
 
@@ -109,7 +112,7 @@ class DataConfig:
 @dataclass(kw_only=True)
 class TrainConfig:
     # pt: pretraining, sft: supervised, dpo/orpo/simpo: preference pairs, kto: labelled samples
-    stage: Literal["pt", "sft", "dpo", "orpo", "simpo", "kto"] = "sft"
+    stage: Literal[STAGE_NAMES] = "sft"
     epochs: float = 1.0  # passes over the training rows; may be fractional
     max_steps: int | None = None  # overrides epochs when set
     micro_batch_size: int = 1  # rows per forward pass, per process (per device)
@@ -149,27 +152,6 @@ class TrainConfig:
     # among the node's processes. Lower it on a busy machine (keel warns when it is)
     threads: int = 0
     loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
-
-
-PREFERENCE_STAGES = ("dpo", "orpo", "simpo", "kto")
-
-
-@dataclass(kw_only=True)
-class PreferenceConfig:
-    # Used with train.stage dpo, orpo, simpo or kto. A row is a pair (KTO: a sample);
-    # train.micro_batch_size and the global batch count pairs.
-    beta: float = 0.1  # DPO/KTO: KL strength; ORPO: the paper's lambda; SimPO: reward scale
-    # DPO loss: sigmoid (the paper), robust (noise-robust with label_smoothing), ipo
-    # (length-normalised log-ratios), hinge (SLiC)
-    loss_type: Literal["sigmoid", "robust", "ipo", "hinge"] = "sigmoid"
-    label_smoothing: float = 0.0  # DPO sigmoid/robust and SimPO: assumed label noise, [0, 0.5)
-    gamma: float = 0.5  # SimPO: the target reward margin
-    # DPO/KTO reference log-probs: live (LoRA: the base with adapters off; full/freeze: a
-    # frozen copy sharded like the policy) or precompute (one pass before training, cached);
-    # auto: live. ORPO and SimPO use no reference.
-    reference: Literal["auto", "live", "precompute"] = "auto"
-    desirable_weight: float = 1.0  # KTO: weight of desirable samples' losses
-    undesirable_weight: float = 1.0  # KTO: weight of undesirable samples' losses
 
 
 @dataclass(kw_only=True)
@@ -244,13 +226,40 @@ class WatchdogConfig:
     slow_phase_timeout_s: float = 1800.0
 
 
+def _with_stage_sections(cls: type) -> type:
+    """Give `cls` one optional section per stage with settings, named after the stage and
+    typed by its registry record (keel.stages.registry.stage_sections), after `train`: a
+    stage's settings are declared in its module, and a new stage needs no edit here."""
+    own = dict(cls.__annotations__)
+    after = list(own).index("train") + 1
+    sections = {name: settings | None for name, settings in stage_sections().items()}
+    cls.__annotations__ = {**dict(list(own.items())[:after]), **sections}
+    cls.__annotations__.update(dict(list(own.items())[after:]))
+    for name in sections:
+        setattr(cls, name, None)  # unset: the stage's defaults (RunConfig.stage_settings)
+    return cls
+
+
 @dataclass(kw_only=True)
+@_with_stage_sections
 class RunConfig:
+    """The whole run; after `train` come the sections of the stages with settings of their
+    own (dpo, orpo, simpo, kto), added from the stage registry by `_with_stage_sections`."""
+
     model: ModelConfig
     data: DataConfig
     output: OutputConfig
     method: MethodConfig = field(default_factory=MethodConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+
+    @property
+    def stage_settings(self) -> StageSettings | None:
+        """The section of train.stage (its defaults where the config has none), the one way
+        code reads a stage's settings; None for a stage without settings (pt, sft)."""
+        stage = STAGES.get(self.train.stage)
+        if stage is None or stage.settings is None:
+            return None
+        section = getattr(self, stage.name, None)  # None also for a stage added at run time
+        return section if section is not None else stage.settings()

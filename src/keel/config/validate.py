@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from pathlib import Path
 
 from keel.config.schema import (
     BUNDLED_PREFIX,
-    PREFERENCE_STAGES,
-    PreferenceConfig,
     RunConfig,
     WandbConfig,
 )
+from keel.config.sizes import parse_memory
 from keel.extras import extra_problem
+from keel.stages.base import Stage
+from keel.stages.registry import STAGES, spoken, stage_sections
 
 
 def check_config(cfg: RunConfig) -> list[str]:
@@ -27,7 +29,8 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_method(cfg),
         *_check_data(cfg),
         *_check_train(cfg),
-        *_check_preference(cfg),
+        *_check_stage(cfg),
+        *_check_stage_sections(cfg),
         *_check_output(cfg),
         *_check_distributed(cfg),
         *_check_watchdog(cfg),
@@ -138,23 +141,10 @@ def _check_data(cfg: RunConfig) -> list[str]:
         )
     problems += _positive(data.num_proc, "data.num_proc")
     problems += _positive(data.max_row_bytes, "data.max_row_bytes")
-    stage = cfg.train.stage
+    stage = STAGES.get(cfg.train.stage)  # None: _check_stage reports it
     for index, ds in enumerate(data.datasets):
-        if ds.format == "text" and stage != "pt":
-            problems.append(
-                f"data.datasets.{index}.format = text has no assistant turns to "
-                f"learn; use train.stage = pt, or a chat format for {stage}"
-            )
-        if ds.format == "preference" and stage not in ("dpo", "orpo", "simpo"):
-            problems.append(
-                f"data.datasets.{index}.format = preference holds pairs for train.stage "
-                f"dpo, orpo or simpo (it is {stage}); set train.stage, or the format"
-            )
-        if ds.format == "kto" and stage != "kto":
-            problems.append(
-                f"data.datasets.{index}.format = kto holds labelled samples for train.stage "
-                f"kto (it is {stage}); set train.stage = kto, or the format"
-            )
+        if stage and ds.format != "auto" and ds.format not in stage.formats:
+            problems.append(_format_problem(f"data.datasets.{index}.format", ds.format, stage))
         if ds.max_samples is not None:
             problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
         if ds.num_samples is not None:
@@ -201,44 +191,48 @@ def _check_train(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def _check_preference(cfg: RunConfig) -> list[str]:
-    p, stage = cfg.preference, cfg.train.stage
-    if stage not in PREFERENCE_STAGES:
-        if p != PreferenceConfig():
-            return [
-                f"preference is set but train.stage = {stage}; it applies to stages "
-                f"{', '.join(PREFERENCE_STAGES)}: set train.stage, or remove preference"
-            ]
+def _check_stage(cfg: RunConfig) -> list[str]:
+    """train.stage names a registered stage (keel.stages.registry)."""
+    name = cfg.train.stage
+    if name in STAGES:
         return []
-    problems = _positive(p.beta, "preference.beta")
-    if not 0 <= p.label_smoothing < 0.5:
-        problems.append(f"preference.label_smoothing = {p.label_smoothing} must be in [0, 0.5)")
-    if p.loss_type != "sigmoid" and stage != "dpo":
-        problems.append(
-            f"preference.loss_type = {p.loss_type} applies to train.stage dpo only "
-            f"(this run is {stage}); remove it"
+    close = difflib.get_close_matches(str(name), list(STAGES), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return [f"train.stage = {name!r} is not one of {', '.join(STAGES)}{hint}"]
+
+
+def _format_problem(key: str, fmt: str, stage: Stage) -> str:
+    """`key` = `fmt` names data that `stage` does not train on: say which stages do."""
+    users = [s.name for s in STAGES.values() if fmt in s.formats]
+    if fmt == "text":
+        return (
+            f"{key} = text has no assistant turns to learn; use train.stage = "
+            f"{spoken(users)}, or a chat format for {stage.name}"
         )
-    if p.label_smoothing and (stage in ("orpo", "kto") or p.loss_type in ("ipo", "hinge")):
-        what = stage if stage != "dpo" else f"the {p.loss_type} loss"
-        problems.append(
-            f"preference.label_smoothing = {p.label_smoothing} has no meaning for {what}; "
-            f"it applies to dpo (sigmoid, robust) and simpo; remove it"
-        )
-    if p.gamma != PreferenceConfig().gamma and stage != "simpo":
-        problems.append("preference.gamma applies to train.stage simpo only; remove it")
-    if p.reference != "auto" and stage in ("orpo", "simpo"):
-        problems.append(
-            f"preference.reference = {p.reference}: {stage} uses no reference model "
-            f"(its loss compares the policy's own log-probs); remove it"
-        )
-    if stage == "kto":
-        problems += _positive(p.desirable_weight, "preference.desirable_weight")
-        problems += _positive(p.undesirable_weight, "preference.undesirable_weight")
-    elif (p.desirable_weight, p.undesirable_weight) != (1.0, 1.0):
-        problems.append(
-            "preference.desirable_weight / undesirable_weight apply to train.stage kto only"
-        )
-    return problems
+    holds = {"preference": "pairs", "kto": "labelled samples"}.get(fmt, f"{fmt} data")
+    which = f" = {users[0]}" if len(users) == 1 else ""
+    return (
+        f"{key} = {fmt} holds {holds} for train.stage {spoken(users)} (it is "
+        f"{stage.name}); set train.stage{which}, or the format"
+    )
+
+
+def _check_stage_sections(cfg: RunConfig) -> list[str]:
+    """Only train.stage's section is set, and its values pass the stage's own checks (a
+    key of another stage's section is already an unknown key, keel.config.load)."""
+    stage = STAGES.get(cfg.train.stage)
+    if stage is None:  # _check_stage reports it
+        return []
+    problems = []
+    for name in stage_sections():
+        if name != stage.name and getattr(cfg, name, None) is not None:
+            instead = f"write {stage.name}: instead" if stage.settings else f"remove {name}"
+            problems.append(
+                f"{name} is set but train.stage = {stage.name}: the {name} section holds the "
+                f"settings of train.stage {name}; set train.stage = {name}, or {instead}"
+            )
+    settings = cfg.stage_settings
+    return problems + (settings.problems(stage.name) if settings is not None else [])
 
 
 def _check_output(cfg: RunConfig) -> list[str]:
@@ -292,8 +286,6 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
     problems = _positive(d.timeout_s, "distributed.timeout_s")
     problems += _positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
     if d.device_memory != "auto":
-        from keel.plan.devices import parse_memory
-
         try:
             parse_memory(d.device_memory)
         except ValueError as exc:

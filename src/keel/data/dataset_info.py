@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.data.formats import COLUMN_KEYS, DEFAULT_TAGS
-from keel.data.preference import PAIR_STAGES, PREFERENCE_STAGES
 from keel.errors import DataError
 from keel.files import read_text
+from keel.stages.registry import get_stage, spoken, stages_of
 
 INFO_FILE = "dataset_info.json"
 _HUB_KEYS = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
@@ -184,26 +184,27 @@ def _check_stage(entry: dict, where: str, stage: str | None) -> None:
     if stage is None:
         return
     this_run = f"this run is train.stage {stage}"
-    if ranking and stage not in PAIR_STAGES:
+    unit, sft = get_stage(stage).unit, spoken(stages_of("conversation"))
+    if ranking and unit != "pair":
         raise DataError(
             f"{where} is preference data (ranking: true); it needs a preference stage: "
-            f"train.stage dpo, orpo or simpo ({this_run})"
+            f"train.stage {spoken(stages_of('pair'))} ({this_run})"
         )
-    if kto_tag and stage != "kto":
+    if kto_tag and unit != "sample":
         raise DataError(
             f"{where} is KTO data (columns.kto_tag: '{kto_tag}'); it needs the preference "
-            f"stage train.stage kto ({this_run})"
+            f"stage train.stage {spoken(stages_of('sample'))} ({this_run})"
         )
-    if stage in PAIR_STAGES and not ranking:
+    if unit == "pair" and not ranking:
         raise DataError(
             f'{where} is not preference data (no "ranking": true); train.stage {stage} '
             f'trains on pairs: use an entry with "ranking": true and columns chosen and '
-            f"rejected, or train.stage sft for this one"
+            f"rejected, or train.stage {sft} for this one"
         )
-    if stage == "kto" and not kto_tag:
+    if unit == "sample" and not kto_tag:
         raise DataError(
-            f"{where} has no columns.kto_tag; train.stage kto trains on samples labelled "
-            f"true/false: name the label column in columns.kto_tag, or use train.stage sft "
+            f"{where} has no columns.kto_tag; train.stage {stage} trains on samples labelled "
+            f"true/false: name the label column in columns.kto_tag, or use train.stage {sft} "
             f"for this entry"
         )
 
@@ -309,10 +310,11 @@ def _lf_reading(entry: dict, where: str, stage: str | None):
     columns = {
         k: (_LF_DEFAULT_COLUMNS if declared is None else declared).get(k) for k in COLUMN_KEYS
     }
-    if stage in PREFERENCE_STAGES:
-        _check_answer_columns(columns, formatting, where, stage)
+    unit = get_stage(stage).unit if stage is not None else None
+    if unit in ("pair", "sample"):
+        _check_answer_columns(columns, formatting, where, unit)
     if formatting == "alpaca":
-        return _alpaca_reading(columns, declared is None, where, stage)
+        return _alpaca_reading(columns, declared is None, where, unit)
     declared_tags = _names(entry, "tags", LF_TAGS, where)
     defaults = DEFAULT_TAGS["sharegpt"]
     tags = {k: (defaults if declared_tags is None else declared_tags).get(k) for k in LF_TAGS}
@@ -327,9 +329,9 @@ def _lf_reading(entry: dict, where: str, stage: str | None):
             f"{where}: sharegpt data needs {', '.join(unset)}; an entry's tags replace "
             f"LLaMA-Factory's defaults (from/value/human/gpt), so name every tag it uses"
         )
-    if stage == "pt":
+    if unit == "text":
         raise DataError(
-            f"{where} is sharegpt conversations: for train.stage pt LLaMA-Factory pretrains "
+            f"{where} is sharegpt conversations: for train.stage {stage} LLaMA-Factory pretrains "
             f"on the first user message of each conversation only and drops the rest; keel "
             f"refuses rather than drop text silently: use train.stage sft, or a corpus entry "
             f'("columns": {{"prompt": "text"}}) for pretraining'
@@ -337,9 +339,9 @@ def _lf_reading(entry: dict, where: str, stage: str | None):
     return "sharegpt", columns, tags
 
 
-def _check_answer_columns(columns: dict, formatting: str, where: str, stage: str) -> None:
+def _check_answer_columns(columns: dict, formatting: str, where: str, unit: str) -> None:
     """The columns a preference entry must name: chosen and rejected, or kto's answer."""
-    if stage in PAIR_STAGES:
+    if unit == "pair":
         missing = [f"columns.{k}" for k in ("chosen", "rejected") if columns[k] is None]
         if missing:
             raise DataError(
@@ -354,11 +356,11 @@ def _check_answer_columns(columns: dict, formatting: str, where: str, stage: str
         )
 
 
-def _alpaca_reading(columns: dict, defaults: bool, where: str, stage: str | None):
+def _alpaca_reading(columns: dict, defaults: bool, where: str, unit: str | None):
     named = "LLaMA-Factory's defaults without columns" if defaults else "named in the entry"
     if columns["prompt"] is None:
         raise DataError(f"{where}: alpaca data needs columns.prompt (the instruction column)")
-    if stage == "pt":
+    if unit == "text":
         lost = {k: columns[k] for k in ("response", "system", "history") if columns[k]}
         if lost:
             shown = ", ".join(f"{k}: '{v}'" for k, v in lost.items())
@@ -371,7 +373,7 @@ def _alpaca_reading(columns: dict, defaults: bool, where: str, stage: str | None
                 f'"columns": {{"prompt": "text"}}'
             )
         return "text", {"prompt": columns["prompt"], "query": columns["query"]}, {}
-    if stage == "sft" and columns["response"] is None:
+    if unit == "conversation" and columns["response"] is None:
         query = f", query '{columns['query']}'" if columns["query"] else ""
         raise DataError(
             f"{where} names no response column (columns: prompt '{columns['prompt']}'"

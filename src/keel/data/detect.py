@@ -12,11 +12,13 @@ row by row for ending with a user turn.
 from __future__ import annotations
 
 from keel.data.formats import FormatSpec, chat_flavour, detect_format, make_spec
-from keel.data.preference import PAIR_STAGES
 from keel.errors import DataError
+from keel.stages.registry import get_stage, spoken, stages_of
 
 _CONVERSATION_COLUMNS = ("messages", "conversations")
 _KTO_LABELS = ("kto_tag", "label")  # LLaMA-Factory's column name, TRL's
+# the format assumed, by the stage's data unit, when no row could be read
+_UNREADABLE_FORMAT = {"pair": "preference", "sample": "kto"}
 
 
 def spec_for_stage(
@@ -25,7 +27,7 @@ def spec_for_stage(
     """The FormatSpec for a source of format `fmt` (auto: detected from its `first` row,
     None when no row could be read) trained with `stage`. Raises DataError."""
     if fmt == "auto" and first is None:  # nothing readable: every row is already a rejection
-        fmt = {"kto": "kto", **dict.fromkeys(PAIR_STAGES, "preference")}.get(stage, "messages")
+        fmt = _UNREADABLE_FORMAT.get(get_stage(stage).unit, "messages")
     elif fmt == "auto":
         fmt, columns = _detect(first, columns, tags, stage, where)
     _check_format(fmt, stage, where)
@@ -40,28 +42,29 @@ def _detect(row: dict, columns: dict, tags: dict, stage: str, where: str) -> tup
     found where the format's defaults would name another one."""
     present = {k for k, v in row.items() if v is not None}
     found = {}
+    unit = get_stage(stage).unit
     conversation = _first_present(present, columns.get("messages"), _CONVERSATION_COLUMNS)
-    if stage == "kto" and (label := _first_present(present, None, _KTO_LABELS)):
+    if unit == "sample" and (label := _first_present(present, None, _KTO_LABELS)):
         found["kto_tag"] = label
-    if stage in PAIR_STAGES or stage == "kto":
-        fmt = _preference_format(row, present, conversation, columns, tags, stage)
+    if unit in ("pair", "sample"):
+        fmt = _preference_format(row, present, conversation, columns, tags, unit)
     else:
         # checked before detection, which would find no SFT format in TRL's columns
         if {columns.get("chosen", "chosen"), columns.get("rejected", "rejected")} <= present:
-            raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "dpo", where)
+            raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "pair", where)
         if {"completion", "label"} <= present:
-            raise _wrong_stage(row, "KTO samples (completion, label)", stage, "kto", where)
+            raise _wrong_stage(row, "KTO samples (completion, label)", stage, "sample", where)
         fmt = detect_format(row, columns, tags, where)
     if fmt in ("sharegpt", "messages") and conversation is not None:
         found["messages"] = conversation
     return fmt, {**found, **columns}
 
 
-def _preference_format(row, present, conversation, columns, tags, stage) -> str:
+def _preference_format(row, present, conversation, columns, tags, unit) -> str:
     if conversation is not None:
         return chat_flavour(row[conversation], conversation, tags)
     prompt = columns.get("prompt", "instruction")
-    if stage == "kto":
+    if unit == "sample":
         alpaca = prompt in present and columns.get("response", "output") in present
         return "alpaca" if alpaca else "kto"
     answers = [row.get(columns.get(k, k)) for k in ("chosen", "rejected")]
@@ -77,26 +80,29 @@ def _first_present(present: set, override: str | None, names: tuple[str, ...]) -
 
 
 def _check_format(fmt: str, stage: str, where: str) -> None:
-    if fmt == "text" and stage == "sft":
+    unit = get_stage(stage).unit
+    text = spoken(stages_of("text"))
+    if fmt == "text" and unit == "conversation":
         raise DataError(
             f"{where}: plain text (format text) has no answers to train on in SFT; "
-            f"set train.stage: pt to continue pretraining on it, or give conversations"
+            f"set train.stage: {text} to continue pretraining on it, or give conversations"
         )
-    if fmt == "text" and stage != "pt":
+    if fmt == "text" and unit != "text":
         raise DataError(
             f"{where}: plain text (format text) has no answers to compare in train.stage "
-            f"{stage}; give preference data, or set train.stage: pt"
+            f"{stage}; give preference data, or set train.stage: {text}"
         )
-    if fmt == "preference" and stage not in PAIR_STAGES:
+    if fmt == "preference" and unit != "pair":
         raise DataError(
             f"{where}: format preference holds pairs (prompt, chosen, rejected) for train.stage "
-            f"dpo, orpo or simpo, not {stage}; set train.stage, or use format kto for labelled "
-            f"samples"
+            f"{spoken(stages_of('pair'))}, not {stage}; set train.stage, or use format kto "
+            f"for labelled samples"
         )
-    if fmt == "kto" and stage != "kto":
+    if fmt == "kto" and unit != "sample":
         raise DataError(
             f"{where}: format kto holds labelled samples (prompt, completion, label) for "
-            f"train.stage kto, not {stage}; set train.stage: kto"
+            f"train.stage {spoken(stages_of('sample'))}, not {stage}; set train.stage: "
+            f"{spoken(stages_of('sample'))}"
         )
 
 
@@ -106,18 +112,20 @@ def _check_answers(row: dict, spec: FormatSpec, stage: str, where: str) -> None:
     c = spec.columns
     answers = {c.get("chosen"), c.get("rejected")} - {None}
     labelled = c.get("kto_tag") is not None and c["kto_tag"] in present
-    if stage in PAIR_STAGES and not answers & present:
+    unit = get_stage(stage).unit
+    if unit == "pair" and not answers & present:
         raise _not_for_stage(row, stage, where)
-    if stage == "kto" and not labelled:
+    if unit == "sample" and not labelled:
         raise _not_for_stage(row, stage, where)
-    if stage in ("sft", "pt") and answers and answers <= present:
-        raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "dpo", where)
-    if stage in ("sft", "pt") and labelled:
-        raise _wrong_stage(row, f"KTO samples (label '{c['kto_tag']}')", stage, "kto", where)
+    if unit in ("text", "conversation") and answers and answers <= present:
+        raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "pair", where)
+    if unit in ("text", "conversation") and labelled:
+        raise _wrong_stage(row, f"KTO samples (label '{c['kto_tag']}')", stage, "sample", where)
 
 
-def _wrong_stage(row: dict, kind: str, stage: str, use: str, where: str) -> DataError:
-    use = "dpo, orpo or simpo" if use == "dpo" else use
+def _wrong_stage(row: dict, kind: str, stage: str, unit: str, where: str) -> DataError:
+    """The data holds `unit` rows, which `stage` does not train on."""
+    use = spoken(stages_of(unit))
     return DataError(
         f"{where}: the data holds {kind}, which train.stage {stage} cannot train on; set "
         f"train.stage to {use}, or give {stage} data (the first row has the columns "
@@ -126,22 +134,23 @@ def _wrong_stage(row: dict, kind: str, stage: str, use: str, where: str) -> Data
 
 
 def _not_for_stage(row: dict, stage: str, where: str) -> DataError:
-    if stage == "kto":
+    if get_stage(stage).unit == "sample":
         need = (
             "labelled samples: a prompt and a completion with a true/false label (TRL: "
             "prompt, completion, label; LLaMA-Factory: a conversation ending with the answer, "
             "plus kto_tag)"
         )
-        other = "dpo, orpo or simpo if it holds pairs"
+        other = f"{spoken(stages_of('pair'))} if it holds pairs"
     else:
         need = (
             "preference pairs: a prompt with a chosen and a rejected answer (TRL: prompt, "
             "chosen, rejected; LLaMA-Factory ranking data: instruction or conversations, "
             "plus chosen and rejected)"
         )
-        other = "kto if it holds labelled samples"
+        other = f"{spoken(stages_of('sample'))} if it holds labelled samples"
     return DataError(
         f"{where}: train.stage {stage} needs {need}, but the first row has the columns "
-        f"{sorted(row)}. For SFT data use train.stage sft; use train.stage {other}; or name "
+        f"{sorted(row)}. For SFT data use train.stage {spoken(stages_of('conversation'))}; "
+        f"use train.stage {other}; or name "
         f"the columns that hold the answers with columns: (e.g. chosen: better, rejected: worse)"
     )

@@ -20,6 +20,7 @@ from keel.data.template import (
     render,
     shift_targets,
 )
+from keel.stages.registry import get_stage
 
 IGNORE_INDEX = -100
 KEPT = ("ok", "truncated")
@@ -109,7 +110,7 @@ class RowEncoder:
         s = self.settings
         if isinstance(example, str):
             return encode_pt(self.tokenizer, example)
-        if s.stage == "pt":
+        if get_stage(s.stage).unit == "text":  # a conversation pretrained on as plain text
             text = render(self.tokenizer, s.template, example)
             return encode_pt(self.tokenizer, text, special_tokens=False)
         return encode_sft(self.tokenizer, s.template, example)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from keel.data.encode import EncodeSettings, RowEncoder, output_features
 from keel.data.formats import RowError
-from keel.data.preference import PAIR_STAGES, row_to_kto, row_to_pair
+from keel.data.preference import row_to_kto, row_to_pair
 from keel.data.template import TemplateMismatch, encode_sft, shift_targets
+from keel.stages.registry import get_stage
 
 
 class _Refused(Exception):
@@ -130,9 +131,10 @@ class KtoEncoder(_PreferenceEncoder):
 
 
 def encoder_for(tokenizer, settings: EncodeSettings) -> RowEncoder:
-    """The row encoder for `settings.stage`."""
-    if settings.stage in PAIR_STAGES:
+    """The row encoder for the data unit of `settings.stage`."""
+    unit = get_stage(settings.stage).unit
+    if unit == "pair":
         return PairEncoder(tokenizer, settings)
-    if settings.stage == "kto":
+    if unit == "sample":
         return KtoEncoder(tokenizer, settings)
     return RowEncoder(tokenizer, settings)

@@ -25,17 +25,16 @@ from keel.data.encode_preference import encoder_for
 from keel.data.formats import FormatSpec
 from keel.data.kto import add_kl_sequences
 from keel.data.packing import make_rows, split_indices
-from keel.data.preference import PAIR_STAGES, PREFERENCE_STAGES
 from keel.data.report import DataReport, FileStats, Rejection, SplitStats, list_capped
 from keel.data.sources import Source, SourceUnit, load_source, resolve_sources
 from keel.data.template import ChatTemplate, resolve_template
 from keel.errors import DataError
+from keel.stages.registry import STAGES
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 
-STAGES = ("pt", "sft", *PREFERENCE_STAGES)
 _UNIT_COLUMNS = ("input_ids", "targets", "seq_lens", "labels", "prompt_len")
 
 
@@ -64,8 +63,9 @@ def prepare_data(
 ) -> PreparedData:
     """Load, validate, tokenize, split and pack the data of `cfg`, or load it from the cache.
 
-    stage: "sft" (targets on assistant tokens only), "pt" (every token is a target), "dpo",
-    "orpo", "simpo" (a row of the data is a pair) or "kto" (a labelled sample).
+    stage: a stage of keel.stages.registry; its data unit decides what a row is: text (pt,
+    every token is a target), a conversation (sft, targets on assistant tokens only), a pair
+    (dpo, orpo, simpo) or a labelled sample (kto).
     Relative paths in `cfg` are resolved against `base_dir`. Every problem with the data is a
     `DataError` whose message names the file and row; the report is logged once.
 
@@ -94,24 +94,8 @@ def prepare_data(
         log(report.format())
         return PreparedData(train, eval_, report, fp, from_cache=True)
 
-    report = DataReport(
-        stage=stage,
-        template="none",
-        cutoff_len=cfg.cutoff_len,
-        overlength=cfg.overlength,
-        on_invalid=cfg.on_invalid,
-        packing=cfg.packing,
-    )
-    # One generator for every source, in order: LLaMA-Factory's num_samples draws from
-    # numpy's global generator, seeded with the run's seed, dataset after dataset.
-    load = partial(
-        load_source,
-        cache_dir=cache_dir,
-        base_dir=base_dir,
-        rng=np.random.RandomState(seed),
-        log=log,
-        max_row_bytes=cfg.max_row_bytes,
-    )
+    report = _empty_report(cfg, stage)
+    load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
     samples, overlong, used_template = _encode_sources(
         cfg, sources, tokenizer, template, stage, load, report, fp
     )
@@ -120,11 +104,7 @@ def prepare_data(
         if note:
             log(note)
     _check(cfg, report, overlong)
-    if stage == "kto":
-        samples = add_kl_sequences(samples, cfg.cutoff_len)
-        _note_one_sided(samples, log)
-    capacity = cfg.cutoff_len * (2 if stage in PAIR_STAGES else 1)
-    train, eval_ = _split_and_pack(cfg, samples, seed, report, capacity)
+    train, eval_ = _rows(cfg, samples, stage=stage, seed=seed, report=report, log=log)
     save_cache(target, train, eval_, report)
     train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns
     log(f"data: prepared and cached at {target}")
@@ -132,14 +112,61 @@ def prepare_data(
     return PreparedData(train, eval_, report, fp, from_cache=False)
 
 
+def _rows(
+    cfg: DataConfig,
+    samples: pa.Table,
+    *,
+    stage: str,
+    seed: int,
+    report: DataReport,
+    log: Callable[[str], None],
+) -> tuple[Dataset, Dataset | None]:
+    """The encoded samples as train and eval rows of the stage's unit, packed up to its
+    capacity (cutoff_len per sequence of a row)."""
+    if STAGES[stage].unit == "sample":  # labelled: KTO's mismatched sequences for its KL estimate
+        samples = add_kl_sequences(samples, cfg.cutoff_len)
+        _note_one_sided(samples, log)
+    capacity = cfg.cutoff_len * STAGES[stage].sequences_per_row
+    return _split_and_pack(cfg, samples, seed, report, capacity)
+
+
+def _empty_report(cfg: DataConfig, stage: str) -> DataReport:
+    """The report `_encode_sources` fills: the settings it was prepared with, no rows yet."""
+    return DataReport(
+        stage=stage,
+        template="none",
+        cutoff_len=cfg.cutoff_len,
+        overlength=cfg.overlength,
+        on_invalid=cfg.on_invalid,
+        packing=cfg.packing,
+    )
+
+
+def _source_loader(
+    cfg: DataConfig, *, cache_dir: Path, base_dir: Path, seed: int, log: Callable[[str], None]
+) -> Callable:
+    """`load_source` bound to this run: one generator for every source, in order, since
+    LLaMA-Factory's num_samples draws from numpy's global generator, seeded with the run's
+    seed, dataset after dataset."""
+    return partial(
+        load_source,
+        cache_dir=cache_dir,
+        base_dir=base_dir,
+        rng=np.random.RandomState(seed),
+        log=log,
+        max_row_bytes=cfg.max_row_bytes,
+    )
+
+
 def _check_tokenizer(tokenizer, stage: str) -> None:
     if stage not in STAGES:
         raise DataError(f"stage '{stage}': train.stage must be one of {', '.join(STAGES)}")
+    masked = STAGES[stage].unit != "text"  # only plain text trains on every token
     if tokenizer.eos_token_id is None:
         raise DataError(
             "the tokenizer has no eos token; set eos_token in its tokenizer_config.json"
         )
-    if stage != "pt" and not getattr(tokenizer, "is_fast", False):
+    if masked and not getattr(tokenizer, "is_fast", False):
         raise DataError(
             f"{stage.upper()} masking needs a fast tokenizer (a tokenizer.json) for "
             f"character offsets; convert the tokenizer or use a model directory that ships "

@@ -35,9 +35,6 @@ from keel.data.formats import (
     with_system,
 )
 
-PAIR_STAGES = ("dpo", "orpo", "simpo")
-PREFERENCE_STAGES = (*PAIR_STAGES, "kto")
-
 
 @dataclass(frozen=True)
 class PairExample:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from keel.stages.registry import get_stage
+
 MAX_LISTED = 50  # rejections (or over-length rows) listed in a message before "and N more"
 
 
@@ -93,11 +95,12 @@ class DataReport:
             f"packing {'on' if self.packing else 'off'}"
         ]
         lines += _file_table([*self.files, self.totals()])
-        unit = "pairs" if self.stage in ("dpo", "orpo", "simpo") else "samples"
+        stage_unit = get_stage(self.stage).unit
+        unit = "pairs" if stage_unit == "pair" else "samples"
         for name, split in (("train", self.train), ("eval", self.eval)):
             if split is not None and split.samples:
                 kto = ""
-                if self.stage == "kto":
+                if stage_unit == "sample":  # labelled samples
                     kto = f" ({split.desirable:,} desirable, "
                     kto += f"{split.samples - split.desirable:,} undesirable)"
                 lines.append(

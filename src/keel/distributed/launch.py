@@ -62,6 +62,50 @@ class WorldInfo:
         return self.rank == 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """`keel train`'s launcher flags as the user gave them, built once by the CLI and read by
+    every check, torchrun's arguments and the launch itself."""
+
+    nproc: int | None = None  # None: --nproc not given
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0; None on one node
+    max_restarts: int = 0
+
+    @classmethod
+    def from_flags(cls, flags) -> LaunchSpec:
+        """From `keel train`'s parsed flags (an argparse namespace)."""
+        return cls(
+            nproc=flags.nproc,
+            nnodes=flags.nnodes,
+            node_rank=flags.node_rank,
+            rdzv_endpoint=flags.rdzv_endpoint,
+            max_restarts=flags.max_restarts,
+        )
+
+    @property
+    def wants_launch(self) -> bool:
+        """True when the flags ask for workers: --nproc, or --nnodes above 1."""
+        return self.nproc is not None or self.nnodes != 1
+
+    @property
+    def workers_per_node(self) -> int:
+        """--nproc; without it 1 (--nnodes 2 alone means one worker per node)."""
+        return 1 if self.nproc is None else self.nproc
+
+    def given_flags(self) -> list[str]:
+        """The launcher flags that differ from their defaults, as the user typed them."""
+        flags = [
+            ("--nproc", self.nproc, None),
+            ("--nnodes", self.nnodes, 1),
+            ("--node-rank", self.node_rank, 0),
+            ("--rdzv-endpoint", self.rdzv_endpoint, None),
+            ("--max-restarts", self.max_restarts, 0),
+        ]
+        return [f"{flag} {value}" for flag, value, default in flags if value != default]
+
+
 def _int_var(environ: Mapping[str, str], name: str, *, minimum: int = 0) -> int:
     value = environ.get(name)
     if value is None:
@@ -229,43 +273,33 @@ def slurm_rendezvous_env(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def torchrun_args(
-    *,
-    nproc: int,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    max_restarts: int,
-    worker_args: list[str],
-    module: str = "keel",
-) -> list[str]:
+def torchrun_args(spec: LaunchSpec, *, worker_args: list[str], module: str = "keel") -> list[str]:
     """Arguments for torch.distributed.run that start `python -m <module> *worker_args`.
 
     One node without an endpoint uses `--standalone` (torchrun picks a free port).
     With an endpoint, the c10d rendezvous: the same command on every node. torchrun
     ignores --node-rank under c10d (ranks follow rendezvous order) and warns when it is
-    not 0, so it is left out; keel uses it only to check the flags.
+    not 0, so spec.node_rank is left out; keel uses it only to check the flags.
     """
-    del node_rank  # see the docstring: c10d assigns node ranks itself
-    if rdzv_endpoint is None:
+    if spec.rdzv_endpoint is None:
         args = ["--standalone"]
     else:
         args = [
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
-            rdzv_endpoint,
+            spec.rdzv_endpoint,
             "--rdzv-id",
             RDZV_ID,
             "--nnodes",
-            str(nnodes),
+            str(spec.nnodes),
         ]
     return [
         *args,
         "--nproc-per-node",
-        str(nproc),
+        str(spec.workers_per_node),
         "--max-restarts",
-        str(max_restarts),
+        str(spec.max_restarts),
         "--shutdown-timeout",
         str(SHUTDOWN_TIMEOUT_S),
         "--module",
@@ -274,10 +308,10 @@ def torchrun_args(
     ]
 
 
-def check_launch_args(
-    *, nproc: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int
-) -> None:
+def check_launch_args(spec: LaunchSpec) -> None:
     """Raise KeelError naming the flag, its value and the fix for the first bad flag."""
+    nproc, nnodes, node_rank = spec.workers_per_node, spec.nnodes, spec.node_rank
+    rdzv_endpoint, max_restarts = spec.rdzv_endpoint, spec.max_restarts
     if nproc < 1:
         raise KeelError(
             f"--nproc {nproc}: need at least 1 worker per node "
@@ -305,42 +339,14 @@ def check_launch_args(
         raise KeelError(f"--max-restarts {max_restarts}: must be 0 or more")
 
 
-def _given_flags(
-    *, nproc: int | None, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int
-) -> list[str]:
-    """The launcher flags that differ from their defaults, as the user typed them."""
-    flags = [
-        ("--nproc", nproc, None),
-        ("--nnodes", nnodes, 1),
-        ("--node-rank", node_rank, 0),
-        ("--rdzv-endpoint", rdzv_endpoint, None),
-        ("--max-restarts", max_restarts, 0),
-    ]
-    return [f"{flag} {value}" for flag, value, default in flags if value != default]
-
-
-def needs_launch(
-    world: WorldInfo,
-    *,
-    nproc: int | None,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    max_restarts: int,
-) -> bool:
+def needs_launch(world: WorldInfo, spec: LaunchSpec) -> bool:
     """Whether `keel train` must start workers through torchrun, given its flags and `world`.
 
     True for --nproc or --nnodes > 1 in a plain process, or in one `srun` task per node.
     Raises KeelError when the flags are bad or clash with the launcher that started us.
     """
-    given = _given_flags(
-        nproc=nproc,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-    )
-    wants = nproc is not None or nnodes != 1
+    given = spec.given_flags()
+    wants = spec.wants_launch
     if world.launcher == "torchrun" and given:
         raise KeelError(
             f"keel is already running under torchrun/srun (RANK={world.rank}); "
@@ -350,7 +356,7 @@ def needs_launch(
     if (
         world.launcher == "slurm"
         and wants
-        and (world.local_world_size > 1 or nnodes != world.world_size)
+        and (world.local_world_size > 1 or spec.nnodes != world.world_size)
     ):
         raise KeelError(
             f"keel is already running under torchrun/srun (RANK={world.rank}, "
@@ -359,21 +365,15 @@ def needs_launch(
             "node (srun --ntasks-per-node=1) with --nnodes equal to the number of nodes"
         )
     if given and not wants:
-        if max_restarts:
+        if spec.max_restarts:
             raise KeelError(
-                f"--max-restarts {max_restarts} needs the launcher: use "
-                f"--nproc 1 --max-restarts {max_restarts} "
+                f"--max-restarts {spec.max_restarts} needs the launcher: use "
+                f"--nproc 1 --max-restarts {spec.max_restarts} "
                 "(torchrun does the elastic restarts)"
             )
         raise KeelError(f"{given[0]} needs --nproc N (worker processes per node)")
     if wants:
-        check_launch_args(
-            nproc=1 if nproc is None else nproc,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            rdzv_endpoint=rdzv_endpoint,
-            max_restarts=max_restarts,
-        )
+        check_launch_args(spec)
     return wants
 
 
@@ -428,17 +428,8 @@ def _wait_after_interrupt(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def launch(
-    *,
-    nproc: int,
-    nnodes: int,
-    node_rank: int,
-    rdzv_endpoint: str | None,
-    max_restarts: int,
-    worker_args: list[str],
-    log: Callable[[str], None] = print,
-) -> int:
-    """Run torchrun in a subprocess to start `nproc` keel workers on this node.
+def launch(spec: LaunchSpec, *, worker_args: list[str], log: Callable[[str], None] = print) -> int:
+    """Run torchrun in a subprocess to start `spec.workers_per_node` keel workers here.
 
     Returns 0, or the failed workers' own exit code (keel's codes 2-7 first; see
     keel.distributed.torchrun: torchrun itself exits 1 whatever the workers had), or 130
@@ -446,30 +437,17 @@ def launch(
     workers save a checkpoint and exit 7 (never restarted). Raises KeelError for bad flags
     before anything starts.
     """
-    check_launch_args(
-        nproc=nproc,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-    )
-    args = torchrun_args(
-        nproc=nproc,
-        nnodes=nnodes,
-        node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint,
-        max_restarts=max_restarts,
-        worker_args=worker_args,
-    )
-    env = _worker_env(os.environ, nproc)
+    check_launch_args(spec)
+    args = torchrun_args(spec, worker_args=worker_args)
+    env = _worker_env(os.environ, spec.workers_per_node)
     where = (
-        f"node {node_rank} of {nnodes}, rendezvous {rdzv_endpoint}"
-        if rdzv_endpoint
+        f"node {spec.node_rank} of {spec.nnodes}, rendezvous {spec.rdzv_endpoint}"
+        if spec.rdzv_endpoint
         else "this node"
     )
     log(
-        f"keel: launching {nproc} worker(s) on {where} via torchrun "
-        f"(max {max_restarts} restart(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']}): "
+        f"keel: launching {spec.workers_per_node} worker(s) on {where} via torchrun "
+        f"(max {spec.max_restarts} restart(s), OMP_NUM_THREADS={env['OMP_NUM_THREADS']}): "
         f"python -m keel {' '.join(worker_args)}"
     )
     # torchrun's entry point, run by keel.distributed.torchrun to exit with the workers' code

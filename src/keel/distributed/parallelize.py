@@ -1,30 +1,78 @@
-"""Data parallelism applied from outside the model: DDP, or FSDP2 per decoder layer + root.
+"""Data parallelism applied from outside the model: DDP, or FSDP2 per unit + root.
 
-Model code never knows it is being sharded (the torchtitan way): these functions take a
-module and the layers to shard, nothing more.
+Model code never knows it is being sharded (the torchtitan way): `parallelize` takes a
+module, the run's `ParallelDims` (whose dp sub-mesh every `apply_*` takes) and settings,
+nothing more. The policy model and the frozen reference copy both go through it; they
+differ only in their settings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 
+from keel.distributed.parallel_dims import ParallelDims
 from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import Strategy
 
 
-def apply_ddp(module: nn.Module, ctx: DistContext, ignore: list[str] = ()) -> nn.Module:
-    """Wrap `module` in DDP. Its parameters are broadcast from rank 0 at construction,
-    except those named in `ignore` (frozen weights every rank loaded identically, in a
-    layout the broadcast cannot send, e.g. QLoRA's NF4 base)."""
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+@dataclass(frozen=True, kw_only=True)
+class ParallelizeSettings:
+    """How `parallelize` lays one module over the data-parallel processes."""
+
+    strategy: Strategy
+    # FSDP: the modules inside the root that are their own units, in order (`fsdp_units`)
+    units: Sequence[nn.Module] = ()
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False  # FSDP: shards in host memory (only meaningful on a GPU)
+    param_dtype: torch.dtype | None = None  # FSDP mixed precision: compute dtype
+    reduce_dtype: torch.dtype | None = None  # FSDP mixed precision: gradient reduction dtype
+    # DDP: parameters not broadcast from rank 0 (see `apply_ddp`)
+    ddp_ignore: Sequence[str] = ()
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings) -> nn.Module:
+    """`model` replicated (DDP) or sharded (FSDP2) over `dims`' data-parallel sub-mesh, or
+    as is (single). FSDP works on the meta device (allocate afterwards: each rank then holds
+    only its shards); DDP broadcasts weights, so apply it to the loaded model."""
+    if settings.strategy.shards:
+        return apply_fsdp(model, settings.units, dims.dp_mesh(), settings)
+    if settings.strategy.replicates:
+        return apply_ddp(model, dims.dp_mesh(), ignore=settings.ddp_ignore)
+    return model
+
+
+def fsdp_units(lm: nn.Module, layers: Iterable[nn.Module], *, embeddings: bool) -> list[nn.Module]:
+    """The FSDP units of causal LM `lm`: each of its decoder `layers`, and with `embeddings`
+    its input embeddings too when they are untied.
+
+    Untied input embeddings as their own unit keep the root (output layer + final norm)
+    from being gathered together with a second vocabulary-sized matrix. Tied ones must stay
+    in the root with the output layer that shares them.
+    """
+    units = list(layers)
+    if embeddings:
+        inputs = lm.get_input_embeddings()
+        if inputs.weight is not lm.get_output_embeddings().weight:
+            units.insert(0, inputs)
+    return units
+
+
+def apply_ddp(module: nn.Module, mesh: DeviceMesh, ignore: Sequence[str] = ()) -> nn.Module:
+    """Wrap `module` in DDP over `mesh` (1-D, data-parallel). Its parameters are broadcast
+    from the mesh's first rank at construction, except those named in `ignore` (frozen
+    weights every rank loaded identically, in a layout the broadcast cannot send, e.g.
+    QLoRA's NF4 base)."""
+    device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
     if ignore:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(ignore))
     # Frozen parameters (LoRA, freeze) never get gradients; DDP skips them on its own since
@@ -32,33 +80,31 @@ def apply_ddp(module: nn.Module, ctx: DistContext, ignore: list[str] = ()) -> nn
     # all-reduce buckets: otherwise DDP holds a second full copy of them (measured +1.5 GB
     # per rank on a 0.4B model).
     return DistributedDataParallel(
-        module, device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True
+        module,
+        device_ids=device_ids,
+        process_group=mesh.get_group(),
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
     )
 
 
 def apply_fsdp(
-    model: nn.Module,
-    layers: Iterable[nn.Module],
-    ctx: DistContext,
-    *,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    reshard_after_forward: bool,
-    cpu_offload: bool,
+    model: nn.Module, units: Iterable[nn.Module], mesh: DeviceMesh, settings: ParallelizeSettings
 ) -> nn.Module:
-    """Shard each of `layers` as its own FSDP2 unit, then `model` as the root unit.
+    """Shard each of `units` as its own FSDP2 unit over `mesh` (1-D: FSDP; 2-D replicate x
+    shard: HSDP), then `model` as the root unit.
 
     Works on a model still on the meta device: call `model.to_empty(device=...)` afterwards
     and every rank allocates only its own shards.
     """
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else None
-    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if offload is not None:
-        kwargs["offload_policy"] = offload
-    for layer in layers:
-        fully_shard(layer, **kwargs)
+    policy = MixedPrecisionPolicy(
+        param_dtype=settings.param_dtype, reduce_dtype=settings.reduce_dtype
+    )
+    kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward)
+    if settings.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in units:
+        fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
@@ -99,28 +145,6 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's global value (a collective: every rank must call it), else the tensor."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def choose_strategy(
-    requested: str, world_size: int, replica_bytes: int, device_bytes: int
-) -> tuple[str, str]:
-    """("none" | "ddp" | "fsdp", why). auto: fsdp only when a full replica would not fit.
-
-    `replica_bytes` is weights + gradients + optimizer state of one full copy; 80% of the
-    device is the budget, the rest is left for activations (the memory planner refines this).
-    """
-    if world_size == 1:
-        return "none", "one process: no data-parallel wrapper"
-    if requested != "auto":
-        return requested, "set by distributed.strategy"
-    gib = 2**30
-    figures = (
-        f"a full replica needs ~{replica_bytes / gib:.2f} GiB of "
-        f"{device_bytes / gib:.2f} GiB per device"
-    )
-    if replica_bytes > 0.8 * device_bytes:
-        return "fsdp", f"auto: {figures}, more than 80%: shard it"
-    return "ddp", f"auto: {figures}: it fits, replicate"
 
 
 def device_memory_bytes(ctx: DistContext) -> int:

@@ -21,6 +21,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from keel.distributed.parallel_dims import ParallelDims
 from keel.errors import KeelError
 
 Log = Callable[[str], None]
@@ -66,10 +67,31 @@ class DistContext:
     store: object | None = None
     # Numbers and cross-checks keel's collectives (see CollectiveGuard); None: unchecked.
     guard: CollectiveGuard | None = None
+    # How the processes divide the work, with the device mesh built once for the group.
+    # Until the strategy is known every process holds a full replica (dp_replicate);
+    # model set-up records the strategy's split (`ParallelDims.with_strategy`).
+    dims: ParallelDims = field(
+        default_factory=lambda: ParallelDims(dp_replicate=1, dp_shard=1, world_size=1)
+    )
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the rows this process reads (the world rank until tp/cp exist)."""
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        """How many processes read different rows: the data-parallel degree."""
+        return self.dims.dp_size
+
+    @property
+    def mesh(self):
+        """The device mesh over every rank (None: one process)."""
+        return self.dims.mesh
 
     @property
     def distributed(self) -> bool:
@@ -209,6 +231,9 @@ def init_distributed(
         device=device,
         slow_group=slow,
         store=keel_store,
+        dims=ParallelDims(dp_replicate=world_size, dp_shard=1, world_size=world_size).build_mesh(
+            device.type
+        ),
     )
     _check_placement(ctx)
     if ctx.is_main:

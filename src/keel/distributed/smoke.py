@@ -13,7 +13,7 @@ runs these checks in order, each numbered:
   2  all_reduce of a CUDA tensor (nccl); skipped when the ranks have no GPU
   3  broadcast_object from rank 0 (objects travel as CPU tensors: field note 1)
   4  barrier
-  5  one FSDP2 step (`apply_fsdp`) of a 2-Linear model: forward, backward, SGD step; every
+  5  one FSDP2 step (`parallelize`) of a 2-Linear model: forward, backward, SGD step; every
      rank must end with the same full parameters, within 1e-5 of the same step unsharded
 
 Rank 0 prints one line `keel-smoke-result {json}` on stdout when every check passed; a
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from keel.distributed.launch import TORCHRUN_VARS, detect_world, torchrun_args
-from keel.distributed.parallelize import apply_fsdp, full_value
+from keel.distributed.launch import TORCHRUN_VARS, LaunchSpec, detect_world, torchrun_args
+from keel.distributed.parallelize import ParallelizeSettings, full_value, parallelize
 from keel.distributed.process_group import (
     DistContext,
     backend_for,
@@ -49,6 +49,7 @@ from keel.distributed.process_group import (
     init_distributed,
     shutdown,
 )
+from keel.distributed.strategy import Strategy
 from keel.faults import at_step_start, fault_from_env
 
 MODULE = "keel.distributed.smoke"
@@ -87,15 +88,8 @@ def _fsdp_step(ctx: DistContext) -> str:
     reference = copy.deepcopy(model)
     inputs = torch.randn(ctx.world_size, 4, 16, device=ctx.device)  # [ranks, B, in]
     targets = torch.randn(ctx.world_size, 4, 8, device=ctx.device)  # [ranks, B, out]
-    apply_fsdp(
-        model,
-        list(model),
-        ctx,
-        param_dtype=None,
-        reduce_dtype=None,
-        reshard_after_forward=True,
-        cpu_offload=False,
-    )
+    sharded = ParallelizeSettings(strategy=Strategy.FSDP, units=list(model))
+    parallelize(model, ctx.dims.with_strategy(Strategy.FSDP), sharded)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = nn.functional.mse_loss(model(inputs[ctx.rank]), targets[ctx.rank])
     loss.backward()  # FSDP2 averages the gradients over the ranks
@@ -225,11 +219,7 @@ def smoke_command(collective_timeout_s: float) -> list[str]:
     between finding a port and using it.
     """
     args = torchrun_args(
-        nproc=NPROC,
-        nnodes=1,
-        node_rank=0,
-        rdzv_endpoint=None,
-        max_restarts=0,
+        LaunchSpec(nproc=NPROC),
         worker_args=["--timeout", f"{collective_timeout_s:g}"],
         module=MODULE,
     )

@@ -88,7 +88,7 @@ def diagnose(
     smoke_timeout_s: float = SMOKE_TIMEOUT_S,
 ) -> Report:
     """Run every check; `cpu_bf16_speedup` is the probe `precision: auto` uses
-    (keel.train.precision), passed in so that this module does not import keel.train."""
+    (keel.precision.cpu_bf16_speedup), passed in so that a test can give a fixed one."""
     started = time.monotonic()
     report = Report()
     log("keel doctor: versions and imports ...")

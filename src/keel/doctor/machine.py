@@ -13,7 +13,7 @@ from pathlib import Path
 from keel.doctor.report import GIB, Report
 
 SHM_MIN_BYTES = GIB
-# The threshold of keel.train.precision.resolve_precision: bf16 counts as fast from 1.5x.
+# The threshold of keel.precision.resolve_precision: bf16 counts as fast from 1.5x.
 BF16_FAST_RATIO = 1.5
 
 

@@ -72,6 +72,21 @@ def dpo_loss(
     label is flipped (conservative DPO for "sigmoid"). Gradients flow to the policy inputs
     only; the reference inputs are detached.
     """
+    _check_dpo_settings(beta, loss_type, label_smoothing)
+    pc, pr, rc, rr = _as_float32(
+        "dpo_loss", policy_chosen, policy_rejected, reference_chosen, reference_rejected
+    )
+    rc, rr = rc.detach(), rr.detach()  # the reference model is frozen: a constant here
+    logits = (pc - pr) - (rc - rr)  # [P]
+    return PairLosses(
+        losses=_dpo_losses(logits, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing),
+        chosen_rewards=(beta * (pc - rc)).detach(),
+        rejected_rewards=(beta * (pr - rr)).detach(),
+        extras={},
+    )
+
+
+def _check_dpo_settings(beta: float, loss_type: str, label_smoothing: float) -> None:
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(
             f"dpo_loss: loss_type={loss_type!r} is not supported; choose one of "
@@ -85,27 +100,19 @@ def dpo_loss(
             f"label_smoothing={label_smoothing}; set it to 0 or use loss_type 'sigmoid' "
             "or 'robust'."
         )
-    pc, pr, rc, rr = _as_float32(
-        "dpo_loss", policy_chosen, policy_rejected, reference_chosen, reference_rejected
-    )
-    rc, rr = rc.detach(), rr.detach()  # the reference model is frozen: a constant here
-    logits = (pc - pr) - (rc - rr)  # [P]
+
+
+def _dpo_losses(logits: Tensor, *, beta: float, loss_type: str, label_smoothing: float) -> Tensor:
+    """Per-pair DPO loss [P] of the implicit-reward margins `logits` [P] (formulas: dpo_loss)."""
     if loss_type == "sigmoid":
-        losses = _smoothed_logistic(beta * logits, label_smoothing)
-    elif loss_type == "robust":
+        return _smoothed_logistic(beta * logits, label_smoothing)
+    if loss_type == "robust":
         agree = -F.logsigmoid(beta * logits) * (1 - label_smoothing)
         flipped = F.logsigmoid(-beta * logits) * label_smoothing
-        losses = (agree + flipped) / (1 - 2 * label_smoothing)
-    elif loss_type == "ipo":
-        losses = (logits - 1 / (2 * beta)) ** 2
-    else:
-        losses = torch.relu(1 - beta * logits)
-    return PairLosses(
-        losses=losses,
-        chosen_rewards=(beta * (pc - rc)).detach(),
-        rejected_rewards=(beta * (pr - rr)).detach(),
-        extras={},
-    )
+        return (agree + flipped) / (1 - 2 * label_smoothing)
+    if loss_type == "ipo":
+        return (logits - 1 / (2 * beta)) ** 2
+    return torch.relu(1 - beta * logits)
 
 
 def orpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, *, beta: float) -> PairLosses:

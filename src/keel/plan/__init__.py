@@ -5,7 +5,7 @@ plan.recommendation            # the cheapest option that fits, or None
 decide(plan)                   # what `keel train` should do: a strategy, or a refusal
 """
 
-from keel.plan.devices import DeviceSpec, detect_devices, devices_for_run, parse_memory
+from keel.plan.devices import DeviceSpec, detect_devices, devices_for_run
 from keel.plan.estimate import Breakdown, Option, Workload
 from keel.plan.planner import DoesNotFit, Plan, plan_run
 from keel.plan.report import (
@@ -32,7 +32,6 @@ __all__ = [
     "detect_devices",
     "devices_for_run",
     "lighter",
-    "parse_memory",
     "plan_run",
     "refusal",
     "summary",

@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.plan.census import Census, LayerInfo, LinearInfo
+from keel.precision import Precision
 
 # Linears that read the same tensor: q/k/v read the first norm's output, gate/up the
 # second's. o_proj reads sdpa's output (saved by sdpa already); down_proj the SwiGLU
@@ -106,9 +107,11 @@ class Regime:
     adapters: int = 0  # LoRA weights' bytes as computed with; 0: as stored (census)
 
     @classmethod
-    def of(cls, *, precision: str, param_itemsize: int, fsdp_mixed: bool, cpu: bool) -> Regime:
+    def of(
+        cls, *, precision: Precision, param_itemsize: int, fsdp_mixed: bool, cpu: bool
+    ) -> Regime:
         """`fsdp_mixed`: FSDP2 gathers the weights (adapters too) in the compute dtype."""
-        compute = 4 if precision == "fp32" else 2
+        compute = precision.compute_itemsize
         residual = compute if fsdp_mixed else param_itemsize
         low = compute < residual
         return cls(

@@ -22,6 +22,7 @@ from keel.config import RunConfig
 from keel.config.schema import BUNDLED_PREFIX, MethodConfig
 from keel.errors import ModelError
 from keel.models.hub import CONFIG_FILES, download_hub_model, is_hub_id
+from keel.precision import Precision
 from keel.quant.layout import nf4_bytes, quantizable
 
 ROOT = -1  # unit index of the parameters left to the root FSDP unit
@@ -221,7 +222,7 @@ def take_census(
     method: MethodConfig,
     *,
     copy_first: bool = True,
-    precision: str = "fp32",
+    precision: Precision,
     log: Callable[[str], None] = lambda _m: None,
 ) -> Census:
     """Apply `method` to (a copy of) the meta model `base` and count what it holds.
@@ -243,14 +244,14 @@ def take_census(
     return census
 
 
-def qlora_compute_itemsize(method: MethodConfig, precision: str) -> int:
+def qlora_compute_itemsize(method: MethodConfig, precision: Precision) -> int:
     """Bytes per element of QLoRA's compute dtype (what NF4 weights dequantise to, and
     what the weights NF4 cannot hold are kept in): method.qlora.compute_dtype, or with
     auto the training precision's (2 under bf16/fp16, else 4)."""
     named = {"float32": 4, "bfloat16": 2, "float16": 2}
     if method.qlora.compute_dtype != "auto":
         return named[method.qlora.compute_dtype]
-    return 2 if precision in ("bf16", "fp16") else 4
+    return precision.compute_itemsize
 
 
 def _with_nf4(census: Census, model: nn.Module, compute_itemsize: int) -> Census:

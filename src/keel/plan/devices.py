@@ -1,14 +1,15 @@
 """What a plan is for: how many devices, of what kind, with how much memory each.
 
-`keel.config.validate` checks `distributed.device_memory` with `parse_memory` (imported
-only when the key is set, so loading a config does not import the planner).
+Memory sizes are parsed by `keel.config.sizes.parse_memory`, which config validation
+shares.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Literal
+
+from keel.config.sizes import parse_memory
 
 GIB = 2**30
 
@@ -36,39 +37,6 @@ CUDA_HOST_BASELINE_BYTES = 3 * GIB // 2
 # threshold fixed (mallopt M_MMAP_THRESHOLD) it lands within 3% (same benchmark).
 CPU_PROCESS_BYTES = 490 * 2**20
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": GIB,
-    "gb": 10**9,
-    "gib": GIB,
-    "t": 2**40,
-    "tb": 10**12,
-    "tib": 2**40,
-}
-_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory(text: str | int) -> int:
-    """Bytes in a memory size: `24GiB`, `80GB` (decimal), `24g` (a single letter is
-    binary), or a plain number of bytes. Raises ValueError saying what is accepted."""
-    match = _MEMORY.match(str(text))
-    size = 0
-    if match and match.group(2).lower() in _UNITS:
-        size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if size <= 0:
-        raise ValueError(
-            f"{text!r} is not a memory size; write it like 24GiB, 80GB, 24g "
-            f"or a number of bytes (more than 0)"
-        )
-    return size
-
 
 def gib(size: int | float) -> str:
     """`21.6` for 21.6 GiB: how the plan prints sizes."""
@@ -87,6 +55,12 @@ class DeviceSpec:
     @property
     def world(self) -> int:
         return self.per_node * self.nodes
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel degree FSDP shards over: every device, as long as keel has no
+        tensor or context parallelism (keel.distributed.parallel_dims)."""
+        return self.world
 
     @property
     def usable_bytes(self) -> int:

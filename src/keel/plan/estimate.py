@@ -2,7 +2,7 @@
 
 Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
 - params: every weight (tied ones once) and buffer at its dtype; under FSDP2 this rank's
-  shard of each weight, padded to an even split (ceil(rows / world) rows), buffers whole;
+  shard of each weight, padded to an even split (ceil(rows / dp) rows), buffers whole;
 - grads: the trainable weights' (padded shards under FSDP2; DDP's gradient buckets);
 - optimizer: AdamW's two moments per trainable weight, in the weight's dtype (fp32 master
   weights with model.dtype auto), unpadded shards under FSDP2, plus a 4-byte step each;
@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from keel.distributed.strategy import Strategy
 from keel.plan.activations import (
     Regime,
     Saved,
@@ -43,9 +44,9 @@ from keel.plan.activations import (
 )
 from keel.plan.census import ROOT, Census
 from keel.plan.devices import DeviceSpec
+from keel.precision import Precision
 from keel.quant.optim_state import adamw_state_bytes
 
-STRATEGIES = ("single", "ddp", "fsdp", "fsdp_offload")  # cheapest first
 COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead")
 
 
@@ -58,7 +59,7 @@ class Workload:
     loss_chunk_size: int
     packing: bool
     attn: str  # sdpa | eager | flash_attention_2
-    precision: str  # fp32 | bf16 | fp16 (resolved)
+    precision: Precision  # train.precision, resolved
     reshard_after_forward: bool
     checkpoint_itemsize: int  # bytes per element of the weights on disk
     # Preference stages: a DPO/ORPO/SimPO row is a pair, two sequences of up to cutoff_len
@@ -89,7 +90,7 @@ class Breakdown:
 
 @dataclass(frozen=True)
 class Option:
-    strategy: str  # single | ddp | fsdp | fsdp_offload
+    strategy: Strategy
     method: str  # full | freeze | lora | qlora
     gradient_checkpointing: bool | str  # False | True | "offload"
     per_device: Breakdown
@@ -97,28 +98,30 @@ class Option:
     fits: bool
 
 
-def strategies_for(devices: DeviceSpec) -> tuple[str, ...]:
+def strategies_for(devices: DeviceSpec) -> tuple[Strategy, ...]:
     """One device: no wrapper. Several: DDP, FSDP2, and FSDP2 + CPU offload on GPUs."""
-    if devices.world == 1:
-        return ("single",)
-    return ("ddp", "fsdp", "fsdp_offload") if devices.kind == "cuda" else ("ddp", "fsdp")
+    if devices.dp_size == 1:
+        return (Strategy.SINGLE,)
+    if devices.kind == "cuda":
+        return (Strategy.DDP, Strategy.FSDP, Strategy.FSDP_OFFLOAD)
+    return (Strategy.DDP, Strategy.FSDP)
 
 
 def state_bytes(
-    census: Census, strategy: str, world: int, rank: int = 0, *, optimizer: str = "adamw"
+    census: Census, strategy: Strategy, dp_size: int, rank: int = 0, *, optimizer: str = "adamw"
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes rank `rank` allocates; exact, see tests/distributed
     (and tests/unit/test_plan_optimizer.py for train.optimizer's 8/4-bit moments)."""
-    sharded = strategy.startswith("fsdp")
+    sharded = Strategy(strategy).shards
     params = grads = state = 0
     for t in census.tensors:
-        held = t.shard_bytes(world, rank) if sharded else t.nbytes
+        held = t.shard_bytes(dp_size, rank) if sharded else t.nbytes
         params += held
         if t.trainable:
             grads += held
             # exp_avg, exp_avg_sq (of the unpadded shard, which torchao also quantises by)
             # and the step (an fp32 scalar)
-            moment = t.shard_bytes(world, rank, padded=False) if sharded else t.nbytes
+            moment = t.shard_bytes(dp_size, rank, padded=False) if sharded else t.nbytes
             state += adamw_state_bytes(optimizer, moment // t.itemsize, t.itemsize)
     return params, grads, state
 
@@ -129,26 +132,19 @@ def estimate(
     devices: DeviceSpec,
     work: Workload,
     *,
-    strategy: str,
+    strategy: Strategy,
     checkpointing: bool | str,
 ) -> Option:
     """The per-device bytes of one option (see the module docstring)."""
-    sharded = strategy.startswith("fsdp")
-    mixed = sharded and work.precision != "fp32"
+    strategy = Strategy(strategy)
+    mixed = strategy.shards and work.precision.autocast_dtype is not None
     regime = Regime.of(
         precision=work.precision,
         param_itemsize=census.param_itemsize,
         fsdp_mixed=mixed,
         cpu=devices.kind == "cpu",
     )
-    params, grads, optimizer = state_bytes(
-        census, strategy, devices.world, optimizer=work.optimizer
-    )
-    if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
-        params *= 2
-    host_state = 0
-    if strategy == "fsdp_offload":
-        host_state, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
+    params, grads, optimizer, host_state = _state(census, devices, work, strategy)
     saved = activation_bytes(
         census,
         shapes,
@@ -169,16 +165,11 @@ def estimate(
         chunk=work.loss_chunk_size,
         head_grad_itemsize=gathered,
     )
-    head = shapes.vocab * shapes.hidden if census.head_trainable else 0
-    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
-    if sharded:
-        always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, devices.world)
-        early = head * gathered if more_chunks else 0  # the root's, unsharded
+    if strategy.shards:
+        always, early, late = _fsdp_step_buffers(census, shapes, devices, work, gathered)
     else:
         always = autocast_copy_bytes(census, shapes, regime, checkpointing=bool(checkpointing))
-        late = 0
-        early = grads if strategy == "ddp" else min(head * census.param_itemsize, grads)
-        early = early if strategy == "ddp" or more_chunks else 0
+        early, late = _replica_early_grads(census, shapes, work, strategy, grads), 0
     buffers, overhead = always + late, devices.overhead_bytes
     total = (
         params
@@ -186,13 +177,57 @@ def estimate(
         + overhead
         + _moving_peak(grads, saved, logits, always=always, early=early, late=late)
     )
-    activations = saved.peak
-    breakdown = Breakdown(params, grads, optimizer, activations, logits, buffers, overhead, total)
-    host = devices.host_baseline_bytes + _read_buffer(census, work, devices.world, sharded)
+    breakdown = Breakdown(params, grads, optimizer, saved.peak, logits, buffers, overhead, total)
+    host = devices.host_baseline_bytes + _read_buffer(
+        census, work, devices.dp_size, strategy.shards
+    )
     host += host_state + saved.host + (params if devices.kind == "cpu" else 0)
     return Option(
         strategy, census.method, checkpointing, breakdown, host, total <= devices.usable_bytes
     )
+
+
+def _state(
+    census: Census, devices: DeviceSpec, work: Workload, strategy: Strategy
+) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer) bytes on the device, and the bytes fsdp_offload moves to
+    host memory instead (all three of them)."""
+    params, grads, optimizer = state_bytes(
+        census, strategy, devices.dp_size, optimizer=work.optimizer
+    )
+    if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
+        params *= 2
+    if strategy is Strategy.FSDP_OFFLOAD:
+        return 0, 0, 0, params + grads + optimizer
+    return params, grads, optimizer, 0
+
+
+def _head_numel(census: Census, shapes: Shapes) -> int:
+    """The trainable output layer's elements (0 when it is frozen)."""
+    return shapes.vocab * shapes.hidden if census.head_trainable else 0
+
+
+def _fsdp_step_buffers(
+    census: Census, shapes: Shapes, devices: DeviceSpec, work: Workload, gathered: int
+) -> tuple[int, int, int]:
+    """FSDP2's (always, early, late) buffers: gathered units throughout, the root's
+    unsharded output-layer gradient at the loss once a second chunk runs, and the
+    gradient buffers of backward (see `_moving_peak`)."""
+    always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, devices.dp_size)
+    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
+    early = _head_numel(census, shapes) * gathered if more_chunks else 0  # the root's, unsharded
+    return always, early, late
+
+
+def _replica_early_grads(
+    census: Census, shapes: Shapes, work: Workload, strategy: Strategy, grads: int
+) -> int:
+    """Gradients that exist at the loss without FSDP: DDP's buckets (throughout), else
+    the output layer's once a second chunk runs."""
+    if strategy.replicates:
+        return grads
+    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
+    return min(_head_numel(census, shapes) * census.param_itemsize, grads) if more_chunks else 0
 
 
 def _moving_peak(
@@ -214,12 +249,12 @@ def _moving_peak(
 
 
 def _fsdp_buffers(
-    census: Census, itemsize: int, reshard_after_forward: bool, world: int
+    census: Census, itemsize: int, reshard_after_forward: bool, dp_size: int
 ) -> tuple[int, int]:
     """(gathered, gradient) buffer bytes of FSDP2 with weights gathered at `itemsize`
     (NF4 weights gather their packed bytes)."""
     units = [*range(census.units), ROOT]
-    size = {u: census.unit_gathered_bytes(u, itemsize, world) for u in units}
+    size = {u: census.unit_gathered_bytes(u, itemsize, dp_size) for u in units}
     grads = {u: census.unit_numel(u, trainable_only=True) for u in units}
     # Units run in order (untied embeddings, then the blocks); FSDP2 prefetches the next
     # one while one runs, both ways, so two neighbours are gathered at once.
@@ -235,13 +270,13 @@ def _fsdp_buffers(
     return gathered, reduce
 
 
-def _read_buffer(census: Census, work: Workload, world: int, sharded: bool) -> int:
+def _read_buffer(census: Census, work: Workload, dp_size: int, sharded: bool) -> int:
     """The largest piece of one checkpoint tensor read at once (a shard's rows under FSDP)."""
     largest = 0
     for t in census.tensors:
         if t.buffer:
             continue
-        rows = -(-t.shape[0] // world) if sharded and t.shape else None
+        rows = -(-t.shape[0] // dp_size) if sharded and t.shape else None
         numel = math.prod(t.shape) if rows is None else rows * math.prod(t.shape[1:])
         largest = max(largest, numel * work.checkpoint_itemsize)
     return largest

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from keel.config import RunConfig
+from keel.distributed.strategy import STRATEGIES, Strategy, configured_strategy
 from keel.errors import KeelError, ModelError
 from keel.plan.activations import Shapes
 from keel.plan.census import (
@@ -21,7 +22,10 @@ from keel.plan.census import (
     take_census,
 )
 from keel.plan.devices import DeviceSpec
-from keel.plan.estimate import STRATEGIES, Option, Workload, estimate, strategies_for
+from keel.plan.estimate import Option, Workload, estimate, strategies_for
+from keel.precision import Precision
+from keel.stages.base import reference_source
+from keel.stages.registry import get_stage
 
 # train.gradient_checkpointing's values, in the order the recommendation prefers them
 CHECKPOINTING = (False, True, "offload")
@@ -39,7 +43,7 @@ class Plan:
     work: Workload
     method: str  # configured
     checkpointing: bool | str  # configured: False | True | "offload"
-    strategy: str | None  # configured (single | ddp | fsdp | fsdp_offload); None: auto
+    strategy: Strategy | None  # configured; None: auto
     options: list[Option]
     recommendation: Option | None
     censuses: dict[str, Census] = field(repr=False)
@@ -53,7 +57,9 @@ class Plan:
     def trainable_params(self) -> int:
         return self.censuses[self.method].trainable_params
 
-    def option_for(self, strategy: str, method: str, checkpointing: bool | str) -> Option | None:
+    def option_for(
+        self, strategy: Strategy, method: str, checkpointing: bool | str
+    ) -> Option | None:
         """The option with these settings, or None where it does not apply here."""
         for option in self.options:
             if (option.strategy, option.method, option.gradient_checkpointing) == (
@@ -66,7 +72,7 @@ class Plan:
 
     def estimate(
         self,
-        strategy: str,
+        strategy: Strategy,
         method: str,
         checkpointing: bool | str,
         *,
@@ -86,12 +92,14 @@ class Plan:
 
 
 def workload_of(
-    cfg: RunConfig, *, precision: str, checkpoint_itemsize: int, auto_attn: str = "sdpa"
+    cfg: RunConfig, *, precision: Precision, checkpoint_itemsize: int, auto_attn: str = "sdpa"
 ) -> Workload:
     """The run's per-step work; `auto_attn` is what model.attn_implementation auto means for
     this model (sdpa or eager: flash-attn on the target machine cannot be known here, and
     sdpa's estimate is the larger)."""
     attn = cfg.model.attn_implementation
+    stage = get_stage(cfg.train.stage)
+    reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
     return Workload(
         micro_batch_size=cfg.train.micro_batch_size,
         cutoff_len=cfg.data.cutoff_len,
@@ -101,30 +109,20 @@ def workload_of(
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         checkpoint_itemsize=checkpoint_itemsize,
-        sequences_per_row=2 if cfg.train.stage in ("dpo", "orpo", "simpo") else 1,
-        reference_copy=(
-            cfg.train.stage in ("dpo", "kto") and cfg.preference.reference in ("auto", "live")
-        ),
+        sequences_per_row=stage.sequences_per_row,
+        reference_copy=reference == "copy",
         optimizer=cfg.train.optimizer,
     )
 
 
-def configured_strategy(cfg: RunConfig, devices: DeviceSpec) -> str | None:
-    """The strategy `cfg` asks for on `devices` (None: auto picks it)."""
-    if devices.world == 1:
-        return "single"
-    wanted = cfg.distributed.strategy
-    if wanted == "fsdp" and cfg.distributed.fsdp.cpu_offload and devices.kind == "cuda":
-        return "fsdp_offload"
-    return None if wanted == "auto" else wanted
-
-
-def resolved_precision(requested: str, kind: str) -> str:
+def resolved_precision(requested: str, kind: str) -> Precision:
     """train.precision without auto: bf16 on a GPU; fp32 on a CPU (the larger estimate;
     `keel plan` measures the CPU like training does and passes the result instead)."""
     if requested != "auto":
-        return requested
-    return "bf16" if kind == "cuda" else "fp32"
+        return Precision(requested, "set by train.precision")
+    if kind == "cuda":
+        return Precision("bf16", "auto: planned as bf16 on a GPU")
+    return Precision("fp32", "auto: planned as fp32 on a CPU (the larger estimate)")
 
 
 def plan_run(
@@ -132,7 +130,7 @@ def plan_run(
     model_dir: Path | None = None,
     *,
     devices: DeviceSpec,
-    precision: str | None = None,
+    precision: Precision | None = None,
     log: Callable[[str], None] = lambda _m: None,
 ) -> Plan:
     """Every applicable option for `cfg` on `devices`, each with its per-device bytes.
@@ -172,7 +170,12 @@ def plan_run(
         work=work,
         method=cfg.method.type,
         checkpointing=cfg.train.gradient_checkpointing,
-        strategy=configured_strategy(cfg, devices),
+        strategy=configured_strategy(
+            cfg.distributed.strategy,
+            cpu_offload=cfg.distributed.fsdp.cpu_offload,
+            dp_size=devices.dp_size,
+            cuda=devices.kind == "cuda",
+        ),
         options=options,
         recommendation=recommend(options, cfg.method.type),
         censuses=censuses,
@@ -188,7 +191,7 @@ def checkpointing_for(devices: DeviceSpec, configured: bool | str) -> tuple[bool
     return CHECKPOINTING[:2]
 
 
-def _censuses(base, cfg: RunConfig, precision: str, log) -> dict[str, Census]:
+def _censuses(base, cfg: RunConfig, precision: Precision, log) -> dict[str, Census]:
     variants = method_variants(cfg.method)
     censuses = {}
     for index, method in enumerate(variants):
@@ -226,12 +229,11 @@ def recommend(options: list[Option], method: str) -> Option | None:
 def changes(plan: Plan, option: Option) -> list[str]:
     """The config overrides that turn the configured run into `option`."""
     out = []
-    if option.strategy != plan.strategy and option.strategy != "single":
-        out.append(f"distributed.strategy={option.strategy.removesuffix('_offload')}")
-        if (option.strategy == "fsdp_offload") != (plan.strategy == "fsdp_offload"):
-            out.append(
-                f"distributed.fsdp.cpu_offload={str(option.strategy == 'fsdp_offload').lower()}"
-            )
+    if option.strategy != plan.strategy and option.strategy is not Strategy.SINGLE:
+        out.append(f"distributed.strategy={option.strategy.config_value}")
+        offload = option.strategy is Strategy.FSDP_OFFLOAD
+        if offload != (plan.strategy is Strategy.FSDP_OFFLOAD):
+            out.append(f"distributed.fsdp.cpu_offload={str(offload).lower()}")
     if option.method != plan.method:
         out.append(f"method.type={option.method}")
     if option.gradient_checkpointing != plan.checkpointing:
@@ -284,7 +286,8 @@ def knob_changes(plan: Plan, option: Option) -> list[tuple[str, Option]]:
             found.append((f"{key} {getattr(work, name)} -> {value}", tried))
     # More devices shrink FSDP2's shards; offloaded state is in host memory already, and
     # more CPU processes on one node share the same RAM.
-    if option.strategy == "fsdp" or (option.strategy == "single" and plan.devices.kind == "cuda"):
+    single_gpu = option.strategy is Strategy.SINGLE and plan.devices.kind == "cuda"
+    if option.strategy is Strategy.FSDP or single_gpu:
         found.append(more_devices(plan, option.method, option.gradient_checkpointing))
     return found
 
@@ -297,7 +300,7 @@ def more_devices(plan: Plan, method: str, checkpointing: bool | str) -> tuple[st
         world = devices.world * 2**k
         per_node = min(world, max(devices.per_node, 8))
         more = devices.with_world(per_node=per_node, nodes=world // per_node)
-        tried = plan.estimate("fsdp", method, checkpointing, devices=more)
+        tried = plan.estimate(Strategy.FSDP, method, checkpointing, devices=more)
         if tried.fits:
             break
     flags = f"--gpus {more.per_node}" + (f" --nodes {more.nodes}" if more.nodes > 1 else "")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from keel.distributed.strategy import STRATEGIES, Strategy
 from keel.plan.devices import GIB, USABLE_FRACTION, gib
-from keel.plan.estimate import COMPONENTS, STRATEGIES, Option
+from keel.plan.estimate import COMPONENTS, Option
 from keel.plan.planner import Plan, changes, knob_changes, more_devices, recommend
 
 
@@ -25,7 +26,7 @@ def to_json(plan: Plan) -> dict:
 
 def _option_json(option: Option) -> dict:
     return {
-        "strategy": option.strategy,
+        "strategy": option.strategy.value,
         "method": option.method,
         "gradient_checkpointing": option.gradient_checkpointing,
         "per_device_bytes": option.per_device.as_dict(),
@@ -92,7 +93,7 @@ def summary(plan: Plan) -> str:
         f"model: {c.params:,} parameters ({c.trainable_params:,} trainable with "
         f"{plan.method}{quant}); devices: {plan.devices.describe()}\n"
         f"per device: micro-batch {w.micro_batch_size} x cutoff_len {w.cutoff_len} "
-        f"tokens, precision {w.precision}, loss chunk {w.loss_chunk_size}"
+        f"tokens, precision {w.precision.name}, loss chunk {w.loss_chunk_size}"
         f"{', packing' if w.packing else ''}; sizes in GiB per device (host: RAM per "
         f"process)"
     )
@@ -113,9 +114,9 @@ def advice(plan: Plan) -> list[str]:
         f"recommendation: {describe(rec)}: {gib(rec.per_device.total)} GiB per device of "
         f"{gib(usable)} GiB usable ({how}){_host(plan, rec)}"
     ]
-    if rec.strategy == "fsdp_offload":
+    if rec.strategy is Strategy.FSDP_OFFLOAD:
         # Offload trades device memory for host RAM the plan cannot see: say what else works.
-        kept = [o for o in plan.options if o.strategy != "fsdp_offload"]
+        kept = [o for o in plan.options if o.strategy is not Strategy.FSDP_OFFLOAD]
         other = recommend(kept, plan.method)
         if other is not None:
             lines.append(
@@ -139,7 +140,7 @@ def _what_would(plan: Plan, options: list[Option]) -> list[str]:
         f"  from the smallest option, {describe(smallest)} ({gib(smallest.per_device.total)} GiB):"
     ]
     knobs = knob_changes(plan, smallest)
-    if smallest.strategy == "fsdp_offload":
+    if smallest.strategy is Strategy.FSDP_OFFLOAD:
         knobs.append(more_devices(plan, smallest.method, smallest.gradient_checkpointing))
     for change, option in knobs:
         verdict = "fits" if option.fits else "still does not fit"
@@ -158,7 +159,7 @@ def _host(plan: Plan, option: Option) -> str:
 class Decision:
     """What `keel train` does: train with `option` or refuse with `message`."""
 
-    strategy: str  # single | ddp | fsdp | fsdp_offload
+    strategy: Strategy
     option: Option
     fits: bool
     message: str
@@ -178,7 +179,7 @@ def decide(plan: Plan) -> Decision:
         chosen = next((o for o in ours if o.fits), ours[-1])
     size = f"{gib(chosen.per_device.total)} GiB per device of {gib(plan.devices.usable_bytes)}"
     if chosen.fits:
-        if chosen.strategy == "single":
+        if chosen.strategy is Strategy.SINGLE:
             how = "one process"
         elif plan.strategy:
             how = "set by distributed.strategy"

@@ -1,7 +1,7 @@
 """The one training loop, shared by every stage.
 
-A step is one optimizer update over an accumulation window of micro-batches. Which rows a
-step uses is a pure function of (step, seed): resuming needs only the step number.
+A step is one optimizer update over an accumulation window of micro-batches; which rows a
+step uses is the batch source's business (keel.train.batch_source).
 """
 
 from __future__ import annotations
@@ -9,114 +9,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 from torch import nn
 
-from keel.data import collate, epoch_order
+from keel.data import collate
 from keel.distributed.parallelize import full_value, gradient_sync, unwrap
 from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import Strategy
 from keel.distributed.watchdog import Progress
-from keel.train.precision import Precision
+from keel.precision import Precision
+from keel.stages.base import Objective, ObjectiveOutput
+from keel.train.batch_source import split_for_rank
 from keel.train.preference import reduce_statistics
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """Maps optimizer steps to rows, and each process's share to micro-batches.
-
-    A step's global batch is `global_batch` consecutive rows of the epoch's order, whatever
-    the number of processes; windows never cross epochs. Process r takes every world-th row
-    of it, and every process runs the same number of micro-batches: a process with fewer
-    rows gets empty micro-batches, which the trainer runs as zero-weight filler so that all
-    processes make the same collective calls (uneven remainders never hang a run).
-    """
-
-    num_rows: int
-    global_batch: int
-    micro_batch_size: int
-    seed: int
-    shuffle: bool
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.num_rows / self.global_batch)
-
-    def total_steps(self, epochs: float, max_steps: int | None) -> int:
-        if max_steps is not None:
-            return max_steps
-        return max(1, math.ceil(epochs * self.steps_per_epoch))
-
-    def schedule(self, epochs: float, max_steps: int | None) -> str:
-        """How long the run is in steps and epochs, and which key decided it (max_steps
-        overrides epochs when set, as in Hugging Face's Trainer and TRL)."""
-        total = self.total_steps(epochs, max_steps)
-        per_epoch = f"{self.steps_per_epoch} steps/epoch of {self.global_batch} rows"
-        if max_steps is None:
-            return f"train.epochs={epochs:g}: {total} steps ({per_epoch})"
-        spent = round(total / self.steps_per_epoch, 2)
-        return (
-            f"train.max_steps={max_steps} overrides train.epochs={epochs:g}: {total} steps "
-            f"= {spent:g} epochs ({per_epoch})"
-        )
-
-    def window(self, step: int) -> list[int]:
-        """Row indices of optimizer step `step`'s global batch (0-based step)."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        first = index * self.global_batch
-        return self._order(epoch)[first : min(first + self.global_batch, self.num_rows)]
-
-    def micro_batches(self, step: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-        """This process's micro-batches of step `step`; empty lists are filler."""
-        return split_for_rank(self.window(step), rank, world_size, self.micro_batch_size)
-
-    def epoch_of(self, step: int) -> float:
-        return step / self.steps_per_epoch
-
-    def idle_warning(self, world_size: int) -> str | None:
-        """Why some process runs a zero-weight filler micro-batch on every full step, or None.
-
-        Filler keeps the collectives in step on an uneven last window; on every step it is
-        a process (a GPU) doing no useful work.
-        """
-        size = min(self.global_batch, self.num_rows)
-        window = list(range(size))
-        per_rank = [
-            split_for_rank(window, r, world_size, self.micro_batch_size) for r in range(world_size)
-        ]
-        idle = [r for r, mbs in enumerate(per_rank) if any(not mb for mb in mbs)]
-        if not idle:
-            return None
-        slots = world_size * len(per_rank[0])
-        fillers = sum(not mb for mbs in per_rank for mb in mbs)
-        unit = world_size * self.micro_batch_size
-        better = max(unit, math.ceil(size / unit) * unit)
-        return (
-            f"{len(idle)} of {world_size} processes run zero-weight filler micro-batches "
-            f"on every step ({fillers} of {slots} micro-batches per step do no work): a "
-            f"global batch of {size} rows over {world_size} processes x micro_batch_size "
-            f"{self.micro_batch_size}. Use a multiple of {unit} rows (e.g. "
-            f"train.global_batch_size={better}), or leave train.global_batch_size unset "
-            f"(then it is micro_batch_size x grad_accum x processes), or fewer processes"
-        )
-
-    @lru_cache(maxsize=2)  # noqa: B019 - the plan is immutable and lives as long as the run
-    def _order(self, epoch: int) -> list[int]:
-        return epoch_order(self.num_rows, epoch, self.seed, self.shuffle)
-
-
-def default_global_batch(micro_batch_size: int, grad_accum: int, world_size: int) -> int:
-    """Rows per optimizer step when train.global_batch_size is unset: micro_batch_size is
-    per process, as in every other trainer, so more processes mean a larger batch."""
-    return micro_batch_size * grad_accum * world_size
-
-
-def split_for_rank(rows: list, rank: int, world_size: int, micro_batch_size: int) -> list[list]:
-    """Rank `rank`'s micro-batches of `rows`; the same count on every rank (padded with [])."""
-    mine = rows[rank::world_size]
-    count = max(1, math.ceil(math.ceil(len(rows) / world_size) / micro_batch_size))
-    return [mine[i * micro_batch_size : (i + 1) * micro_batch_size] for i in range(count)]
 
 
 @dataclass
@@ -147,7 +52,7 @@ class ReducedSteps:
 
 
 def grad_scaler(
-    device: torch.device, precision: Precision, strategy: str = "none"
+    device: torch.device, precision: Precision, strategy: Strategy = Strategy.SINGLE
 ) -> torch.amp.GradScaler:
     """fp16's dynamic loss scaling (a disabled scaler, a no-op, for fp32 and bf16).
 
@@ -157,7 +62,7 @@ def grad_scaler(
     check, so every rank already sees the same ones.)
     """
     enabled = precision.name == "fp16"
-    if enabled and strategy == "fsdp":
+    if enabled and strategy.shards:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type, process_group=None)  # None: the default group
@@ -173,7 +78,7 @@ class Trainer:
     N processes compute exactly the update one process computes on the same global batch.
     """
 
-    objective: nn.Module
+    objective: nn.Module  # a stage's Objective (keel.stages.base), maybe in a DDP wrapper
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
@@ -185,13 +90,18 @@ class Trainer:
     # micro-batches as one row of samples laid end to end (the model runs keel's varlen
     # attention; see keel.models.attention) instead of right-padded rows
     padding_free: bool = False
-    strategy: str = "none"  # none | ddp | fsdp (fp16: whose overflow checks must agree)
+    strategy: Strategy = Strategy.SINGLE  # fp16: whose overflow checks must agree
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
         self.trainable = [p for p in self.objective.parameters() if p.requires_grad]
         self.scaler = grad_scaler(self.device, self.precision, self.strategy)
         self.current_rows: list[dict] = []  # the micro-batch running now (for OOM reports)
+
+    @property
+    def inner_objective(self) -> Objective:
+        """The stage's objective inside any data-parallel wrapper: what it declares."""
+        return unwrap(self.objective)
 
     def _batch(self, rows: list[dict]) -> dict:
         batch = collate(rows, self.pad_id, padding_free=self.padding_free)
@@ -223,7 +133,7 @@ class Trainer:
         Nothing here reads a device value back to the host (except fp16's overflow check).
         """
         self.objective.train()
-        scale = self.dist.world_size / max(window_targets, 1)
+        scale = self.dist.dp_size / max(window_targets, 1)  # DDP/FSDP average over dp
         loss_sum = torch.zeros((), device=self.device)
         statistics = None
         mark = self.progress.mark
@@ -235,13 +145,14 @@ class Trainer:
             with gradient_sync(self.objective, last):
                 mark(("micro-batch", index, "forward"))
                 with self.precision.autocast(self.device):
-                    micro_loss, _, *extra = self.objective(self._batch(self.current_rows))
+                    out: ObjectiveOutput = self.objective(self._batch(self.current_rows))
                 mark(("micro-batch", index, "backward"))
-                self.scaler.scale(micro_loss * weight).backward()
+                self.scaler.scale(out.loss * weight).backward()
             if rows:
-                loss_sum += micro_loss.detach().float()
-                if extra:
-                    statistics = extra[0] if statistics is None else statistics + extra[0]
+                loss_sum += out.loss.detach().float()
+                if out.statistics is not None:
+                    stats = out.statistics
+                    statistics = stats if statistics is None else statistics + stats
         mark("optimizer step")
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
@@ -265,15 +176,15 @@ class Trainer:
     def _zero_statistics(self) -> torch.Tensor | None:
         """A process whose micro-batches were all filler still sends its (zero) statistics:
         every rank's vector has the same length."""
-        names = getattr(unwrap(self.objective), "metric_names", ())
+        names = self.inner_objective.metric_names
         return torch.zeros(2 * len(names), device=self.device) if names else None
 
     def _window_statistic(self, micro_batches: list[list[dict]], filler: dict) -> float | None:
         """The objective's number over the whole global batch that its losses need first
         (KTO's KL reference point), or None: a no-grad pass over every micro-batch (filler
         too, so all ranks run the same forwards) and one all-reduce of (sum, count)."""
-        inner = unwrap(self.objective)
-        if not getattr(inner, "needs_window_statistic", False):
+        inner = self.inner_objective
+        if not inner.needs_window_statistic:
             return None
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         with torch.no_grad():
@@ -322,21 +233,21 @@ class Trainer:
         """Mean loss per target token (pt, sft: and its ppl) or per pair/sample (preference,
         with its statistics) over all eval rows, split over processes."""
         self.objective.eval()
-        mine = split_for_rank(rows, self.dist.rank, self.dist.world_size, micro_batch_size)
+        mine = split_for_rank(rows, self.dist.dp_rank, self.dist.dp_size, micro_batch_size)
         self._window_statistic(mine, rows[0])
         total, count, statistics = 0.0, 0.0, self._zero_statistics()
         for batch_rows in mine:
             with self.precision.autocast(self.device):
-                loss_sum, n, *extra = self.objective(self._batch(batch_rows or rows[:1]))
+                out: ObjectiveOutput = self.objective(self._batch(batch_rows or rows[:1]))
             if batch_rows:
-                total += loss_sum.item()
-                count += int(n)
-                if extra:
-                    statistics = statistics + extra[0]
+                total += out.loss.item()
+                count += int(out.count)
+                if out.statistics is not None:
+                    statistics = statistics + out.statistics
         vector = [] if statistics is None else statistics.double().cpu().tolist()
         total, count, *vector = self.dist.all_reduce_sum([total, count, *vector])
         loss = total / max(count, 1)
-        names = getattr(unwrap(self.objective), "metric_names", ())
+        names = self.inner_objective.metric_names
         if not names:
             return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
         named = reduce_statistics(names, vector)

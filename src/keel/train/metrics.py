@@ -9,6 +9,7 @@ import secrets
 import string
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from keel.errors import KeelError
 
 if TYPE_CHECKING:
     from keel.config.schema import OutputConfig, WandbConfig
+    from keel.train.loop import StepResult
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in output.dir: the W&B run a resumed run continues
@@ -25,6 +27,27 @@ WANDB_RUN_ID_FILE = "wandb_run_id"  # in output.dir: the W&B run a resumed run c
 def peak_rss_mb() -> float:
     """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@dataclass(kw_only=True)
+class RunStats:
+    """What this process's training added up, for the run summary (keel_run.json)."""
+
+    real_tokens: int = 0  # non-padding input tokens of every global batch
+    target_tokens: int = 0  # of every global batch (pairs or samples for preference stages)
+    train_seconds: float = 0.0  # in the steps, without set-up, evaluation or saving
+    final_loss: float | None = None  # the last logged step's loss (None: none logged)
+    rows: int = 0  # rows this process trained on
+    filler_micro_batches: int = 0  # zero-weight micro-batches this process ran
+    load_peak_rss_mb: float = 0.0  # the loading high-water mark, before any training
+
+    def add_step(self, result: StepResult, seconds: float) -> None:
+        """Count one optimizer step that took `seconds`."""
+        self.real_tokens += result.real_tokens
+        self.target_tokens += result.target_tokens
+        self.train_seconds += seconds
+        self.rows += result.rows
+        self.filler_micro_batches += result.filler_micro_batches
 
 
 def memory_now() -> dict[str, float]:

@@ -6,6 +6,7 @@ so under FSDP each process allocates and loads only its own shards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,26 +14,34 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
-from keel.config.schema import PREFERENCE_STAGES
 from keel.distributed.parallelize import (
-    apply_ddp,
-    apply_fsdp,
-    choose_strategy,
+    ParallelizeSettings,
     device_memory_bytes,
+    fsdp_units,
     local_region,
     local_tensor,
+    parallelize,
 )
 from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
 from keel.models import apply_method, torch_dtype
 from keel.models.adapters import decoder_layers
 from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
 from keel.models.offload import offload_activations
-from keel.quant.base import quantize_base, quantized_names
+from keel.models.qlora import quantize_base, quantized_names
+from keel.precision import Precision
+from keel.stages.base import (
+    Objective,
+    ReferenceSource,
+    Stage,
+    StageSettings,
+    reference_source,
+)
+from keel.stages.registry import get_stage
 from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention
-from keel.train.precision import Precision
-from keel.train.preference import PreferenceObjective, reference_mode
+from keel.train.preference import PreferenceObjective
 from keel.train.reference import build_reference_copy
 
 
@@ -40,7 +49,7 @@ from keel.train.reference import build_reference_copy
 class TrainingModel:
     model: nn.Module  # the HF or PEFT model (FSDP2-sharded in place under fsdp)
     objective: nn.Module  # what the trainer calls; DDP-wrapped under ddp
-    strategy: str  # none | ddp | fsdp
+    strategy: Strategy
     padding_free: bool = False  # micro-batches laid end to end, on keel's varlen attention
 
 
@@ -52,6 +61,17 @@ def replica_bytes(model: nn.Module) -> int:
     return weights + sum(p.numel() * (p.element_size() + 8) for p in trainable)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Build:
+    """What every step of building the training model reads."""
+
+    cfg: RunConfig
+    model_dir: Path
+    dist: DistContext
+    precision: Precision
+    log: Callable[[str], None]
+
+
 def build_training_model(
     cfg: RunConfig,
     model_dir: Path,
@@ -59,16 +79,43 @@ def build_training_model(
     precision: Precision,
     log,
     *,
-    strategy: str | None = None,
+    strategy: Strategy | None = None,
 ) -> TrainingModel:
     """The model to train, placed on `dist.device`, sharded or replicated.
 
     `strategy` is the memory plan's choice (single | ddp | fsdp | fsdp_offload); None
     decides here from the size of a replica (when no plan could be made).
     """
+    build = _Build(cfg=cfg, model_dir=model_dir, dist=dist, precision=precision, log=log)
+    model = _model_on_meta(build)
+    strategy = _resolve_strategy(strategy, cfg, model, dist, log)
+    dist.dims = dist.dims.with_strategy(strategy)
+    if cfg.method.type == "qlora":
+        layers = decoder_layers(causal_lm_of(model))
+        quantize_base(layers, cfg.method.qlora, precision, dist, strategy, log)
+    objective = make_objective(cfg, model)
+    _materialize(build, model, objective, strategy)
+    fast_head = _choose_loss_head(objective, dist, log)
+    padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
+    if reference_source_of(cfg) == "copy":
+        _attach_reference_copy(
+            build, objective, sharded=strategy.shards, fast_head=fast_head, varlen=padding_free
+        )
+    if strategy.replicates:
+        replicated = ParallelizeSettings(strategy=strategy, ddp_ignore=quantized_names(objective))
+        objective = parallelize(objective, dist.dims, replicated)
+    return TrainingModel(
+        model=model, objective=objective, strategy=strategy, padding_free=padding_free
+    )
+
+
+def _model_on_meta(build: _Build) -> nn.Module:
+    """The model without storage (meta device), with activation checkpointing set up and
+    the method (full, freeze, LoRA, QLoRA) applied."""
+    cfg = build.cfg
     dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
     model = build_empty_model(
-        model_dir,
+        build.model_dir,
         dtype=dtype,
         attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code,
@@ -76,66 +123,60 @@ def build_training_model(
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(model)
         if cfg.train.gradient_checkpointing == "offload":
-            offload_activations(model, dist.device, log)
+            offload_activations(model, build.dist.device, build.log)
     # The preflight has built this on the meta device too and logged what trains. New
     # adapter weights go on the meta device as well (keel fills them itself).
     with torch.device("meta"):
         model = apply_method(model, cfg.method, log=lambda _message: None)
-    if strategy is None:
-        strategy, why = choose_strategy(
-            cfg.distributed.strategy,
-            dist.world_size,
-            replica_bytes(model),
-            device_memory_bytes(dist),
-        )
-        log(f"strategy: {strategy} ({why})")
-    offload = strategy == "fsdp_offload" or (
-        strategy == "fsdp" and cfg.distributed.fsdp.cpu_offload
-    )
-    strategy = {"single": "none", "fsdp_offload": "fsdp"}.get(strategy, strategy)
-    if cfg.method.type == "qlora":
-        layers = decoder_layers(causal_lm_of(model))
-        quantize_base(layers, cfg.method.qlora, precision, dist, strategy, log)
-    objective = make_objective(cfg, model)
+    return model
+
+
+def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy: Strategy) -> None:
+    """Shard the objective while it has no storage (if the strategy shards), then allocate
+    this process's part and load the weights into it."""
+    cfg, dist = build.cfg, build.dist
     init_device = dist.device
-    if strategy == "fsdp":
+    if strategy.shards:
         # The objective is the root unit: its forward is what runs (it calls the decoder and
         # output layer directly), so its hooks are the ones that gather the root's weights.
-        init_device = _shard(
-            objective,
-            model,
-            cfg.distributed.fsdp.reshard_after_forward,
-            dist,
-            precision,
-            offload,
-            log,
-        )
+        parallelize(objective, dist.dims, _sharded(strategy, cfg, model, build.precision))
+        if strategy is Strategy.FSDP_OFFLOAD:  # FSDP2 moves each layer to the GPU to run it
+            init_device = torch.device("cpu")
     allocate(objective, init_device)
     lm = causal_lm_of(model)
     init_computed_buffers(lm, dist.device)
-    fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
+    fill_weights(
+        model, build.model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor
+    )
+
+
+def _choose_loss_head(objective: CausalLMObjective, dist: DistContext, log) -> bool:
+    """Whether the objective's fast loss head (logits only at target positions, in chunks)
+    gives the model's own loss, else the full Hugging Face forward; say which."""
     # Every rank probes (under FSDP the probe gathers the root's weights); rank 0's verdict
     # decides, so all ranks run the same forward.
     ok, why = dist.broadcast_object(objective.check_fast_head(dist.device))
     objective.fast_head = ok
     log(f"loss head: {'fast' if ok else 'full Hugging Face forward'} ({why})")
-    padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
-    if needs_reference_copy(cfg):
-        log(
-            "reference model: a frozen copy of the base"
-            + (" (sharded)" if strategy == "fsdp" else "")
-        )
-        reference = build_reference_copy(
-            cfg, model_dir, dist, precision, sharded=strategy == "fsdp", fast_head=ok
-        )
-        if padding_free:  # it scores the same concatenated rows
-            use_attention(reference.model, VARLEN_ATTENTION)
-        objective._reference = (reference,)
-    if strategy == "ddp":
-        objective = apply_ddp(objective, dist, ignore=quantized_names(objective))
-    return TrainingModel(
-        model=model, objective=objective, strategy=strategy, padding_free=padding_free
+    return ok
+
+
+def _attach_reference_copy(
+    build: _Build, objective: Objective, *, sharded: bool, fast_head: bool, varlen: bool
+) -> None:
+    """Give the objective a frozen copy of the base model to score the reference with."""
+    build.log("reference model: a frozen copy of the base" + (" (sharded)" if sharded else ""))
+    reference = build_reference_copy(
+        build.cfg,
+        build.model_dir,
+        build.dist,
+        build.precision,
+        sharded=sharded,
+        fast_head=fast_head,
     )
+    if varlen:  # it scores the same concatenated rows
+        use_attention(reference.model, VARLEN_ATTENTION)
+    objective._reference = (reference,)
 
 
 def _padding_free(objective: CausalLMObjective, model: nn.Module, dist: DistContext, log) -> bool:
@@ -151,53 +192,80 @@ def _padding_free(objective: CausalLMObjective, model: nn.Module, dist: DistCont
     return ok
 
 
-def make_objective(cfg: RunConfig, model: nn.Module) -> nn.Module:
-    """The stage's objective: next-token CE for pt/sft, a preference loss otherwise."""
-    if cfg.train.stage not in PREFERENCE_STAGES:
-        return CausalLMObjective(model, chunk_size=cfg.train.loss_chunk_size)
-    return PreferenceObjective(
-        model,
-        stage=cfg.train.stage,
-        settings=cfg.preference,
-        chunk_size=cfg.train.loss_chunk_size,
+@dataclass
+class _ObjectiveKit:
+    """What a stage's objective factory builds from (keel.stages.base.ObjectiveKit)."""
+
+    model: nn.Module
+    chunk_size: int
+    settings: StageSettings | None
+
+    def causal_lm(self) -> Objective:
+        return CausalLMObjective(self.model, chunk_size=self.chunk_size)
+
+    def sequence_scores(self, stage: Stage) -> Objective:
+        return PreferenceObjective(
+            self.model, stage=stage, settings=self.settings, chunk_size=self.chunk_size
+        )
+
+
+def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
+    """The objective of the run's stage, from its factory in the stage registry."""
+    stage = get_stage(cfg.train.stage)
+    kit = _ObjectiveKit(
+        model=model, chunk_size=cfg.train.loss_chunk_size, settings=cfg.stage_settings
     )
+    return stage.objective(kit, stage)
 
 
-def needs_reference_copy(cfg: RunConfig) -> bool:
-    """DPO/KTO with a live reference and no LoRA to switch off: a frozen copy of the base."""
-    mode = reference_mode(cfg.train.stage, cfg.preference)
-    return mode == "live" and not cfg.method.uses_lora
+def reference_source_of(cfg: RunConfig) -> ReferenceSource | None:
+    """Where this run's reference log-probs come from (keel.stages.base.reference_source)."""
+    stage = get_stage(cfg.train.stage)
+    return reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
 
 
-def _shard(
-    root: nn.Module,
-    model: nn.Module,
-    reshard_after_forward: bool,
-    dist: DistContext,
-    precision: Precision,
-    offload: bool,
-    log,
-) -> torch.device:
-    cpu_offload = offload and dist.device.type == "cuda"
-    if offload and not cpu_offload:
+def _resolve_strategy(
+    planned: Strategy | None, cfg: RunConfig, model: nn.Module, dist: DistContext, log
+) -> Strategy:
+    """The plan's strategy, else the config's, else auto's from the size of a replica; then
+    fsdp with distributed.fsdp.cpu_offload is fsdp_offload (also when auto chose fsdp),
+    except on a CPU, where there is nothing to offload from."""
+    strategy = planned
+    if strategy is None:
+        requested = configured_strategy(
+            cfg.distributed.strategy,
+            cpu_offload=cfg.distributed.fsdp.cpu_offload,
+            dp_size=dist.dp_size,
+            cuda=dist.device.type == "cuda",
+        )
+        strategy, why = choose_strategy(
+            requested, dist.dp_size, replica_bytes(model), device_memory_bytes(dist)
+        )
+        log(f"strategy: {strategy} ({why})")
+    strategy = Strategy(strategy)
+    offload = strategy is Strategy.FSDP_OFFLOAD or (
+        strategy is Strategy.FSDP and cfg.distributed.fsdp.cpu_offload
+    )
+    if not offload:
+        return strategy
+    if dist.device.type != "cuda":
         log("distributed.fsdp.cpu_offload: ignored, parameters are already in CPU memory")
+        return Strategy.FSDP
+    return Strategy.FSDP_OFFLOAD
+
+
+def _sharded(
+    strategy: Strategy, cfg: RunConfig, model: nn.Module, precision: Precision
+) -> ParallelizeSettings:
+    """The policy's FSDP2 layout: each decoder layer and untied input embeddings are units;
+    compute in the autocast dtype, gradients reduced in fp32."""
     low = precision.autocast_dtype
     lm = causal_lm_of(model)
-    units = list(decoder_layers(lm))
-    embeddings = lm.get_input_embeddings()
-    if embeddings.weight is not lm.get_output_embeddings().weight:
-        # Untied input embeddings are their own unit, so the root (output layer + final
-        # norm) is not gathered together with a second vocabulary-sized matrix. Tied ones
-        # must stay in the root with the output layer that shares them.
-        units.insert(0, embeddings)
-    apply_fsdp(
-        root,
-        units,
-        dist,
+    return ParallelizeSettings(
+        strategy=strategy,
+        units=fsdp_units(lm, decoder_layers(lm), embeddings=True),
+        reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
+        cpu_offload=strategy is Strategy.FSDP_OFFLOAD,
         param_dtype=low,
         reduce_dtype=torch.float32 if low is not None else None,
-        reshard_after_forward=reshard_after_forward,
-        cpu_offload=cpu_offload,
     )
-    # Offloaded shards live in CPU memory; FSDP2 moves each layer to the GPU when it runs.
-    return torch.device("cpu") if cpu_offload else dist.device

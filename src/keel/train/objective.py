@@ -19,6 +19,7 @@ from torch import nn
 
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
 from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
+from keel.stages.base import ObjectiveOutput
 
 # Logit magnitude of the probe's synthetic hidden states. A random or freshly initialised
 # model has |logit| ~ 0.1, where cap * tanh(x / cap) equals x to ~1e-7; trained models
@@ -68,7 +69,7 @@ def use_attention(model: nn.Module, implementation: str) -> None:
 class CausalLMObjective(nn.Module):
     """Next-token cross-entropy summed over target tokens (pt and sft).
 
-    forward(batch) -> (loss_sum, num_targets). With `fast_head`, logits are only computed
+    forward(batch) -> ObjectiveOutput(loss sum, target tokens). With `fast_head`, logits are only computed
     at positions that have a target (prompt and padding positions are skipped) and in
     chunks, so the [B, T, V] logits tensor never exists. Without it, the loss comes from
     the full Hugging Face forward. `fast_head` is off until the caller has run
@@ -76,16 +77,22 @@ class CausalLMObjective(nn.Module):
     the one the model is evaluated and served with.
     """
 
+    metric_names: tuple[str, ...] = ()  # no statistics beside the loss
+    needs_window_statistic = False
+
     def __init__(self, model: nn.Module, *, chunk_size: int = 1024, fast_head: bool = False):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.fast_head = fast_head
 
+    def set_window_statistic(self, value: float) -> None:
+        raise AssertionError("next-token cross-entropy needs no window statistic")
+
     def forward(
         self, batch: dict[str, torch.Tensor], *, probe: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | dict:
-        """(loss_sum, num_targets); with `probe` ("head" or "attention"), what
+    ) -> ObjectiveOutput | dict:
+        """ObjectiveOutput(loss sum, target tokens); with `probe` ("head" or "attention"), what
         `check_fast_head` or `check_varlen_attention` compares.
 
         Probes go through this forward so that, when the objective is the FSDP root unit,
@@ -101,14 +108,14 @@ class CausalLMObjective(nn.Module):
         num_targets = mask.sum()
         if not self.fast_head:
             logits = self.model(**inputs).logits  # [B, T, V]
-            return cross_entropy_sum(logits, targets), num_targets
+            return ObjectiveOutput(cross_entropy_sum(logits, targets), num_targets)
         lm = causal_lm_of(self.model)
         hidden = lm.get_decoder()(**inputs).last_hidden_state  # [B, T, H]
         selected = hidden[mask]  # [N, H]
         loss = chunked_cross_entropy(
             selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
         )
-        return loss, num_targets
+        return ObjectiveOutput(loss, num_targets)
 
     def check_fast_head(self, device: torch.device | None = None) -> tuple[bool, str]:
         """(ok, why): does the fast head give the model's own logits? Does not set fast_head.

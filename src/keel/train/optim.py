@@ -103,18 +103,6 @@ def build_scheduler(
     )
 
 
-def scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
-    """The scheduler's state_dict as plain JSON values (a checkpoint's trainer.json).
-
-    With torchao's optimizers the last lr is a tensor (their group["lr"] is one); it is
-    only reported, never used to compute the next lr, so a float loses nothing.
-    """
-    return {
-        key: [float(v) for v in value] if key == "_last_lr" else value
-        for key, value in scheduler.state_dict().items()
-    }
-
-
 def continue_schedule(
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     cfg: TrainConfig,

@@ -32,11 +32,11 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
+from keel.checkpoint.layout import CHECKPOINTS, META, complete_checkpoints
 from keel.distributed.process_group import DistContext, on_main
 from keel.distributed.watchdog import DIAGNOSTICS
 from keel.errors import KeelError
 from keel.owner import Owner, parse_owner, this_process
-from keel.train.checkpoint import CHECKPOINTS, META, complete_checkpoints
 from keel.train.metrics import METRICS_FILE, WANDB_RUN_ID_FILE
 
 Log = Callable[[str], None]

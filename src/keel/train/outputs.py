@@ -14,15 +14,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from keel import __version__
+from keel.checkpoint.layout import clear_partial_checkpoints
 from keel.config import RunConfig
-from keel.distributed.checkpoint import gather_full_state
+from keel.distributed.full_state import gather_full_state
 from keel.distributed.process_group import DistContext
 from keel.errors import KeelError
 from keel.files import fsync_tree
 from keel.models import load_for_inference, save_model_dir
 from keel.models.model_card import ModelCard, write_model_card
-from keel.train import checkpoint as ckpt
-from keel.train.metrics import METRICS_FILE, peak_rss_mb, plot_losses
+from keel.precision import Precision
+from keel.train.metrics import METRICS_FILE, RunStats, peak_rss_mb, plot_losses
 from keel.train.output_folder import (
     FINAL_SUMMARY,
     check_ownership,
@@ -44,19 +45,19 @@ def write_final_outputs(
     log,
     *,
     steps: int,
-    stats: dict,
-    precision: str,
+    stats: RunStats,
+    precision: Precision,
 ) -> dict:
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
     full_state = None
-    if built.strategy == "fsdp":
+    if built.strategy.shards:
         full_state = gather_full_state(built.model, trainable_only=cfg.method.uses_lora)
-    summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy}
+    summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy.value}
     if dist.is_main:
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
         _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
-        _write_cards(cfg, tmp, out, steps, stats["loss"])
+        _write_cards(cfg, tmp, out, steps, stats.final_loss)
         fsync_tree(tmp)
         record_written(out, [entry.name for entry in tmp.iterdir()])  # before they move in
         for entry in tmp.iterdir():
@@ -70,7 +71,7 @@ def write_final_outputs(
         log(
             f"done: {steps} steps, {summary['real_tokens']} tokens in "
             f"{summary['train_seconds']:.1f}s ({summary['tokens_per_s']} tokens/s), final loss "
-            f"{_loss(stats['loss'])}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
+            f"{_loss(stats.final_loss)}, peak RSS {summary['peak_rss_mb']:.0f} MB (max over processes) "
             f"-> {out}"
         )
     dist.barrier()
@@ -117,27 +118,27 @@ def _save_model(
         save_model_dir(rebuilt.merge_and_unload(), tokenizer, tmp / "merged")
 
 
-def _summary(steps: int, stats: dict, precision: str, dist: DistContext) -> dict:
-    seconds = stats["train_seconds"]
+def _summary(steps: int, stats: RunStats, precision: Precision, dist: DistContext) -> dict:
+    seconds = stats.train_seconds
     # Per process: memory is the point of sharding, and the maximum alone hides imbalance.
     per_rank = dist.gather_objects(
         {
             "peak_rss_mb": round(peak_rss_mb(), 1),
-            "load_peak_rss_mb": round(stats["load_peak_rss_mb"], 1),
-            "rows": stats["rows"],
-            "filler_micro_batches": stats["filler_micro_batches"],
+            "load_peak_rss_mb": round(stats.load_peak_rss_mb, 1),
+            "rows": stats.rows,
+            "filler_micro_batches": stats.filler_micro_batches,
         }
     )
     peak = max(r["peak_rss_mb"] for r in per_rank)
     return {
         "steps": steps,
-        "final_loss": stats["loss"],
-        "precision": precision,
+        "final_loss": stats.final_loss,
+        "precision": precision.name,
         "processes": dist.world_size,
-        "real_tokens": stats["real_tokens"],
-        "target_tokens": stats["target_tokens"],
+        "real_tokens": stats.real_tokens,
+        "target_tokens": stats.target_tokens,
         "train_seconds": round(seconds, 2),
-        "tokens_per_s": round(stats["real_tokens"] / seconds, 1) if seconds else None,
+        "tokens_per_s": round(stats.real_tokens / seconds, 1) if seconds else None,
         "peak_rss_mb": round(peak, 1),
         "per_rank": per_rank,
         "keel_version": __version__,
@@ -158,11 +159,11 @@ def prepare_output_dir(
         # with resume=auto it starts over. Anything else needs an explicit overwrite.
         unfinished_run = (out / "config.yaml").is_file() and not (out / FINAL_MARKER).exists()
         if unfinished_run and cfg.train.resume == "auto":
-            return ckpt.clear_partial_checkpoints(out)
+            return clear_partial_checkpoints(out)
         if not cfg.output.overwrite:
             raise KeelError(
                 f"output.dir {out} is not empty and there is no checkpoint to resume from; "
                 f"choose another output.dir, or set output.overwrite=true to replace it"
             )
         remove_run_files(out, log)
-    return ckpt.clear_partial_checkpoints(out)
+    return clear_partial_checkpoints(out)

@@ -20,56 +20,14 @@ reference) for DPO/KTO and beta x the mean log-prob for ORPO/SimPO.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from keel.config.schema import PreferenceConfig
 from keel.losses import preference as losses
 from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
+from keel.stages.base import ObjectiveOutput, Scored, Stage, StageSettings
 from keel.train.objective import CausalLMObjective, causal_lm_of, model_inputs
-
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-ORPO_METRICS = ("nll_loss", "log_odds_ratio", "log_odds_chosen")
-KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
-
-
-def metric_names(stage: str) -> tuple[str, ...]:
-    """The statistics a stage reports, in the order of its statistics vector."""
-    if stage == "kto":
-        return KTO_METRICS
-    return PAIR_METRICS + (ORPO_METRICS if stage == "orpo" else ())
-
-
-def uses_reference(stage: str) -> bool:
-    return stage in ("dpo", "kto")
-
-
-def reference_mode(stage: str, settings: PreferenceConfig) -> str | None:
-    """live | precompute for stages with a reference model, else None."""
-    if not uses_reference(stage):
-        return None
-    return "live" if settings.reference == "auto" else settings.reference
-
-
-@dataclass
-class Scored:
-    """Per-sequence log-probs of a batch: sums over completion tokens and token counts."""
-
-    sums: torch.Tensor  # [S]
-    counts: torch.Tensor  # [S]
-
-    @property
-    def means(self) -> torch.Tensor:
-        return self.sums / self.counts.clamp_min(1)
 
 
 def score_sequences(
@@ -119,7 +77,10 @@ class SequenceScorer(nn.Module):
 
 
 class PreferenceObjective(CausalLMObjective):
-    """forward(batch) -> (loss_sum, pairs or samples, statistics vector [2 x metrics]).
+    """forward(batch) -> ObjectiveOutput(loss sum, pairs or samples, statistics [2 x metrics]).
+
+    The objective of every stage whose unit is a pair or a labelled sample: it scores the
+    sequences and hands them to the stage's loss (`Stage.pair_loss`, or KTO's for samples).
 
     The reference log-probs come, in this order of preference, from the batch (precomputed),
     from `reference` (a frozen copy of the base, for full and freeze), or from the policy
@@ -137,16 +98,18 @@ class PreferenceObjective(CausalLMObjective):
         self,
         model: nn.Module,
         *,
-        stage: str,
-        settings: PreferenceConfig,
+        stage: Stage,
+        settings: StageSettings,
         reference: SequenceScorer | None = None,
         chunk_size: int = 1024,
     ):
         super().__init__(model, chunk_size=chunk_size)
+        assert stage.unit in ("pair", "sample"), f"{stage.name} does not score sequences"
         self.stage = stage
         self.settings = settings
-        self.metric_names = metric_names(stage)
-        self.needs_window_statistic = stage == "kto"
+        self.metric_names = stage.metric_names
+        # labelled samples: KTO's reference point, over the global batch, before any loss
+        self.needs_window_statistic = stage.unit == "sample"
         # Not a submodule: its weights are neither trained, nor checkpointed, nor wrapped
         # by the policy's DDP/FSDP (it is sharded as its own root under FSDP).
         self._reference = (reference,)
@@ -168,8 +131,8 @@ class PreferenceObjective(CausalLMObjective):
         if mode == "reference":
             return self._reference_logps(batch)
         policy = self._score(batch)
-        reference = self._reference_sums(batch, "") if uses_reference(self.stage) else None
-        if self.stage == "kto":
+        reference = self._reference_sums(batch, "") if self.stage.uses_reference else None
+        if self.stage.unit == "sample":
             return self._kto(batch, policy, reference)
         return self._pairs(policy, reference)
 
@@ -194,7 +157,7 @@ class PreferenceObjective(CausalLMObjective):
 
     @torch.no_grad()
     def _reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What `preference.reference: precompute` stores: the reference's per-sequence
+        """What `reference: precompute` (dpo, kto) stores: the reference's per-sequence
         log-probs of the main and (KTO) mismatched sequences. Runs before training, so the
         policy still holds the base weights (and LoRA is switched off anyway)."""
         scorer = self.reference
@@ -215,42 +178,8 @@ class PreferenceObjective(CausalLMObjective):
         ratios = losses.kto_kl(policy, self._reference_sums(batch, "kl_"))
         return ratios.sum(), torch.tensor(float(ratios.numel()), device=ratios.device)
 
-    def _pairs(self, policy: Scored, reference: torch.Tensor | None):
-        s = self.settings
-        if self.stage == "dpo":
-            chosen, rejected = policy.sums[0::2], policy.sums[1::2]
-            if s.loss_type == "ipo":  # IPO works on length-normalised log-ratios
-                counts = policy.counts.clamp_min(1)
-                out = losses.dpo_loss(
-                    policy.means[0::2],
-                    policy.means[1::2],
-                    reference[0::2] / counts[0::2],
-                    reference[1::2] / counts[1::2],
-                    beta=s.beta,
-                    loss_type="ipo",
-                )
-            else:
-                out = losses.dpo_loss(
-                    chosen,
-                    rejected,
-                    reference[0::2],
-                    reference[1::2],
-                    beta=s.beta,
-                    loss_type=s.loss_type,
-                    label_smoothing=s.label_smoothing,
-                )
-        else:
-            chosen, rejected = policy.means[0::2], policy.means[1::2]
-            if self.stage == "orpo":
-                out = losses.orpo_loss(chosen, rejected, beta=s.beta)
-            else:
-                out = losses.simpo_loss(
-                    chosen,
-                    rejected,
-                    beta=s.beta,
-                    gamma=s.gamma,
-                    label_smoothing=s.label_smoothing,
-                )
+    def _pairs(self, policy: Scored, reference: torch.Tensor | None) -> ObjectiveOutput:
+        out, chosen, rejected = self.stage.pair_loss(policy, reference, self.settings)
         pairs = out.losses.shape[0]
         every = torch.ones_like(out.losses, dtype=torch.bool)
         values = {
@@ -263,9 +192,9 @@ class PreferenceObjective(CausalLMObjective):
             **out.extras,
         }
         stats = _statistics(self.metric_names, values, {name: every for name in values})
-        return out.losses.sum(), torch.tensor(float(pairs)), stats
+        return ObjectiveOutput(out.losses.sum(), torch.tensor(float(pairs)), stats)
 
-    def _kto(self, batch: dict, policy: Scored, reference: torch.Tensor):
+    def _kto(self, batch: dict, policy: Scored, reference: torch.Tensor) -> ObjectiveOutput:
         s = self.settings
         desirable = batch["labels"] == 1  # [S]
         out = losses.kto_loss(
@@ -288,7 +217,7 @@ class PreferenceObjective(CausalLMObjective):
             name: desirable if name.endswith("chosen") else ~desirable for name in values
         }
         stats = _statistics(self.metric_names, values, chosen_or_rejected)
-        return out.losses.sum(), torch.tensor(float(out.losses.shape[0])), stats
+        return ObjectiveOutput(out.losses.sum(), torch.tensor(float(out.losses.shape[0])), stats)
 
 
 def _statistics(

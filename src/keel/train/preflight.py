@@ -28,10 +28,10 @@ from keel.models import count_parameters, load_tokenizer, resolve_model_path, to
 from keel.models.adapters import apply_method, find_decoder_layers, method_problems
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
+from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
-from keel.train.loop import StepPlan, default_global_batch
+from keel.train.batch_source import StepPlan, default_global_batch
 from keel.train.output_folder import unwritable_reason
-from keel.train.precision import Precision, resolve_precision
 
 Log = Callable[[str], None]
 
@@ -126,21 +126,14 @@ def preflight(
     for note in notes:
         log(f"note: {note}")
     tokenizer = checked = None
-    try:
-        if model_dir is None:
-            model_dir = resolve_model_path(
-                cfg.model.path, cfg.model.cache_dir, log=log, revision=cfg.model.revision
-            )
-    except ModelError as exc:
-        problems.append(str(exc))
+    model_dir, found = _model_dir(cfg, model_dir, log)
+    problems += found
     if model_dir is not None:
         checked, found = check_model(cfg, model_dir, attn=attn, precision=precision, log=log)
         problems += found
         tokenizer, found = _tokenizer(cfg, model_dir, checked, log)
         problems += found
-    problems += _data_settings(cfg, tokenizer, base_dir)
-    unwritable = unwritable_reason(Path(cfg.output.dir).expanduser())
-    problems += [unwritable] if unwritable else []
+    problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg)
     if problems:
         raise ConfigError(problems, source=source)
     data = prepare_data(
@@ -162,6 +155,24 @@ def preflight(
         notes=notes,
         config=cfg,
     )
+
+
+def _model_dir(cfg: RunConfig, model_dir: Path | None, log: Log) -> tuple[Path | None, list[str]]:
+    """model.path as a local folder (`model_dir` when the caller resolved it already), or
+    None and why it cannot be had."""
+    if model_dir is not None:
+        return model_dir, []
+    try:
+        return resolve_model_path(
+            cfg.model.path, cfg.model.cache_dir, log=log, revision=cfg.model.revision
+        ), []
+    except ModelError as exc:
+        return None, [str(exc)]
+
+
+def _output_problems(cfg: RunConfig) -> list[str]:
+    unwritable = unwritable_reason(Path(cfg.output.dir).expanduser())
+    return [unwritable] if unwritable else []
 
 
 def _schedule(cfg: RunConfig, rows: int) -> str:

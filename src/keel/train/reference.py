@@ -26,14 +26,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from keel.distributed.parallelize import apply_fsdp, local_region, local_tensor, unwrap
+from keel.distributed.parallelize import (
+    ParallelizeSettings,
+    fsdp_units,
+    local_region,
+    local_tensor,
+    parallelize,
+    unwrap,
+)
 from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import Strategy
 from keel.models import torch_dtype
 from keel.models.adapters import decoder_layers
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
-from keel.train.loop import Trainer, split_for_rank
+from keel.precision import Precision
+from keel.train.batch_source import split_for_rank
+from keel.train.loop import Trainer
 from keel.train.objective import causal_lm_of
-from keel.train.precision import Precision
 from keel.train.preference import SequenceScorer
 
 COMPLETE = "complete.json"
@@ -55,16 +64,16 @@ def build_reference_copy(
     model.requires_grad_(False)
     scorer = SequenceScorer(model, chunk_size=cfg.train.loss_chunk_size, fast_head=fast_head)
     if sharded:
+        # Its own layout: no gradients to reduce, no offload, and the embeddings stay in the
+        # root unit (the policy makes untied ones a unit of their own).
         lm = causal_lm_of(model)
-        apply_fsdp(
-            scorer,
-            list(decoder_layers(lm)),
-            dist,
-            param_dtype=precision.autocast_dtype,
-            reduce_dtype=None,
+        frozen = ParallelizeSettings(
+            strategy=Strategy.FSDP,
+            units=fsdp_units(lm, decoder_layers(lm), embeddings=False),
             reshard_after_forward=True,
-            cpu_offload=False,
+            param_dtype=precision.autocast_dtype,
         )
+        parallelize(scorer, dist.dims.with_strategy(Strategy.FSDP), frozen)
     allocate(scorer, dist.device)
     init_computed_buffers(causal_lm_of(model), dist.device)
     fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
@@ -85,7 +94,7 @@ class ReferenceLogps:
         return out
 
 
-def reference_fingerprint(data_fingerprint: str, model_dir: Path, precision: str) -> str:
+def reference_fingerprint(data_fingerprint: str, model_dir: Path, precision: Precision) -> str:
     """What the cached log-probs depend on: the prepared rows (data, template, cutoff, stage,
     packing), the base model's files and the compute precision."""
     files = []
@@ -98,7 +107,7 @@ def reference_fingerprint(data_fingerprint: str, model_dir: Path, precision: str
             "data": data_fingerprint,
             "model": str(Path(model_dir).resolve()),
             "files": files,
-            "precision": precision,
+            "precision": precision.name,
         },
         sort_keys=True,
     )
@@ -154,7 +163,7 @@ def _compute(trainer: Trainer, job: PrecomputeJob, dist: DistContext, log) -> No
     files = []
     for split, rows in job.splits.items():
         indices = list(range(len(rows)))
-        mine = split_for_rank(indices, dist.rank, dist.world_size, job.micro_batch_size)
+        mine = split_for_rank(indices, dist.dp_rank, dist.dp_size, job.micro_batch_size)
         main_parts, kl_parts, done = [], [], []
         for index, chunk in enumerate(mine):
             trainer.progress.mark(("reference pass", split, index))
@@ -165,7 +174,7 @@ def _compute(trainer: Trainer, job: PrecomputeJob, dist: DistContext, log) -> No
                 main_parts.append(main.float().cpu())
                 kl_parts.append(kl.float().cpu() if kl is not None else torch.zeros(0))
                 done += chunk
-        name = f"{split}.rank-{dist.rank:05d}-of-{dist.world_size:05d}.safetensors"
+        name = f"{split}.rank-{dist.dp_rank:05d}-of-{dist.dp_size:05d}.safetensors"
         files.append(name)
         _save(job.folder / name, rows, done, main_parts, kl_parts)
     names = dist.gather_objects(files)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from keel.checkpoint.checkpointer import Checkpointer, StatefulParts
+from keel.checkpoint.identity import RunIdentity, run_identity
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData
 from keel.data.template import resolve_template
@@ -29,16 +31,18 @@ from keel.distributed.process_group import (
     shutdown,
 )
 from keel.faults import fault_from_env
-from keel.train import checkpoint as ckpt
-from keel.train.hub_fetch import fetch_hub_model
-from keel.train.loop import (
-    StepCallback,
+from keel.precision import Precision
+from keel.train.batch_source import (
+    BATCH_SOURCE,
+    DatasetBatchSource,
     StepPlan,
-    Trainer,
     default_global_batch,
+    eval_rows,
 )
-from keel.train.metrics import peak_rss_mb
-from keel.train.model_setup import build_training_model
+from keel.train.hub_fetch import fetch_hub_model
+from keel.train.loop import StepCallback, Trainer
+from keel.train.metrics import RunStats, peak_rss_mb
+from keel.train.model_setup import TrainingModel, build_training_model, reference_source_of
 from keel.train.optim import (
     build_optimizer,
     build_scheduler,
@@ -47,23 +51,18 @@ from keel.train.optim import (
 )
 from keel.train.output_folder import claim_output_dir
 from keel.train.outputs import prepare_output_dir, write_final_outputs
-from keel.train.preference import reference_mode
-from keel.train.preflight import preflight
+from keel.train.preflight import Preflight, preflight
 from keel.train.reference import (
     PrecomputeJob,
     ReferenceLogps,
     precompute_reference,
     reference_fingerprint,
 )
-from keel.train.resume import find_resume_point, run_identity
+from keel.train.resume import ResumePoint, find_resume_point
 from keel.train.run_loop import RunEnv, TrainingLoop
 from keel.train.stops import Preemption
 from keel.train.threads import set_threads
-from keel.train.watch import (
-    instrument,
-    plan_memory,
-    watching,
-)
+from keel.train.watch import PlannedRun, instrument, plan_memory, watching
 
 
 @dataclass
@@ -134,52 +133,161 @@ def _quiet(_message: str) -> None:
     pass
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Run:
+    """What every set-up step reads: the config, who runs it, and where."""
+
+    cfg: RunConfig
+    env: RunEnv
+    base_dir: Path  # relative data and template paths are read from here
+    out: Path  # the output folder (claimed by run_training)
+
+    @property
+    def slow(self) -> float | None:
+        """Seconds without progress before a set-up phase counts as a hang."""
+        return self.cfg.watchdog.slow_phase_timeout_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Decisions:
+    """What rank 0 decides for every rank before the model is built."""
+
+    precision: Precision
+    identity: RunIdentity
+    resume: ResumePoint | None  # the checkpoint this run continues, if any
+    memory: PlannedRun  # the memory plan's strategy and lighter options
+    global_batch: int  # rows per optimizer step (a resumed run keeps its checkpoint's)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Schedule:
+    """Which rows each step takes, and how many steps the run has."""
+
+    plan: StepPlan
+    total_steps: int
+
+
 def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
-    dist, log, slow = env.dist, env.log, cfg.watchdog.slow_phase_timeout_s
-    set_threads(cfg.train.threads, dist.local_world_size, log, env.detail)
-    torch.manual_seed(cfg.train.seed + dist.rank)  # dropout differs per rank, as it should
-    out = Path(cfg.output.dir).expanduser()
+    """The run's story: check the inputs, decide, build the model and the trainer, find the
+    rows and the state to start from, run the steps, write the outputs."""
+    run = _Run(cfg=cfg, env=env, base_dir=base_dir, out=Path(cfg.output.dir).expanduser())
+    set_threads(cfg.train.threads, env.dist.local_world_size, env.log, env.detail)
+    torch.manual_seed(cfg.train.seed + env.dist.rank)  # dropout differs per rank, as it should
+    checked = _check_inputs(run)
+    decided = _decide(run, checked)
+    built, loaded_peak_mb = _load_model(run, checked.model_dir, decided)
+    schedule = _schedule(cfg, len(checked.data.train), decided.global_batch)
+    trainer = _build_trainer(run, built, decided.precision, checked.tokenizer, schedule)
+    references = _reference_pass(run, trainer, checked)
+    source = _dataset_source(schedule, checked.data, references, env.dist)
+    checkpointer = _checkpointer(run, trainer, source)
+    start_step = _resume(run, checkpointer, decided.resume, schedule)
+    _prepare_output(run, decided.resume)
+    _log_schedule(run, schedule, start_step)
+    env.memory_advice = decided.memory.lighter
+    loop = TrainingLoop(
+        cfg,
+        trainer,
+        env,
+        source=source,
+        checkpointer=checkpointer,
+        eval_rows=eval_rows(checked.data, references),
+    )
+    env.preemption.enter_loop()  # a signal now stops the run at a step's end, with a save
+    losses, stats = loop.run(start_step, schedule.total_steps, _run_meta(cfg, decided, schedule))
+    stats.load_peak_rss_mb = loaded_peak_mb
+    summary = _write_outputs(run, checked, built, decided.precision, schedule, stats)
+    return RunResult(output_dir=run.out, steps=schedule.total_steps, losses=losses, summary=summary)
+
+
+def _check_inputs(run: _Run) -> Preflight:
+    """The model fetched (once per node) and the config, model and whole dataset checked;
+    rank 0 converts and tokenizes, the others then read its cache."""
+    cfg, env, dist = run.cfg, run.env, run.env.dist
     with env.phase("model download", cfg.distributed.preprocess_timeout_s):
-        hub_dir = fetch_hub_model(cfg, dist, log)  # once per node; None: not a Hub id
-    # rank 0 converts and tokenizes; the others read its cache
+        hub_dir = fetch_hub_model(cfg, dist, env.log)  # once per node; None: not a Hub id
     with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
         with env.watchdog.progress.memory_watched("data preparation"):  # exit 3, not OOM-kill
             checked = preflight(
-                cfg, base_dir=base_dir, log=log, device=dist.device, model_dir=hub_dir
+                cfg, base_dir=run.base_dir, log=env.log, device=dist.device, model_dir=hub_dir
             )
-    model_dir, tokenizer, data = checked.model_dir, checked.tokenizer, checked.data
-    with env.phase("set-up", slow):
+    return checked
+
+
+def _decide(run: _Run, checked: Preflight) -> _Decisions:
+    """Precision, the checkpoint to resume and the memory plan: rank 0's, for all ranks."""
+    cfg, dist, log = run.cfg, run.env.dist, run.env.log
+    model_dir, data = checked.model_dir, checked.data
+    with run.env.phase("set-up", run.slow):
         # Rank 0's choice for all: `auto` measures, and measurements differ between ranks.
         precision = on_main(dist, lambda: checked.precision)
         log(f"precision: {precision.name} ({precision.reason})")
-        identity = run_identity(cfg, model_dir, precision.name, data.fingerprint)
+        identity = run_identity(cfg, model_dir, precision, data.fingerprint)
         configured_batch = cfg.train.global_batch_size or default_global_batch(
-            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.world_size
+            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.dp_size
         )
         steps_for = functools.partial(_total_steps, cfg, len(data.train))
         resume = on_main(
             dist,
-            lambda: find_resume_point(cfg, out, identity, configured_batch, steps_for, log),
+            lambda: find_resume_point(cfg, run.out, identity, configured_batch, steps_for, log),
         )
-        planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision.name, log))
-    global_batch = resume.global_batch if resume else configured_batch
+        planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision, log))
+    return _Decisions(
+        precision=precision,
+        identity=identity,
+        resume=resume,
+        memory=planned,
+        global_batch=resume.global_batch if resume else configured_batch,
+    )
 
-    with env.phase("load", slow):
+
+def _load_model(run: _Run, model_dir: Path, decided: _Decisions) -> tuple[TrainingModel, float]:
+    """The model on this process's device, sharded or replicated as planned (watched when
+    the watchdog or a fault is on), and the loading's peak RSS in MB."""
+    cfg, env = run.cfg, run.env
+    with env.phase("load", run.slow):
         built = build_training_model(
-            cfg, model_dir, dist, precision, env.detail, strategy=planned.strategy
+            cfg,
+            model_dir,
+            env.dist,
+            decided.precision,
+            env.detail,
+            strategy=decided.memory.strategy,
         )
     if cfg.watchdog.enabled or env.fault is not None:
-        instrument(built.model, env.watchdog, env.fault, dist.rank)
+        instrument(built.model, env.watchdog, env.fault, env.dist.rank)
     loaded_peak_mb = peak_rss_mb()  # the loading high-water mark, before any training
     env.detail(f"model ready: peak RSS so far {loaded_peak_mb:.0f} MB (rank 0)")
-    plan = _step_plan(cfg, len(data.train), global_batch)
-    total_steps = plan.total_steps(cfg.train.epochs, cfg.train.max_steps)
+    return built, loaded_peak_mb
+
+
+def _schedule(cfg: RunConfig, num_rows: int, global_batch: int) -> _Schedule:
+    plan = StepPlan(
+        num_rows=num_rows,
+        global_batch=global_batch,
+        micro_batch_size=cfg.train.micro_batch_size,
+        seed=cfg.train.seed,
+        shuffle=cfg.data.shuffle,
+    )
+    return _Schedule(plan=plan, total_steps=plan.total_steps(cfg.train.epochs, cfg.train.max_steps))
+
+
+def _total_steps(cfg: RunConfig, num_rows: int, global_batch: int) -> int:
+    """The run's optimizer steps for `global_batch` (train.max_steps wins over epochs)."""
+    return _schedule(cfg, num_rows, global_batch).total_steps
+
+
+def _build_trainer(
+    run: _Run, built: TrainingModel, precision: Precision, tokenizer, schedule: _Schedule
+) -> Trainer:
+    """The optimizer, its learning-rate schedule over the run's steps, and the trainer."""
+    cfg, env, dist = run.cfg, run.env, run.env.dist
     optimizer = build_optimizer(built.objective, cfg.train)
     env.detail(describe_optimizer(optimizer, cfg.train.optimizer))
     trainer = Trainer(
         objective=built.objective,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, cfg.train, total_steps),
+        scheduler=build_scheduler(optimizer, cfg.train, schedule.total_steps),
         precision=precision,
         device=dist.device,
         pad_id=tokenizer.pad_token_id,
@@ -193,84 +301,145 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
         env.detail(
             f"precision: fp16 with dynamic loss scaling ({_describe_scaler(trainer.scaler)})"
         )
-    references = None
-    if reference_mode(cfg.train.stage, cfg.preference) == "precompute":
-        # Before the checkpoint is loaded: the policy still holds the base weights.
-        with env.phase("reference pass", slow):
-            references = _precompute_references(cfg, trainer, data, model_dir, env)
-    resume_from = resume.checkpoint if resume else None
-    with env.phase("checkpoint load", slow):
-        start_step = _restore(trainer, resume_from, dist, log) if resume_from else 0
+    return trainer
+
+
+def _reference_pass(
+    run: _Run, trainer: Trainer, checked: Preflight
+) -> dict[str, ReferenceLogps] | None:
+    """Each split's reference log-probs when the stage precomputes them, else None."""
+    if reference_source_of(run.cfg) != "precompute":
+        return None
+    # Before the checkpoint is loaded: the policy still holds the base weights.
+    with run.env.phase("reference pass", run.slow):
+        return _precompute_references(run.cfg, trainer, checked.data, checked.model_dir, run.env)
+
+
+def _dataset_source(
+    schedule: _Schedule,
+    data: PreparedData,
+    references: dict[str, ReferenceLogps] | None,
+    dist: DistContext,
+) -> DatasetBatchSource:
+    """The training split in the schedule's order: this data-parallel rank's share."""
+    return DatasetBatchSource(
+        schedule.plan,
+        data.train,
+        dp_rank=dist.dp_rank,
+        dp_size=dist.dp_size,
+        reference=references["train"] if references else None,
+    )
+
+
+def _checkpointer(run: _Run, trainer: Trainer, source: DatasetBatchSource) -> Checkpointer:
+    """The checkpointer holding the trainer's stateful parts and the batch source (saves
+    into the output folder)."""
+    parts = StatefulParts(
+        module=trainer.objective,
+        optimizer=trainer.optimizer,
+        scheduler=trainer.scheduler,
+        scaler=trainer.scaler,
+    )
+    checkpointer = Checkpointer(
+        parts, output_dir=run.out, keep_last=run.cfg.output.keep_last, dist=run.env.dist
+    )
+    # Optional: checkpoints written before the source was a part hold no state for it, and
+    # the dataset's order needs none (it is a function of the step and train.seed).
+    checkpointer.register(BATCH_SOURCE, source, missing_ok=True)
+    return checkpointer
+
+
+def _resume(
+    run: _Run, checkpointer: Checkpointer, resume: ResumePoint | None, schedule: _Schedule
+) -> int:
+    """The first step to run: 0, or the checkpoint's after loading it into the parts."""
+    with run.env.phase("checkpoint load", run.slow):
+        start_step = _restore(checkpointer, resume.checkpoint, run.env.log) if resume else 0
     if resume:  # the schedule of this run's length, which an extension changed
-        moved = continue_schedule(trainer.scheduler, cfg.train, total_steps, resume.total_steps)
+        moved = continue_schedule(
+            checkpointer.parts.scheduler, run.cfg.train, schedule.total_steps, resume.total_steps
+        )
         if moved:
-            log(moved)
+            run.env.log(moved)
+    return start_step
+
+
+def _restore(checkpointer: Checkpointer, checkpoint: Path, log) -> int:
+    restored = checkpointer.load(checkpoint)
+    scale = ""
+    if restored.scaler_restored:
+        scale = f" (fp16 loss scale {checkpointer.parts.scaler.get_scale():g})"
+    log(f"resumed from {checkpoint} at step {restored.step}{scale}")
+    return restored.step
+
+
+def _prepare_output(run: _Run, resume: ResumePoint | None) -> None:
+    """On rank 0: clear interrupted saves (not the one resumed) and write config.yaml."""
+    cfg, out, log = run.cfg, run.out, run.env.log
+    resume_from = resume.checkpoint if resume else None
 
     def prepare() -> list[Path]:
         removed = prepare_output_dir(cfg, out, resume_from, log)
         (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
         return removed
 
-    with env.phase("set-up", slow):
-        for partial in on_main(dist, prepare):
+    with run.env.phase("set-up", run.slow):
+        for partial in on_main(run.env.dist, prepare):
             log(f"removed an interrupted checkpoint save: {partial}")
-    per_process = math.ceil(global_batch / dist.world_size)
-    log(f"steps: {plan.schedule(cfg.train.epochs, cfg.train.max_steps)}")
+
+
+def _log_schedule(run: _Run, schedule: _Schedule, start_step: int) -> None:
+    """Say how long the run is, how its batch is split, and whether a process idles."""
+    train, dp_size, log = run.cfg.train, run.env.dist.dp_size, run.env.log
+    plan = schedule.plan
+    per_process = math.ceil(plan.global_batch / dp_size)
+    log(f"steps: {plan.schedule(train.epochs, train.max_steps)}")
     log(
-        f"training: {len(data.train)} rows, global batch {global_batch} rows over "
-        f"{dist.world_size} process(es) (~{per_process} per process, micro-batches of "
-        f"{cfg.train.micro_batch_size}), {plan.steps_per_epoch} steps/epoch, {total_steps} "
-        f"steps, starting at step {start_step}"
+        f"training: {plan.num_rows} rows, global batch {plan.global_batch} rows over "
+        f"{dp_size} process(es) (~{per_process} per process, micro-batches of "
+        f"{train.micro_batch_size}), {plan.steps_per_epoch} steps/epoch, "
+        f"{schedule.total_steps} steps, starting at step {start_step}"
     )
-    idle = plan.idle_warning(dist.world_size)
+    idle = plan.idle_warning(dp_size)
     if idle:
         log(f"warning: {idle}")
-    env.memory_advice = planned.lighter
-    loop = TrainingLoop(cfg, out, trainer, plan, data, env, references)
-    env.preemption.enter_loop()  # a signal now stops the run at a step's end, with a save
-    losses, stats = loop.run(
-        start_step,
-        total_steps,
-        {
-            "global_batch": global_batch,
-            "total_steps": total_steps,
-            "config": config_to_dict(cfg),  # a resume names each key that differs
-            **identity.to_meta(),
-        },
-    )
-    stats["load_peak_rss_mb"] = loaded_peak_mb
-    _keep_training_template(cfg, tokenizer, base_dir, data)
-    with env.phase("outputs", slow):
-        summary = write_final_outputs(
+
+
+def _run_meta(cfg: RunConfig, decided: _Decisions, schedule: _Schedule) -> dict:
+    """What each checkpoint records of the run, to check a resume against."""
+    return {
+        "global_batch": decided.global_batch,
+        "total_steps": schedule.total_steps,
+        "config": config_to_dict(cfg),  # a resume names each key that differs
+        **decided.identity.to_meta(),
+    }
+
+
+def _write_outputs(
+    run: _Run,
+    checked: Preflight,
+    built: TrainingModel,
+    precision: Precision,
+    schedule: _Schedule,
+    stats: RunStats,
+) -> dict:
+    """The trained model, its tokenizer (with the chat template it trained with) and the
+    run's summary, written into the output folder; returns the summary."""
+    cfg, env = run.cfg, run.env
+    _keep_training_template(cfg, checked.tokenizer, run.base_dir, checked.data)
+    with env.phase("outputs", run.slow):
+        return write_final_outputs(
             cfg,
-            out,
+            run.out,
             built,
-            tokenizer,
-            model_dir,
-            dist,
-            log,
-            steps=total_steps,
+            checked.tokenizer,
+            checked.model_dir,
+            env.dist,
+            env.log,
+            steps=schedule.total_steps,
             stats=stats,
-            precision=precision.name,
+            precision=precision,
         )
-    return RunResult(output_dir=out, steps=total_steps, losses=losses, summary=summary)
-
-
-def _step_plan(cfg: RunConfig, num_rows: int, global_batch: int) -> StepPlan:
-    return StepPlan(
-        num_rows=num_rows,
-        global_batch=global_batch,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.train.seed,
-        shuffle=cfg.data.shuffle,
-    )
-
-
-def _total_steps(cfg: RunConfig, num_rows: int, global_batch: int) -> int:
-    """The run's optimizer steps for `global_batch` (train.max_steps wins over epochs)."""
-    return _step_plan(cfg, num_rows, global_batch).total_steps(
-        cfg.train.epochs, cfg.train.max_steps
-    )
 
 
 def _keep_training_template(cfg: RunConfig, tokenizer, base_dir: Path, data: PreparedData):
@@ -289,7 +458,7 @@ def _precompute_references(
     splits = {"train": data.train}
     if data.eval is not None:
         splits["eval"] = data.eval
-    key = reference_fingerprint(data.fingerprint, model_dir, trainer.precision.name)
+    key = reference_fingerprint(data.fingerprint, model_dir, trainer.precision)
     job = PrecomputeJob(
         folder=Path(cfg.model.cache_dir).expanduser() / "reference" / key,
         splits={name: [split[i] for i in range(len(split))] for name, split in splits.items()},
@@ -302,18 +471,3 @@ def _describe_scaler(scaler: torch.amp.GradScaler) -> str:
     name = type(scaler).__name__
     why = "; overflow checks agreed over the ranks' shards" if name == "ShardedGradScaler" else ""
     return f"{name}, initial scale {scaler.get_scale():g}{why}"
-
-
-def _restore(trainer: Trainer, checkpoint: Path, dist: DistContext, log) -> int:
-    state = ckpt.load_checkpoint(
-        checkpoint, module=trainer.objective, optimizer=trainer.optimizer, dist=dist
-    )
-    trainer.scheduler.load_state_dict(state.scheduler)
-    scale = ""
-    if state.scaler and trainer.scaler.is_enabled():
-        trainer.scaler.load_state_dict(state.scaler)
-        scale = f" (fp16 loss scale {trainer.scaler.get_scale():g})"
-    if state.rng is not None:
-        ckpt.restore_rng(state.rng)
-    log(f"resumed from {checkpoint} at step {state.step}{scale}")
-    return state.step

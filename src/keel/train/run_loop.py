@@ -12,23 +12,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pyarrow.compute as pc
 import torch
 
 from keel import __version__
+from keel.checkpoint.checkpointer import Checkpointer
 from keel.config import RunConfig, config_to_dict
-from keel.config.schema import PREFERENCE_STAGES
-from keel.data import PreparedData
-from keel.distributed.parallelize import unwrap
 from keel.distributed.process_group import DistContext
 from keel.distributed.watchdog import Watchdog
 from keel.faults import Fault, at_step_start
-from keel.train import checkpoint as ckpt
-from keel.train.loop import ReducedSteps, StepCallback, StepPlan, StepResult, Trainer
-from keel.train.metrics import MetricsLog, Progress, memory_now
-from keel.train.optim import scheduler_state
+from keel.stages.registry import get_stage
+from keel.train.batch_source import BatchSource
+from keel.train.loop import ReducedSteps, StepCallback, StepResult, Trainer
+from keel.train.metrics import MetricsLog, Progress, RunStats, memory_now
 from keel.train.preference import reduce_statistics
-from keel.train.reference import ReferenceLogps
 from keel.train.stops import Preemption, check_finite
 from keel.train.watch import HostOutOfMemory, out_of_memory
 
@@ -50,128 +46,163 @@ class RunEnv:
         return self.watchdog.progress.phase(name, limit)
 
 
+@dataclass
+class _LogWindow:
+    """The steps since the last logged one: their real tokens and seconds."""
+
+    real_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, real_tokens: int, seconds: float) -> None:
+        self.real_tokens += real_tokens
+        self.seconds += seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.real_tokens / max(self.seconds, 1e-9)
+
+
+@dataclass(kw_only=True)
+class _RunState:
+    """What `TrainingLoop.run` carries from step to step."""
+
+    total: int  # the run's last step (1-based)
+    meta: dict  # what identifies the run, for each save
+    metrics: MetricsLog | None  # rank 0 only
+    bar: Progress
+    losses: list[float] = field(default_factory=list)  # of the steps read back so far
+    stats: RunStats = field(default_factory=RunStats)
+    pending: list[StepResult] = field(default_factory=list)  # steps whose losses are unread
+    window: _LogWindow = field(default_factory=_LogWindow)
+
+
+@dataclass(kw_only=True)
+class _StepRun:
+    """One step as the loop saw it."""
+
+    result: StepResult
+    seconds: float
+    reduced: ReducedSteps | None  # the losses since the last sync, on a synced step
+    first: int  # the first of those steps (1-based)
+
+
 class TrainingLoop:
     """Steps, logging, evaluation and periodic checkpoints for one run (every process)."""
 
     def __init__(
         self,
         cfg: RunConfig,
-        out: Path,
         trainer: Trainer,
-        plan: StepPlan,
-        data: PreparedData,
         env: RunEnv,
-        references: dict[str, ReferenceLogps] | None = None,
+        *,
+        source: BatchSource,
+        checkpointer: Checkpointer,
+        eval_rows: list[dict],
     ):
-        self.cfg, self.out, self.trainer, self.plan, self.data = cfg, out, trainer, plan, data
-        self.reference_logps = references["train"] if references else None
+        self.cfg, self.trainer, self.source, self.eval_rows = cfg, trainer, source, eval_rows
+        # holds the trainer's stateful parts (and the source's); saves into the run's folder
+        self.checkpointer = checkpointer
+        self.out = checkpointer.output_dir  # metrics.jsonl lives next to checkpoints/
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
-        # Every process knows every row's size, so the global batch's target count needs
-        # no communication.
-        table = data.train.with_format("arrow")
-        self.row_targets = table["num_targets"].to_pylist()
-        self.row_tokens = pc.list_value_length(table["input_ids"]).to_pylist()
-        # Materialised once: the eval split does not change during a run.
-        self.eval_rows = [data.eval[i] for i in range(len(data.eval))] if data.eval else []
-        if references and self.eval_rows:
-            for index, row in enumerate(self.eval_rows):
-                row.update(references["eval"].row(index))
 
-    def run(self, start: int, total: int, meta: dict) -> tuple[list[float], dict]:
-        out_cfg = self.cfg.output
+    def run(self, start: int, total: int, meta: dict) -> tuple[list[float], RunStats]:
+        """Train steps `start`..`total` - 1 (0-based); returns each step's loss (read back on
+        logging and saving steps) and what the steps added up to."""
         main = self.dist.is_main
-        metrics = (
-            MetricsLog(
-                self.out,
-                resume_step=start,
-                output=out_cfg,
-                run_config=config_to_dict(self.cfg),
-                log=self.log,
-            )
-            if main
-            else None
+        state = _RunState(
+            total=total,
+            meta=meta,
+            metrics=self._metrics_log(start) if main else None,
+            bar=Progress(total=total, initial=start, enabled=main, log=self.log),
         )
-        bar = Progress(total=total, initial=start, enabled=main, log=self.log)
-        progress = self.env.watchdog.progress
-        losses: list[float] = []
-        stats = {
-            "real_tokens": 0,
-            "target_tokens": 0,
-            "train_seconds": 0.0,
-            "loss": None,
-            "rows": 0,
-            "filler_micro_batches": 0,
-        }
-        pending: list[StepResult] = []  # steps whose losses have not been read yet
-        window = {"real": 0, "seconds": 0.0}  # since the last logged step
         try:
             for step in range(start, total):
-                began = time.perf_counter()
-                done = step + 1
-                logged = done % out_cfg.log_every == 0 or done == total
-                saving = bool(out_cfg.save_every and done % out_cfg.save_every == 0)
-                saving = saving or done == total
-                synced = logged or saving  # no checkpoint unread: it may hold a NaN step
-                with self.env.phase("step", self.cfg.watchdog.hang_timeout_s):
-                    progress.step_begin(done)
-                    result = self._step(step)
-                    pending.append(result)
-                    if synced:  # the loop's only host sync: every loss since the last one
-                        first = done - len(pending) + 1
-                        reduced = self.trainer.reduce_losses(pending)
-                        losses += reduced.losses
-                        pending = []
-                    seconds = time.perf_counter() - began
-                    progress.step_end(seconds)
-                for key, value in (
-                    ("real_tokens", result.real_tokens),
-                    ("target_tokens", result.target_tokens),
-                    ("train_seconds", seconds),
-                    ("rows", result.rows),
-                    ("filler_micro_batches", result.filler_micro_batches),
-                ):
-                    stats[key] += value
-                window["real"] += result.real_tokens
-                window["seconds"] += seconds
-                tokens_per_s = window["real"] / max(window["seconds"], 1e-9)
-                record = None
-                if logged:
-                    stats["loss"] = reduced.losses[-1]
-                    record = {
-                        "step": done,
-                        "epoch": round(self.plan.epoch_of(done), 4),
-                        "loss": reduced.losses[-1],
-                        **self._statistics(result, reduced),
-                        "lr": result.lr,
-                        "grad_norm": reduced.grad_norms[-1],
-                        "tokens_per_s": tokens_per_s,
-                        # the logging window's (real tokens, seconds): steps since the last
-                        # logged one, so benchmarks can leave out the warm-up step
-                        "real_tokens": window["real"],
-                        "step_seconds": round(window["seconds"], 4),
-                        "target_tokens": result.target_tokens,
-                        **memory_now(),
-                    }
-                    if self.cfg.train.stage in PREFERENCE_STAGES:  # its "targets" are pairs
-                        del record["target_tokens"]
-                    window = {"real": 0, "seconds": 0.0}
-                    if metrics is not None:
-                        metrics.write(record)  # before stopping: it shows the bad value
-                if synced:
-                    self._check_finite(reduced, first)
-                bar.update(record and record["loss"], result.lr, tokens_per_s)
-                self._maybe_eval(done, total, metrics, bar)
-                if saving:
-                    self._save(done, meta)
-                if self.on_step_end is not None:
-                    self.on_step_end(done, record or {"step": done})
-                if done < total and self._preempted():
-                    self._stop(done, meta, pending, saved=saving)
+                self._run_step(step, state)
         finally:
-            bar.close()
-            if metrics is not None:
-                metrics.close()
-        return losses, stats
+            state.bar.close()
+            if state.metrics is not None:
+                state.metrics.close()
+        return state.losses, state.stats
+
+    def _metrics_log(self, start: int) -> MetricsLog:
+        return MetricsLog(
+            self.out,
+            resume_step=start,
+            output=self.cfg.output,
+            run_config=config_to_dict(self.cfg),
+            log=self.log,
+        )
+
+    def _run_step(self, step: int, state: _RunState) -> None:
+        """Step `step` and what follows it: the log record, the divergence check, evaluation,
+        the save, the step callback and the preemption check."""
+        done, out_cfg = step + 1, self.cfg.output
+        logged = done % out_cfg.log_every == 0 or done == state.total
+        saving = bool(out_cfg.save_every and done % out_cfg.save_every == 0)
+        saving = saving or done == state.total
+        synced = logged or saving  # no checkpoint unread: it may hold a NaN step
+        ran = self._timed_step(step, state, synced=synced)
+        state.stats.add_step(ran.result, ran.seconds)
+        state.window.add(ran.result.real_tokens, ran.seconds)
+        tokens_per_s = state.window.tokens_per_s
+        record = self._log_record(done, ran, state) if logged else None
+        if ran.reduced is not None:
+            self._check_finite(ran.reduced, ran.first)
+        state.bar.update(record and record["loss"], ran.result.lr, tokens_per_s)
+        self._maybe_eval(done, state.total, state.metrics, state.bar)
+        if saving:
+            self._save(done, state.meta)
+        if self.on_step_end is not None:
+            self.on_step_end(done, record or {"step": done})
+        if done < state.total and self._preempted():
+            self._stop(done, state.meta, state.pending, saved=saving)
+
+    def _timed_step(self, step: int, state: _RunState, *, synced: bool) -> _StepRun:
+        """Run step `step` in the watchdog's step phase; when `synced`, read back every step's
+        loss since the last sync (the loop's only host sync)."""
+        began = time.perf_counter()
+        done, progress = step + 1, self.env.watchdog.progress
+        reduced, first = None, 0
+        with self.env.phase("step", self.cfg.watchdog.hang_timeout_s):
+            progress.step_begin(done)
+            result = self._step(step)
+            state.pending.append(result)
+            if synced:
+                first = done - len(state.pending) + 1
+                reduced = self.trainer.reduce_losses(state.pending)
+                state.losses += reduced.losses
+                state.pending = []
+            seconds = time.perf_counter() - began
+            progress.step_end(seconds)
+        return _StepRun(result=result, seconds=seconds, reduced=reduced, first=first)
+
+    def _log_record(self, done: int, ran: _StepRun, state: _RunState) -> dict:
+        """The logged step's record, written to the metrics (before any stop: it shows the
+        bad value); starts the next logging window."""
+        reduced, result, window = ran.reduced, ran.result, state.window
+        state.stats.final_loss = reduced.losses[-1]
+        record = {
+            "step": done,
+            "epoch": round(self.source.epoch_of(done), 4),
+            "loss": reduced.losses[-1],
+            **self._statistics(result, reduced),
+            "lr": result.lr,
+            "grad_norm": reduced.grad_norms[-1],
+            "tokens_per_s": window.tokens_per_s,
+            # the logging window's (real tokens, seconds): steps since the last logged one,
+            # so benchmarks can leave out the warm-up step
+            "real_tokens": window.real_tokens,
+            "step_seconds": round(window.seconds, 4),
+            "target_tokens": result.target_tokens,
+            **memory_now(),
+        }
+        if get_stage(self.cfg.train.stage).counted != "target_tokens":
+            # its count is of pairs or samples, logged under their own name
+            del record["target_tokens"]
+        state.window = _LogWindow()
+        if state.metrics is not None:
+            state.metrics.write(record)
+        return record
 
     def _check_finite(self, reduced: ReducedSteps, first: int) -> None:
         """Diverged at a non-finite loss or grad norm, except under fp16's loss scaler,
@@ -181,8 +212,7 @@ class TrainingLoop:
         check_finite(reduced.losses, reduced.grad_norms, first, self._newest_checkpoint)
 
     def _newest_checkpoint(self) -> Path | None:
-        found = ckpt.complete_checkpoints(self.out)
-        return found[-1] if found else None
+        return self.checkpointer.newest()
 
     def _preempted(self) -> bool:
         """Whether any rank got a preemption signal: asked by every rank after every step
@@ -201,48 +231,38 @@ class TrainingLoop:
                 self._check_finite(self.trainer.reduce_losses(pending), first)
         if not saved:
             self._save(done, meta)
-        newest = ckpt.complete_checkpoints(self.out)
-        where = newest[-1] if newest else self.out / "checkpoints"
+        where = self.checkpointer.newest() or self.checkpointer.root
         raise self.env.preemption.stopped(done, str(where))
 
     def _statistics(self, result: StepResult, reduced: ReducedSteps) -> dict[str, float]:
         """A preference step's named statistics (TRL's names), or nothing for pt/sft."""
-        names = getattr(unwrap(self.trainer.objective), "metric_names", ())
+        names = self.trainer.inner_objective.metric_names
         if not names:
             return {}
         named = reduce_statistics(names, reduced.statistics[-1])
         if result.window_statistic is not None:
             named["kl"] = result.window_statistic
-        named["pairs" if self.cfg.train.stage != "kto" else "samples"] = result.target_tokens
+        named[get_stage(self.cfg.train.stage).counted] = result.target_tokens
         return named
 
-    def _row(self, index: int) -> dict:
-        row = self.data.train[index]
-        if self.reference_logps is not None:
-            row.update(self.reference_logps.row(index))
-        return row
-
     def _step(self, step: int) -> StepResult:
-        window = self.plan.window(step)
-        micro = self.plan.micro_batches(step, self.dist.rank, self.dist.world_size)
-        rows = [[self._row(i) for i in mb] for mb in micro]
+        work = self.source.batch(step)
         at_step_start(self.env.fault, step + 1, self.dist.rank)
         try:
             return self.trainer.train_step(
-                rows,
-                window_targets=sum(self.row_targets[i] for i in window),
-                window_tokens=sum(self.row_tokens[i] for i in window),
-                filler=self._row(window[0]),
+                work.micro_batches,
+                window_targets=work.window_targets,
+                window_tokens=work.window_tokens,
+                filler=work.filler,
             )
         except (torch.OutOfMemoryError, HostOutOfMemory) as exc:
-            newest = ckpt.complete_checkpoints(self.out)
             raise out_of_memory(
                 exc,
                 step=step + 1,
                 rank=self.dist.rank,
                 rows=self.trainer.current_rows,
                 cfg=self.cfg,
-                checkpoint=newest[-1] if newest else None,
+                checkpoint=self.checkpointer.newest(),
                 lighter=self.env.memory_advice,
             ) from None
 
@@ -267,14 +287,6 @@ class TrainingLoop:
             self._save_now(step, meta)
 
     def _save_now(self, step: int, meta: dict) -> None:
-        ckpt.save_checkpoint(
-            self.out,
-            step,
-            module=self.trainer.objective,
-            optimizer=self.trainer.optimizer,
-            scheduler=scheduler_state(self.trainer.scheduler),
-            scaler=self.trainer.scaler.state_dict(),
-            meta={**meta, "keel_version": __version__, "world_size": self.dist.world_size},
-            keep_last=self.cfg.output.keep_last,
-            dist=self.dist,
+        self.checkpointer.save(
+            step, {**meta, "keel_version": __version__, "world_size": self.dist.world_size}
         )

@@ -16,11 +16,13 @@ from torch import nn
 
 from keel.config import RunConfig
 from keel.distributed.process_group import CollectiveGuard, DistContext
+from keel.distributed.strategy import Strategy
 from keel.distributed.watchdog import DIAGNOSTICS, Watchdog, WatchdogSettings, watchdog_store
 from keel.errors import KeelError, OutOfMemory
 from keel.faults import Fault
 from keel.models.adapters import decoder_layers
 from keel.plan import DoesNotFit, decide, devices_for_run, lighter, plan_run
+from keel.precision import Precision
 from keel.train.objective import causal_lm_of
 
 RSS_SHARE = 0.95  # of this process's share of the node's RAM, before OOM is declared
@@ -118,12 +120,12 @@ def instrument(model: nn.Module, watchdog: Watchdog, fault: Fault | None, rank: 
 class PlannedRun:
     """What the memory plan decided for this run (the same on every rank)."""
 
-    strategy: str | None  # single | ddp | fsdp | fsdp_offload; None: no plan could be made
+    strategy: Strategy | None  # None: no plan could be made
     lighter: list[str]  # changes that need less memory, each with its estimate
 
 
 def plan_memory(
-    cfg: RunConfig, model_dir: Path, dist: DistContext, precision: str, log
+    cfg: RunConfig, model_dir: Path, dist: DistContext, precision: Precision, log
 ) -> PlannedRun:
     """Plan the run's memory before any weight is loaded (keel.plan): the strategy to use,
     or a refusal (exit 2) when it does not fit and distributed.plan is enforce."""

@@ -63,7 +63,9 @@ def create_app(state: ServeState) -> FastAPI:
 
     app = FastAPI(title="keel serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_error_handlers(app)
-    _add_routes(app, state)
+    _add_info_routes(app, state)
+    _add_completion_routes(app, state)
+    _add_adapter_routes(app, state)
     return app
 
 
@@ -89,7 +91,9 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error.body, status_code=500)
 
 
-def _add_routes(app: FastAPI, state: ServeState) -> None:
+def _add_info_routes(app: FastAPI, state: ServeState) -> None:
+    """The web chat page, /health and the OpenAI model list."""
+
     @app.get("/", response_class=HTMLResponse)
     async def web_chat():
         page = resources.files("keel.infer.serve").joinpath("web/index.html")
@@ -125,6 +129,10 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
         ]
         return {"object": "list", "data": data}
 
+
+def _add_completion_routes(app: FastAPI, state: ServeState) -> None:
+    """OpenAI's chat and text completions (both through `_complete`)."""
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await _complete(request, state, chat=True)
@@ -132,6 +140,10 @@ def _add_routes(app: FastAPI, state: ServeState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _complete(request, state, chat=False)
+
+
+def _add_adapter_routes(app: FastAPI, state: ServeState) -> None:
+    """vLLM-style runtime adapter loading and unloading, within the adapter root."""
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):

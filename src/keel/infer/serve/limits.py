@@ -117,6 +117,24 @@ def sampling_params(
 
     A request without max_tokens may fill the context, up to --max-tokens.
     """
+    _check_prompt_length(prompt_tokens, limits, context_length, prompt_field)
+    max_tokens = _max_tokens(request, prompt_tokens, limits, context_length)
+    largest_n = min(limits.max_n, limits.max_batch_size)
+    if not 1 <= request.n <= largest_n:
+        raise ApiError(400, f"n {request.n} must be between 1 and {largest_n}", param="n")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        stop=_stop_strings(request.stop),
+        seed=request.seed,
+    )
+
+
+def _check_prompt_length(
+    prompt_tokens: int, limits: ServeLimits, context_length: int, prompt_field: str
+) -> None:
+    """400 for a prompt over --max-prompt-tokens, or one that leaves no room for a reply."""
     if prompt_tokens > limits.max_prompt_tokens:
         raise ApiError(
             400,
@@ -133,6 +151,11 @@ def sampling_params(
             param=prompt_field,
             code="context_length_exceeded",
         )
+
+
+def _max_tokens(request, prompt_tokens: int, limits: ServeLimits, context_length: int) -> int:
+    """max_completion_tokens, else max_tokens, else what the context leaves (up to
+    --max-tokens); 400 when it is out of range or does not fit after the prompt."""
     room = context_length - prompt_tokens
     asked = request.max_completion_tokens
     asked = request.max_tokens if asked is None else asked
@@ -151,10 +174,11 @@ def sampling_params(
             param="max_tokens",
             code="context_length_exceeded",
         )
-    largest_n = min(limits.max_n, limits.max_batch_size)
-    if not 1 <= request.n <= largest_n:
-        raise ApiError(400, f"n {request.n} must be between 1 and {largest_n}", param="n")
-    stop = request.stop
+    return max_tokens
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """The request's stop (None, a string or a list) as a tuple; 400 past the limits."""
     stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if len(stop) > MAX_STOP_STRINGS or any(not 0 < len(s) <= MAX_STOP_LENGTH for s in stop):
         raise ApiError(
@@ -163,13 +187,7 @@ def sampling_params(
             f"{MAX_STOP_LENGTH} characters",
             param="stop",
         )
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        stop=stop,
-        seed=request.seed,
-    )
+    return stop
 
 
 class Slots:

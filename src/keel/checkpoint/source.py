@@ -1,35 +1,32 @@
 """Training checkpoints as a source of weights outside training (`keel export`).
 
-A checkpoint (see keel.train.checkpoint for the layout) stores the *trainable* weights
+A checkpoint (see keel.checkpoint.layout) stores the *trainable* weights
 only: the LoRA adapter of a LoRA run, every weight of a full run, the trained layers of a
 freeze run. meta.json records the model the run trained and its method, so the model the
 weights belong to is rebuilt here: the base, with the same method applied, then the stored
 weights copied in. The stored keys carry the prefix of the module training saved (the
 loss wrapper around the model); it is found by matching, not assumed.
-
-This reads what keel.train.checkpoint writes, so it takes that layout's names from there
-(an import against the usual direction, models -> train; the layout has one owner).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig
-from keel.distributed.checkpoint import (
-    UnsafeCheckpointError,
-    load_model_tensors,
-    stored_model_shapes,
+from keel.checkpoint.dcp import UnsafeCheckpointError, load_model_tensors, stored_model_shapes
+from keel.checkpoint.layout import (
+    CHECKPOINTS,
+    FORMAT_VERSION,
+    META,
+    STATE_DIR,
+    complete_checkpoints,
+    looks_like_step_dir,
 )
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig
 from keel.errors import CheckpointError, ModelError
 from keel.models.adapters import apply_method
-from keel.train.checkpoint import CHECKPOINTS, FORMAT_VERSION, META, STATE_DIR, complete_checkpoints
-
-_STEP_DIR = re.compile(r"^(\.tmp-)?step-\d{8}$")
 
 
 @dataclass(frozen=True)
@@ -47,13 +44,13 @@ class TrainingCheckpoint:
 
 def is_checkpoint(path: Path) -> bool:
     """Whether `path` looks like a checkpoints/step-N folder (complete or not)."""
-    return (path / META).is_file() or bool(_STEP_DIR.match(path.name))
+    return (path / META).is_file() or looks_like_step_dir(path)
 
 
 def refuse_unfinished_run(path: Path, flag: str) -> None:
     """Refuse, with the checkpoint to use instead, an output.dir whose run wrote no final
     model yet, its checkpoints/ folder, or an interrupted checkpoint save."""
-    if _STEP_DIR.match(path.name) and not (path / META).is_file():
+    if looks_like_step_dir(path) and not (path / META).is_file():
         run = path.parent.parent
         raise CheckpointError(
             f"{flag} {path} is an incomplete checkpoint (its save was interrupted, no "

@@ -1,4 +1,4 @@
-"""Sharded training state with torch.distributed.checkpoint (DCP).
+"""Sharded training state with torch.distributed.checkpoint (DCP): a checkpoint's state/.
 
 Each process writes only what it holds (its FSDP2 shards; DDP replicas are de-duplicated),
 and loading reshards: a state saved by 2 processes loads into 1, and 1 into 2. Frozen
@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _get_fqns,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -215,20 +214,6 @@ def _distributed() -> bool:
 
 def _strip_wrapper(name: str) -> str:
     return name.removeprefix("module.")
-
-
-def gather_full_state(
-    module: nn.Module, *, trainable_only: bool = False
-) -> dict[str, torch.Tensor]:
-    """The weights of `module` as full CPU tensors on rank 0 ({} elsewhere; collective).
-
-    trainable_only: skip frozen weights (an adapter save needs only the adapter, and
-    gathering a frozen base would put a whole model in rank 0's memory for nothing).
-    """
-    options = StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
-    )
-    return get_model_state_dict(module, options=options)
 
 
 def stored_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:

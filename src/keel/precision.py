@@ -1,4 +1,13 @@
-"""Choosing the compute precision, and saying why."""
+"""The resolved compute precision: one type from the config boundary down, and why it was chosen.
+
+`train.precision` (auto | fp32 | bf16 | fp16) is the user's string; it is resolved once
+(`resolve_precision`, or the planner's stand-in where no device is measured) into a
+`Precision`, which every package below the config takes: the planner (plan/), QLoRA's
+compute dtype (models/), the resume identity (checkpoint/) and the loop (train/). It lives
+at the top of the package, beside keel.errors, because all of those import it and none may
+import another's package for it (plan and models must not import train). What is written
+to disk (checkpoint meta, reference-cache keys, keel_run.json) is `Precision.name`.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +19,31 @@ import torch
 
 from keel.errors import ConfigError
 
+PRECISIONS = ("fp32", "bf16", "fp16")  # train.precision's values once auto is resolved
+
 
 @dataclass(frozen=True)
 class Precision:
     name: str  # fp32 | bf16 | fp16
-    reason: str
+    reason: str  # why: "set by train.precision", or what auto measured
+
+    def __post_init__(self) -> None:
+        assert self.name in PRECISIONS, f"unresolved precision {self.name!r}"
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
+        """The matmul dtype under autocast; None in fp32 (no autocast)."""
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: the autocast dtype, else fp32."""
+        return self.autocast_dtype or torch.float32
+
+    @property
+    def compute_itemsize(self) -> int:
+        """Bytes per element of a matmul's output: 2 under bf16/fp16, 4 in fp32."""
+        return 4 if self.name == "fp32" else 2
 
     def autocast(self, device: torch.device):
         """Mixed-precision context: master weights stay as loaded, matmuls run in low precision."""

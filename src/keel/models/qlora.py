@@ -1,5 +1,8 @@
 """QLoRA at set-up: which backend stores the frozen base, in which compute dtype, and what
-the log says about it."""
+the log says about it.
+
+keel.quant holds the low-bit storage formats (NF4, bitsandbytes 4-bit) and knows nothing of
+models; this module plugs them into a model's decoder layers."""
 
 from __future__ import annotations
 
@@ -8,25 +11,27 @@ from torch import nn
 
 from keel.config.schema import QloraConfig
 from keel.config.validate import BNB_UNDER_FSDP
+from keel.distributed.strategy import Strategy
 from keel.errors import ConfigError
 from keel.models.loading import torch_dtype
+from keel.precision import Precision
 from keel.quant.nf4 import frozen_linears, is_nf4, quantize_on_meta
 
 
-def compute_dtype(qlora: QloraConfig, precision: str) -> torch.dtype:
+def compute_dtype(qlora: QloraConfig, precision: Precision) -> torch.dtype:
     """The dtype NF4 weights are dequantised to: method.qlora.compute_dtype, or with auto
     the training precision's matmul dtype (bf16 / fp16), else fp32."""
     if qlora.compute_dtype != "auto":
         return torch_dtype(qlora.compute_dtype)
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    return precision.compute_dtype
 
 
 def quantize_base(
-    layers: nn.ModuleList, qlora: QloraConfig, precision, dist, strategy: str, log
+    layers: nn.ModuleList, qlora: QloraConfig, precision: Precision, dist, strategy: Strategy, log
 ) -> None:
     """Make the frozen linear weights in the model's decoder `layers` (still on the meta
     device, LoRA applied) low-bit as method.qlora says; log what was and was not."""
-    dtype = compute_dtype(qlora, precision.name)
+    dtype = compute_dtype(qlora, precision)
     dtype_name = str(dtype).removeprefix("torch.")
     if dist.device.type == "cpu" and dtype == torch.float16:
         raise ConfigError(
@@ -36,7 +41,7 @@ def quantize_base(
             ]
         )
     if qlora.quant_backend == "bnb":
-        if strategy == "fsdp":
+        if strategy.shards:
             raise ConfigError([BNB_UNDER_FSDP])
         from keel.quant import bnb
 
@@ -47,7 +52,7 @@ def quantize_base(
             f"{dtype_name} per matmul"
         )
         return
-    world = dist.world_size if strategy == "fsdp" else 1
+    world = dist.dp_size if strategy.shards else 1  # NF4 blocks split over the shards
     quantized, kept = quantize_on_meta(layers, dtype, world)
     if not quantized:
         raise ConfigError(

@@ -1,0 +1,124 @@
+"""ParallelDims: the degrees are checked, the data-parallel rank and size come from them, and
+the one mesh gives the dp sub-mesh every `apply_*` takes (one process, torch's fake backend
+standing in for 4 ranks: building a mesh and sharding on the meta device send nothing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.nn.parallel import DistributedDataParallel
+
+from keel.distributed.parallel_dims import ParallelDims
+from keel.distributed.parallelize import ParallelizeSettings, fsdp_units, parallelize
+from keel.distributed.process_group import DistContext
+from keel.distributed.strategy import STRATEGIES, Strategy
+from keel.errors import KeelError
+
+
+@pytest.mark.parametrize(
+    "degrees,fragment",
+    [
+        (dict(dp_replicate=2, dp_shard=2, world_size=8), "= 4, but the world has 8"),
+        (dict(dp_replicate=1, dp_shard=0, world_size=1), "dp_shard = 0"),
+        (dict(dp_replicate=1, dp_shard=2, tp=2, world_size=4), "no tensor parallelism"),
+        (dict(dp_replicate=1, dp_shard=2, cp=2, world_size=4), "no context parallelism"),
+    ],
+)
+def test_degrees_that_do_not_describe_the_world_are_refused(degrees, fragment):
+    with pytest.raises(KeelError, match=fragment):
+        ParallelDims(**degrees)
+
+
+def test_the_data_parallel_rank_and_size():
+    one = DistContext()
+    assert (one.dp_rank, one.dp_size, one.mesh) == (0, 1, None)
+    ctx = DistContext(rank=3, world_size=4, dims=ParallelDims.for_strategy(Strategy.DDP, 4))
+    assert (ctx.dp_rank, ctx.dp_size) == (3, 4)
+    sharded = ctx.dims.with_strategy(Strategy.FSDP_OFFLOAD)
+    assert (sharded.dp_replicate, sharded.dp_shard, sharded.dp_size) == (1, 4, 4)
+    assert ctx.dims.with_strategy(Strategy.SINGLE) == ctx.dims  # single replicates too
+
+
+def test_one_strategy_vocabulary():
+    assert [str(s) for s in STRATEGIES] == ["single", "ddp", "fsdp", "fsdp_offload"]
+    assert [s.shards for s in STRATEGIES] == [False, False, True, True]
+    assert [s.replicates for s in STRATEGIES] == [False, True, False, False]
+    assert Strategy.FSDP_OFFLOAD.config_value == "fsdp"  # + distributed.fsdp.cpu_offload
+
+
+@pytest.fixture
+def four_fake_ranks():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_mesh_names_its_data_parallel_axis(four_fake_ranks):
+    dims = ParallelDims.for_strategy(Strategy.FSDP, 4).build_mesh("cpu")
+    assert dims.mesh.mesh_dim_names == ("dp",)
+    # 1 x N and N x 1 are the same one-axis mesh on the default group: no new communicator
+    assert dims.dp_mesh() is dims.mesh
+    assert dims.with_strategy(Strategy.DDP).dp_mesh() is dims.mesh
+    assert dims.mesh.get_group() is dist.group.WORLD
+    assert dims.mesh.get_local_rank() == 1
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, world_size=4).build_mesh("cpu")
+    dp = hsdp.dp_mesh()
+    assert dp.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert (dp["dp_replicate"].get_local_rank(), dp["dp_shard"].get_local_rank()) == (0, 1)
+
+
+def _tiny_lm() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config)
+
+
+def test_parallelize_shards_over_the_dims_mesh(four_fake_ranks):
+    """FSDP2 takes the dp sub-mesh of the dims it is given; the policy's and the reference's
+    settings differ only in the unit choice (untied embeddings a unit or not)."""
+    dims = ParallelDims.for_strategy(Strategy.FSDP, 4).build_mesh("cpu")
+    policy, reference = _tiny_lm(), _tiny_lm()
+    layers = list(policy.model.layers)
+    units = fsdp_units(policy, layers, embeddings=True)
+    assert units[0] is policy.get_input_embeddings() and units[1:] == layers
+    assert fsdp_units(reference, reference.model.layers, embeddings=False)[0] is not (
+        reference.get_input_embeddings()
+    )
+    parallelize(policy, dims, ParallelizeSettings(strategy=Strategy.FSDP, units=units))
+    weight = policy.model.layers[0].mlp.up_proj.weight
+    assert isinstance(weight, DTensor) and weight.device_mesh is dims.mesh
+    assert weight.placements == (Shard(0),)
+
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, world_size=4).build_mesh("cpu")
+    replicated = ParallelizeSettings(strategy=Strategy.FSDP, units=list(reference.model.layers))
+    parallelize(reference, hsdp, replicated)
+    weight = reference.model.layers[0].mlp.up_proj.weight
+    assert weight.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
+    assert weight.placements == (Replicate(), Shard(0))
+
+
+def test_parallelize_replicates_over_the_dims_mesh(four_fake_ranks):
+    dims = ParallelDims.for_strategy(Strategy.DDP, 4).build_mesh("cpu")
+    model = nn.Linear(4, 4)
+    ddp = parallelize(model, dims, ParallelizeSettings(strategy=Strategy.DDP))
+    assert isinstance(ddp, DistributedDataParallel)
+    assert ddp.process_group is dims.dp_mesh().get_group()
+    single = ParallelizeSettings(strategy=Strategy.SINGLE)
+    assert parallelize(model, dims, single) is model
