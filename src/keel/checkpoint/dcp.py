@@ -55,17 +55,7 @@ def load_sharded(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer
     not read."""
     model_state, optim_state = _trainable_state(module, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
-    _check_metadata(path)  # before DCP, whose own errors would hide the reason
-    with _single_process_is_intended():
-        try:
-            dcp.load(
-                state,
-                storage_reader=AllowListReader(str(path)),
-                planner=WeightsOnlyLoadPlanner(),
-                no_dist=not _distributed(),
-            )
-        except CheckpointException as exc:  # DCP gathers every rank's failure into one
-            raise _first_failure(exc, path) from None
+    _load_allowed(state, path, no_dist=not _distributed())
     # Not strict: frozen parameters are absent by design. A trainable one must not be.
     result = set_state_dict(
         module,
@@ -239,14 +229,19 @@ def load_model_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     For reading weights outside training (export): one process, no module wrapper, and
     the optimizer state is never read. Every key must be in the checkpoint.
     """
-    _check_metadata(path)
+    _load_allowed(tensors, path, no_dist=True)
+
+
+def _load_allowed(state: dict, path: Path, *, no_dist: bool) -> None:
+    """DCP-load `path` into `state` in place through the allow-list: nothing unpickled."""
+    _check_metadata(path)  # before DCP, whose own errors would hide the reason
     with _single_process_is_intended():
         try:
             dcp.load(
-                tensors,
+                state,
                 storage_reader=AllowListReader(str(path)),
                 planner=WeightsOnlyLoadPlanner(),
-                no_dist=True,
+                no_dist=no_dist,
             )
-        except CheckpointException as exc:
+        except CheckpointException as exc:  # DCP gathers every rank's failure into one
             raise _first_failure(exc, path) from None

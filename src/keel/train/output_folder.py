@@ -25,14 +25,13 @@ import errno
 import fcntl
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
-from keel.checkpoint.layout import CHECKPOINTS, META, complete_checkpoints
+from keel.checkpoint.layout import CHECKPOINTS, META, complete_checkpoints, looks_like_step_dir
 from keel.distributed.process_group import DistContext, on_main
 from keel.distributed.watchdog import DIAGNOSTICS
 from keel.errors import KeelError
@@ -77,7 +76,6 @@ _MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_CHECKPOINT_ENTRY = re.compile(r"^(\.tmp-)?step-\d{8}$")
 _KEEP_OUT = "choose an empty or new output.dir, or move the files away"
 
 
@@ -268,7 +266,7 @@ def _foreign_entry(out: Path, names: set[str], allowed: set[str]) -> Path | None
     checkpoints = out / CHECKPOINTS
     if checkpoints.is_dir() and not checkpoints.is_symlink():
         for child in sorted(checkpoints.iterdir()):
-            if not _CHECKPOINT_ENTRY.match(child.name):
+            if not looks_like_step_dir(child):
                 return child
     return None
 
