@@ -62,9 +62,8 @@ class ParallelDims:
     @classmethod
     def for_strategy(cls, strategy: Strategy, world_size: int) -> ParallelDims:
         """Data parallelism over the whole world: sharded (fsdp) or replicated (ddp, single)."""
-        if strategy.shards:
-            return cls(dp_replicate=1, dp_shard=world_size, world_size=world_size)
-        return cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
+        replicated = cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
+        return replicated.with_strategy(strategy)
 
     def with_strategy(self, strategy: Strategy) -> ParallelDims:
         """The same processes and mesh, the data-parallel axis split as `strategy` uses it."""
