@@ -21,6 +21,7 @@ from keel.errors import CheckpointError
 if TYPE_CHECKING:
     from datasets import Dataset
 
+    from keel.config import RunConfig
     from keel.data import PreparedData
     from keel.train.reference import ReferenceLogps
 
@@ -43,6 +44,18 @@ class StepPlan:
     micro_batch_size: int
     seed: int
     shuffle: bool
+
+    @classmethod
+    def of(cls, cfg: RunConfig, num_rows: int, global_batch: int) -> StepPlan:
+        """The order `cfg` asks for (its micro-batch size, seed and shuffle) over `num_rows`
+        rows in global batches of `global_batch`."""
+        return cls(
+            num_rows=num_rows,
+            global_batch=global_batch,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.train.seed,
+            shuffle=cfg.data.shuffle,
+        )
 
     @property
     def steps_per_epoch(self) -> int:

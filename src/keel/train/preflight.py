@@ -179,14 +179,8 @@ def _schedule(cfg: RunConfig, rows: int) -> str:
     """Steps and epochs as one process would run them (without train.global_batch_size,
     N processes take N times larger batches, so fewer steps per epoch)."""
     t = cfg.train
-    plan = StepPlan(
-        num_rows=rows,
-        global_batch=t.global_batch_size
-        or default_global_batch(t.micro_batch_size, t.grad_accum, 1),
-        micro_batch_size=t.micro_batch_size,
-        seed=t.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    global_batch = t.global_batch_size or default_global_batch(t.micro_batch_size, t.grad_accum, 1)
+    plan = StepPlan.of(cfg, rows, global_batch)
     return plan.schedule(t.epochs, t.max_steps)
 
 

@@ -262,13 +262,7 @@ def _load_model(run: _Run, model_dir: Path, decided: _Decisions) -> tuple[Traini
 
 
 def _schedule(cfg: RunConfig, num_rows: int, global_batch: int) -> _Schedule:
-    plan = StepPlan(
-        num_rows=num_rows,
-        global_batch=global_batch,
-        micro_batch_size=cfg.train.micro_batch_size,
-        seed=cfg.train.seed,
-        shuffle=cfg.data.shuffle,
-    )
+    plan = StepPlan.of(cfg, num_rows, global_batch)
     return _Schedule(plan=plan, total_steps=plan.total_steps(cfg.train.epochs, cfg.train.max_steps))
 
 
