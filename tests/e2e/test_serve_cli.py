@@ -36,11 +36,13 @@ def test_serve_process_answers_and_stops_on_interrupt(model_dir):
         else:
             pytest.fail(f"keel serve printed no address; stderr:\n{process.stderr.read()}")
         body = {"model": str(model_dir), "messages": [{"role": "user", "content": "hi"}]}
+        # greedy: a sampled reply from a random model may draw the end token early, which
+        # made this count flaky; greedy it is fixed (and this model's greedy reply is longer)
+        request = {**body, "max_tokens": 5, "temperature": 0}
         # httpx's default 5 s is too short for a first answer on a loaded 2-core machine
-        reply = httpx.post(
-            url + "/v1/chat/completions", json={**body, "max_tokens": 5}, timeout=120
-        ).json()
+        reply = httpx.post(url + "/v1/chat/completions", json=request, timeout=120).json()
         assert reply["usage"]["completion_tokens"] == 5
+        assert reply["choices"][0]["finish_reason"] == "length"
         assert httpx.get(url + "/", timeout=120).status_code == 200
     finally:
         os.kill(process.pid, signal.SIGINT)
