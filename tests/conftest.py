@@ -116,6 +116,17 @@ def data_file(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def bundled_cache_dir(tmp_path_factory) -> Path:
+    """A keel cache holding the bundled SmolLM2 converted to safetensors, once per session
+    (the conversion takes ~30 s on 2 cores; tests/e2e/test_bundled_model.py tests it)."""
+    from keel.models.bundled import resolve_model_path
+
+    cache = tmp_path_factory.mktemp("bundled-cache")
+    resolve_model_path("bundled:smollm2-135m-instruct", cache, log=lambda message: None)
+    return cache
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tiny_tokenizer()
 

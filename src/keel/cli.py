@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
+from keel.cli_serve import add_serve, parse_size, run_serve
 from keel.console import quiet_libraries, say
 from keel.errors import KeelError
 
@@ -31,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_doctor(sub)
     _add_export(sub)
-    _add_serve(sub)
+    add_serve(sub)
     return parser
 
 
@@ -98,6 +99,14 @@ def _add_chat(sub) -> None:
     )
     chat.add_argument("--adapter", help="a PEFT adapter dir to apply on top of --model")
     chat.add_argument("--prompt", help="answer this one prompt and exit")
+    chat.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image for a vision-language model (repeatable): one per <image> in the "
+        "prompt, or placed before the text when it has none",
+    )
     chat.add_argument("--system", help="system prompt (default: the template's own)")
     chat.add_argument("--max-new-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
@@ -172,7 +181,7 @@ def _add_export(sub) -> None:
     )
     export.add_argument(
         "--max-shard-size",
-        type=_size,
+        type=parse_size,
         default="5GB",
         metavar="SIZE",
         help="largest safetensors file, e.g. 5GB or 2GiB (default 5GB)",
@@ -180,99 +189,6 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
-
-
-def _add_serve(sub) -> None:
-    serve = sub.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (continuous batching, LoRA adapters) and a web chat",
-    )
-    serve.add_argument(
-        "--model",
-        required=True,
-        help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
-        "or bundled:smollm2-135m-instruct",
-    )
-    serve.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="serve the LoRA adapter at PATH as model NAME (repeatable)",
-    )
-    serve.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)"
-    )
-    serve.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
-    serve.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="require the header Authorization: Bearer KEY on /v1 routes",
-    )
-    _add_serve_engine(serve)
-
-
-def _add_serve_engine(serve) -> None:
-    """How `keel serve` decodes, and the limits on what one request or adapter may ask."""
-    serve.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=16,
-        metavar="N",
-        help="sequences decoded together (default 16)",
-    )
-    serve.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=64,
-        metavar="N",
-        help="requests in flight, running or queued; more get HTTP 429 (default 64)",
-    )
-    serve.add_argument(
-        "--max-tokens",
-        type=int,
-        default=2048,
-        metavar="N",
-        help="largest max_tokens a request may ask for (default 2048)",
-    )
-    serve.add_argument(
-        "--backend",
-        choices=["keel", "vllm"],
-        default="keel",
-        help="keel (default, any device) or vllm (needs vLLM and a CUDA GPU)",
-    )
-    serve.add_argument(
-        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
-    )
-    serve.add_argument(
-        "--adapter-root",
-        metavar="DIR",
-        help="let clients load LoRA adapters over HTTP from inside DIR (default: off)",
-    )
-    for flag, default, what in (
-        ("--max-prompts", 16, "prompts in one /v1/completions request"),
-        ("--max-prompt-tokens", 8192, "tokens in one prompt"),
-        ("--max-prefill-tokens", 512, "prompt tokens prefilled per step; longer ones in chunks"),
-        ("--max-adapters", 8, "LoRA adapters served at once"),
-        ("--max-lora-rank", 256, "largest LoRA rank an adapter may have"),
-    ):
-        serve.add_argument(flag, type=int, default=default, metavar="N", help=f"{what} ({default})")
-    serve.add_argument(
-        "--max-adapter-size",
-        type=_size,
-        default="1GiB",
-        metavar="SIZE",
-        help="largest adapter_model.safetensors to load (default 1GiB)",
-    )
-
-
-def _size(text: str) -> int:
-    from keel.config.sizes import parse_memory
-
-    try:
-        return parse_memory(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _train(args) -> int:
@@ -309,11 +225,13 @@ def _validate(args) -> int:
 
 
 def _chat(args) -> int:
-    from keel.infer.chat import chat_once, interactive_chat
+    from keel.infer.chat import chat_images, chat_once, interactive_chat
     from keel.models import load_for_inference
 
     model, tokenizer = load_for_inference(args.model, args.adapter, cache_dir=args.cache_dir)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    if args.image:
+        gen["images"] = chat_images(model, args.image, base_dir=Path.cwd())
     if args.prompt is not None:
         chat_once(model, tokenizer, args.prompt, system=args.system, **gen)
     else:
@@ -376,35 +294,6 @@ def _export(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from keel.infer.serve.limits import ServeLimits
-    from keel.infer.serve.server import ServeOptions, run_server
-
-    limits = ServeLimits(
-        max_batch_size=args.max_batch_size,
-        max_concurrency=args.max_concurrency,
-        max_tokens=args.max_tokens,
-        max_prompts=args.max_prompts,
-        max_prompt_tokens=args.max_prompt_tokens,
-        max_prefill_tokens=args.max_prefill_tokens,
-        max_adapters=args.max_adapters,
-        max_lora_rank=args.max_lora_rank,
-        max_adapter_bytes=args.max_adapter_size,
-    )
-    options = ServeOptions(
-        model=args.model,
-        adapters=tuple(args.adapter),
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        limits=limits,
-        backend=args.backend,
-        cache_dir=args.cache_dir,
-        adapter_root=args.adapter_root,
-    )
-    return run_server(options)
-
-
 COMMANDS = {
     "train": _train,
     "validate": _validate,
@@ -412,7 +301,7 @@ COMMANDS = {
     "plan": _plan,
     "doctor": _doctor,
     "export": _export,
-    "serve": _serve,
+    "serve": run_serve,
 }
 
 

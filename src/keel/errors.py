@@ -29,6 +29,10 @@ class DataError(KeelError):
     """The training data cannot be used as given (missing file, malformed rows, ...)."""
 
 
+class ImageError(KeelError):
+    """An image reference cannot be used (missing, undecodable, too big); names the reference."""
+
+
 class ModelError(KeelError):
     """The model or tokenizer cannot be loaded or saved as asked."""
 

@@ -17,13 +17,13 @@ MODEL = "bundled:smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("keel-cache")
+def cache_dir(bundled_cache_dir):
+    """The session's cache, where conftest converted the bundled model (about 30 s)."""
+    return bundled_cache_dir
 
 
 @pytest.fixture(scope="module")
 def converted(cache_dir):
-    """Convert once for the module (about 30 s on a 2-core CPU)."""
     return resolve_model_path(MODEL, cache_dir, log=lambda s: None)
 
 

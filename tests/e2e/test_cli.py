@@ -25,9 +25,14 @@ SMALL_EXAMPLES = [
 ]
 
 
+# Examples run by their own tests (a vision-language model, not the tiny text model)
+RUN_ELSEWHERE = {"vision_llava_demo.yaml": "tests/e2e/test_vision_demo.py"}
+
+
 def test_every_example_is_covered_here():
     shipped = sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
-    assert shipped == sorted(SMALL_EXAMPLES)
+    assert shipped == sorted([*SMALL_EXAMPLES, *RUN_ELSEWHERE])
+    assert all((ROOT / test).is_file() for test in RUN_ELSEWHERE.values())
 
 
 @pytest.mark.parametrize("example", SMALL_EXAMPLES)

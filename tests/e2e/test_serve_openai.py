@@ -31,12 +31,12 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """One server for the module: the bundled model (converted once, ~30 s) and adapter `lora`."""
+def served(tmp_path_factory, bundled_cache_dir):
+    """One server for the module: the bundled model (converted once a session) and adapter `lora`."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("serve-openai")
-    model_dir = resolve_model_path(MODEL, root / "cache", log=lambda message: None)
+    model_dir = resolve_model_path(MODEL, bundled_cache_dir, log=lambda message: None)
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     lora = random_lora(base, root / "lora", seed=0)
     options = ServeOptions(
@@ -44,7 +44,7 @@ def served(tmp_path_factory):
         adapters=(f"lora={lora}",),
         api_key=KEY,
         limits=ServeLimits(max_tokens=64, max_batch_size=8),
-        cache_dir=str(root / "cache"),
+        cache_dir=str(bundled_cache_dir),
     )
     state = build_state(options, log=lambda message: None)
     with BackgroundServer(state) as url:

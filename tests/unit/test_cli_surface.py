@@ -20,6 +20,7 @@ EXPECTED = {
         "--model",
         "--adapter",
         "--prompt",
+        "--image",
         "--system",
         "--max-new-tokens",
         "--temperature",
@@ -54,6 +55,10 @@ EXPECTED = {
         "--max-adapters",
         "--max-lora-rank",
         "--max-adapter-size",
+        "--max-images",
+        "--max-image-pixels",
+        "--max-image-size",
+        "--image-root",
     },
 }
 

@@ -9,7 +9,7 @@ from keel.errors import DataError
 
 
 def convert(row, fmt, columns=None, tags=None):
-    return row_to_example(row, make_spec(fmt, columns or {}, tags or {}))
+    return row_to_example(row, make_spec(fmt, columns or {}, tags or {})).content
 
 
 def test_alpaca_with_input_history_and_system():
@@ -170,7 +170,12 @@ def test_detect_format_uses_column_overrides_and_explains_failure():
             "sharegpt",
             "tool-calling data is not supported",
         ),
-        ({"instruction": "x", "output": "y", "images": ["a.png"]}, "alpaca", "multimodal"),
+        ({"instruction": "x", "output": "y", "videos": ["a.mp4"]}, "alpaca", "multimodal"),
+        (
+            {"instruction": "x <image>", "output": "y", "images": ["a.png", "b.png"]},
+            "alpaca",
+            '1 image placeholder(s) (\'<image>\' in the text or {"type": "image"} parts) but 2',
+        ),
     ],
 )
 def test_bad_rows_have_clear_reasons(row, fmt, reason):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.checkpoint.dcp import UnsafeCheckpointError, load_model_tensors, stored_model_shapes
@@ -24,7 +24,7 @@ from keel.checkpoint.layout import (
     complete_checkpoints,
     looks_like_step_dir,
 )
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig, VisionConfig
 from keel.errors import CheckpointError, ModelError
 from keel.models.adapters import apply_method
 
@@ -37,6 +37,9 @@ class TrainingCheckpoint:
     step: int
     base: str | None  # the model directory the run trained
     method: MethodConfig
+    # model.vision of the run (which tower/projector parts trained); the defaults for
+    # checkpoints written before the section existed, or by text-model runs
+    vision: VisionConfig = field(default_factory=VisionConfig)
 
     def describe(self) -> str:
         return f"checkpoint {self.path} (step {self.step}, method {self.method.type})"
@@ -96,7 +99,19 @@ def read_checkpoint(path: Path) -> TrainingCheckpoint:
         step=int(meta.get("step", 0)),
         base=run.get("model_path"),
         method=_method_of(run.get("method") or {}, path),
+        vision=_vision_of(meta.get("config") or {}, path),
     )
+
+
+def _vision_of(config: dict, path: Path) -> VisionConfig:
+    saved = (config.get("model") or {}).get("vision") or {}
+    try:
+        return VisionConfig(**saved)
+    except TypeError:
+        raise CheckpointError(
+            f"{path / META} records a model.vision section keel does not know ({saved!r}); "
+            f"export with the keel that wrote the checkpoint"
+        ) from None
 
 
 def _method_of(saved: dict, path: Path) -> MethodConfig:
@@ -131,7 +146,9 @@ def load_checkpoint_weights(
     """
     fix = f"pass the model the run trained ({checkpoint.base}) as --model"
     try:
-        model = apply_method(model, checkpoint.method, log=lambda _message: None)
+        model = apply_method(
+            model, checkpoint.method, log=lambda _message: None, vision=checkpoint.vision
+        )
     except ModelError as exc:
         raise ModelError(
             f"{checkpoint.path} does not fit the base model {base_dir}: {exc}; {fix}"

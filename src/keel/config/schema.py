@@ -17,6 +17,15 @@ BUNDLED_PREFIX = "bundled:"
 
 
 @dataclass(kw_only=True)
+class VisionConfig:
+    # Vision-language models only (Qwen2-VL, LLaVA, ...); ignored for text models
+    freeze_tower: bool = True  # the vision encoder does not train (LoRA never adapts it)
+    freeze_projector: bool = True  # the projector (image features -> LM inputs) does not train
+    image_max_pixels: int = 589824  # larger images are resized down to this many (768*768)
+    image_min_pixels: int = 1024  # smaller images are resized up to this many (32*32)
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     path: str  # HF model directory, Hugging Face Hub id (owner/name), or bundled:NAME
     revision: str = "main"  # Hub ids only: the branch, tag or commit sha to use
@@ -26,6 +35,7 @@ class ModelConfig:
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers)
+    vision: VisionConfig = field(default_factory=VisionConfig)  # vision-language models
 
 
 @dataclass(kw_only=True)

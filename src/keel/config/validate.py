@@ -26,6 +26,7 @@ def check_config(cfg: RunConfig) -> list[str]:
         return non_finite
     return [
         *_check_model(cfg),
+        *_check_vision(cfg),
         *_check_method(cfg),
         *_check_data(cfg),
         *_check_train(cfg),
@@ -91,6 +92,29 @@ def _check_model(cfg: RunConfig) -> list[str]:
             f"model.path = {path!r} does not exist; give an HF model directory, a Hugging "
             f"Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or "
             f"{BUNDLED_PREFIX}smollm2-135m-instruct"
+        )
+    return problems
+
+
+# The largest image keel decodes (keel.models.vision.images): a bigger limit could not apply.
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def _check_vision(cfg: RunConfig) -> list[str]:
+    """model.vision's image size bounds (checked for every model: a config is validated
+    before keel knows whether the model sees images)."""
+    vision = cfg.model.vision
+    problems = _positive(vision.image_min_pixels, "model.vision.image_min_pixels")
+    if vision.image_max_pixels > MAX_IMAGE_PIXELS:
+        problems.append(
+            f"model.vision.image_max_pixels = {vision.image_max_pixels} is above "
+            f"{MAX_IMAGE_PIXELS} (8192*8192, the largest image keel decodes); lower it"
+        )
+    if vision.image_max_pixels < vision.image_min_pixels:
+        problems.append(
+            f"model.vision.image_max_pixels = {vision.image_max_pixels} is below "
+            f"model.vision.image_min_pixels = {vision.image_min_pixels}; raise it or lower "
+            f"image_min_pixels"
         )
     return problems
 

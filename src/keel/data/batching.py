@@ -34,6 +34,10 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     token belongs to, -1 for padding), the same for their KTO mismatched sequences under a
     `kl_` prefix, and `reference_logps` / `reference_kl_logps` [S] when the rows carry
     precomputed reference log-probs.
+
+    A vision-language run's rows also give `images` (each image's tensors, unpacked from
+    `image_blobs`, in token order: row after row; absent when there are none) and, with
+    `rope_positions`, `rope_position_ids` [3, B, T] (M-RoPE; pads count up as position_ids).
     """
     assert rows, "collate needs at least one row"
     if padding_free:
@@ -41,6 +45,7 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     batch = _pad(rows, "", pad_id)
     if padding_free:
         batch["seq_lens"] = sample_lengths(rows[0]["position_ids"])
+    batch |= _vision(rows, batch["position_ids"])
     if not rows[0].get("labels"):
         return batch
     batch["labels"] = torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)
@@ -75,6 +80,23 @@ def merge_rows(rows: list[dict]) -> dict:
         else:
             raise TypeError(f"merge_rows: cannot merge row field {key!r} of type {type(value)}")
     return merged
+
+
+def _vision(rows: list[dict], position_ids: torch.Tensor) -> dict:
+    """`images` and `rope_position_ids` of a vision-language run's rows ({} for text rows)."""
+    out = {}
+    blobs = [blob for row in rows for blob in row.get("image_blobs") or ()]
+    if blobs:
+        from keel.models.vision.blobs import unpack
+
+        out["images"] = [unpack(blob) for blob in blobs]
+    if "rope_positions" in rows[0]:
+        rope = position_ids.unsqueeze(0).repeat(3, 1, 1)  # [3, B, T]; pads as position_ids
+        for b, row in enumerate(rows):
+            positions = torch.as_tensor(row["rope_positions"], dtype=torch.long).view(-1, 3)
+            rope[:, b, : len(positions)] = positions.t()
+        out["rope_position_ids"] = rope
+    return out
 
 
 def sample_lengths(position_ids) -> tuple[int, ...]:

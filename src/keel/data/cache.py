@@ -4,6 +4,12 @@
 plus `report.json`. It is written to a temporary sibling and renamed into place, so a crash
 never leaves a half-written cache, and concurrent writers (several ranks) cannot collide:
 the first rename wins and the others load what it wrote.
+
+A vision-language run also fingerprints its image processing (`vision_fingerprint`), and
+the cache keeps a manifest of the image files its rows read (`images.json`: path, size,
+mtime): the data files only name the images, so a cache whose images changed since is
+stale (`stale_image`) and prepared again. Inline images (data: URLs, bytes) are part of the
+data files, which the fingerprint covers already.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from keel.data.template import ChatTemplate
 
 DATA_FORMAT_VERSION = 3  # bump when the layout or meaning of prepared rows changes
 _HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
+IMAGE_MANIFEST = "images.json"
 
 
 def file_signature(path: Path) -> dict:
@@ -89,6 +96,50 @@ def fingerprint(
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def vision_fingerprint(data_fingerprint: str, vision) -> str:
+    """The fingerprint of a vision-language run: the data's, with what turns its images into
+    tokens and tensors (the family, the image processor's settings, the model config)."""
+    config = {
+        k: v
+        for k, v in vision.model_config.to_dict().items()
+        if not k.startswith("_") and k != "transformers_version"
+    }
+    payload = {
+        "data": data_fingerprint,
+        "family": vision.family.name,
+        "image_processor": type(vision.image_processor).__name__,
+        "image_processor_settings": vision.image_processor.to_dict(),
+        "model_config": config,
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def image_manifest(paths) -> list[dict]:
+    """Identity of each image file read (sorted, no repeats): path, size and mtime_ns."""
+    out = []
+    for path in sorted(set(paths)):
+        st = os.stat(path)
+        out.append({"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def stale_image(path: Path) -> str | None:
+    """Why the cache at `path` is stale: an image file its rows read has changed or gone;
+    None when every one is as it was (or the cache read no image files)."""
+    manifest = path / IMAGE_MANIFEST
+    if not manifest.is_file():
+        return None
+    for entry in json.loads(manifest.read_text()):
+        try:
+            st = os.stat(entry["path"])
+        except OSError:
+            return f"image {entry['path']} is gone"
+        if (st.st_size, st.st_mtime_ns) != (entry["size"], entry["mtime_ns"]):
+            return f"image {entry['path']} changed"
+    return None
+
+
 def _entry_identity(entry) -> dict:
     """A dataset entry's settings. `revision` (added later) counts only when it pins
     something, so data prepared, and checkpoints written, before it existed keep their
@@ -119,14 +170,17 @@ def load_cached(path: Path):
     return train, eval_, report
 
 
-def save_cache(path: Path, train, eval_, report: DataReport) -> None:
-    """Write the cache to a temporary dir, then rename it to `path` (atomic)."""
+def save_cache(path: Path, train, eval_, report: DataReport, images: list[dict] = ()) -> None:
+    """Write the cache to a temporary dir, then rename it to `path` (atomic). `images`: the
+    image manifest (`image_manifest`), written when not empty."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name[:16]}-", dir=path.parent))
     try:
         train.save_to_disk(str(tmp / "train"))
         if eval_ is not None:
             eval_.save_to_disk(str(tmp / "eval"))
+        if images:
+            (tmp / IMAGE_MANIFEST).write_text(json.dumps(list(images), indent=1))
         (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
         try:
             os.rename(tmp, path)

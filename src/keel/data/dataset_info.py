@@ -23,8 +23,9 @@ converter.py, processor/pretrain.py):
   message for sharegpt) and trains with kto. Each is refused for other stages, and entries
   that are neither are refused for those stages, as LLaMA-Factory's loader does.
 
-keel reads local files only, so hub entries, multimodal and tool-calling entries are
-refused with the reason.
+keel reads local files only, so hub entries are refused with the reason; so are
+tool-calling entries and entries with videos or audios. An `images` column holds each row's
+image paths, relative to data.dataset_dir (LLaMA-Factory's media_dir default).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ _LF_DEFAULT_COLUMNS = {
     "response": "output",
     "messages": "conversations",
 }
-_MEDIA = ("images", "videos", "audios")
+_UNSUPPORTED_MEDIA = ("videos", "audios")  # images are read (keel.data.vision)
 
 
 @dataclass
@@ -158,11 +159,11 @@ def resolve_entry(
 
 def _refuse_unsupported(entry: dict, where: str) -> None:
     columns = entry.get("columns") if isinstance(entry.get("columns"), dict) else {}
-    media = [k for k in _MEDIA if columns.get(k)]
+    media = [k for k in _UNSUPPORTED_MEDIA if columns.get(k)]
     if media:
         raise DataError(
             f"{where} is multimodal (columns.{media[0]}: '{columns[media[0]]}'); keel trains "
-            f"text-only models: use an entry without {'/'.join(media)} columns"
+            f"on text and images only: use an entry without {'/'.join(media)} columns"
         )
     if columns.get("tools"):
         raise DataError(

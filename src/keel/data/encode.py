@@ -4,12 +4,16 @@
 output row carries a `status` (ok, truncated, dropped, overlength, rejected, template) and a
 `reason`, so the pipeline can report every problem at once, with its file and row.
 `RowEncoder` encodes SFT and pretraining rows; keel.data.encode_preference adds pairs and
-KTO samples.
+KTO samples. With a vision-language model (`EncodeSettings.vision`) rows may hold images:
+keel.data.vision turns them into image tokens and the `image_blobs` (and, for M-RoPE
+families, `rope_positions`) columns; a text model's run keeps exactly the text columns.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keel.data.formats import FormatSpec, RowError, row_to_example
 from keel.data.template import (
@@ -20,7 +24,11 @@ from keel.data.template import (
     render,
     shift_targets,
 )
+from keel.data.vision import encode_with_images, image_columns, refuse_images, vision_features
 from keel.stages.registry import get_stage
+
+if TYPE_CHECKING:
+    from keel.models.vision import VisionProcessing
 
 IGNORE_INDEX = -100
 KEPT = ("ok", "truncated")
@@ -49,6 +57,8 @@ class EncodeSettings:
     template: ChatTemplate | None
     cutoff_len: int
     overlength: str  # drop, truncate or error
+    vision: VisionProcessing | None = None  # the run's vision-language model, None for text
+    media_dir: Path | None = None  # relative image paths are read from here
 
 
 class RowEncoder:
@@ -62,7 +72,7 @@ class RowEncoder:
         self.settings = settings
 
     def features(self):
-        return output_features()
+        return output_features(vision_features(self.settings.vision))
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         from datasets import Value
@@ -82,8 +92,14 @@ class RowEncoder:
     def encode_row(self, row: dict) -> dict:
         """SFT/PT: status, reason, full length, input_ids and targets of one row."""
         s = self.settings
+        images = None
         try:
-            ids, mask = self._tokens(row_to_example(row, s.spec))
+            example = row_to_example(row, s.spec)
+            if s.vision is None:
+                refuse_images(example)
+                ids, mask = self._tokens(example.content)
+            else:
+                ids, mask, images = encode_with_images(self.tokenizer, s, example)
         except RowError as e:
             return {"status": "rejected", "reason": str(e)}
         except TemplateMismatch as e:
@@ -93,6 +109,17 @@ class RowEncoder:
             if s.overlength in ("drop", "error"):
                 status = "dropped" if s.overlength == "drop" else "overlength"
                 return {"status": status, "length": length}
+            if images is not None:
+                try:
+                    images = images.cut(s.cutoff_len)
+                except RowError as e:
+                    files = list(images.files)
+                    return {
+                        "status": "dropped",
+                        "reason": str(e),
+                        "length": length,
+                        "image_files": files,
+                    }
             ids, mask, status = ids[: s.cutoff_len], mask[: s.cutoff_len], "truncated"
         targets = shift_targets(ids, mask)
         if all(t == IGNORE_INDEX for t in targets):
@@ -104,7 +131,10 @@ class RowEncoder:
             else:
                 reason = "all labels masked: no assistant tokens to train on"
             return {"status": "rejected", "reason": reason, "length": length}
-        return {"status": status, "length": length, "input_ids": ids, "targets": targets}
+        out = {"status": status, "length": length, "input_ids": ids, "targets": targets}
+        if images is not None:
+            out |= image_columns(s.vision, [(ids, images)]) | {"image_files": list(images.files)}
+        return out
 
     def _tokens(self, example: list[dict] | str) -> tuple[list[int], list[bool]]:
         s = self.settings

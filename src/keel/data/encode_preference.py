@@ -10,6 +10,10 @@ before its answer, from which keel.data.kto builds the mismatched KL sequences.
 data.cutoff_len bounds each sequence. Over it, data.overlength applies to the whole pair:
 drop or error as in SFT; truncate cuts the answers only: a prompt that leaves no room for
 one answer token rejects the row (a cut prompt would train on a question never asked).
+
+With a vision-language model a pair's images (its prompt's) are in both sequences: the row's
+`image_blobs` are the chosen sequence's, then the rejected one's (keel.data.vision). Since
+truncate never cuts a prompt, it never cuts an image.
 """
 
 from __future__ import annotations
@@ -18,9 +22,16 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from keel.data.encode import EncodeSettings, RowEncoder, output_features
-from keel.data.formats import RowError
+from keel.data.formats import Example, RowError
 from keel.data.preference import row_to_kto, row_to_pair
 from keel.data.template import TemplateMismatch, encode_sft, shift_targets
+from keel.data.vision import (
+    ImageTokens,
+    encode_with_images,
+    image_columns,
+    refuse_images,
+    vision_features,
+)
 from keel.stages.registry import get_stage
 
 
@@ -38,6 +49,7 @@ class _Sequence:
     targets: list[int]
     prompt_len: int  # tokens before the answer's first token
     truncated: bool
+    images: ImageTokens | None = None  # a vision-language run's images of this sequence
 
 
 class _PreferenceEncoder(RowEncoder, ABC):
@@ -55,22 +67,28 @@ class _PreferenceEncoder(RowEncoder, ABC):
     def _encode(self, row: dict) -> dict:
         """The encoded row; raises RowError, TemplateMismatch or _Refused."""
 
-    def _sequences(self, prompt: list[dict], answers: list[str]) -> tuple[list[_Sequence], int]:
+    def _sequences(
+        self, prompt: list[dict], answers: list[str], images: tuple = ()
+    ) -> tuple[list[_Sequence], int]:
         """One sequence per answer, the over-length policy applied to them together; and
         the longest one's length before any cut."""
         s = self.settings
-        encoded = [
-            encode_sft(
-                self.tokenizer, s.template, [*prompt, {"role": "assistant", "content": a}], True
-            )
-            for a in answers
-        ]
-        length = max(len(ids) for ids, _ in encoded)
+        conversations = [[*prompt, {"role": "assistant", "content": a}] for a in answers]
+        if s.vision is None:
+            encoded = [
+                (*encode_sft(self.tokenizer, s.template, c, True), None) for c in conversations
+            ]
+        else:
+            encoded = [
+                encode_with_images(self.tokenizer, s, Example(c, images), last_only=True)
+                for c in conversations
+            ]
+        length = max(len(ids) for ids, _, _ in encoded)
         if length > s.cutoff_len and s.overlength != "truncate":
             raise _Refused("dropped" if s.overlength == "drop" else "overlength", "", length)
-        return [self._fit(ids, mask, length) for ids, mask in encoded], length
+        return [self._fit(ids, mask, length, found) for ids, mask, found in encoded], length
 
-    def _fit(self, ids: list[int], mask: list[bool], length: int) -> _Sequence:
+    def _fit(self, ids: list[int], mask: list[bool], length: int, images=None) -> _Sequence:
         cutoff = self.settings.cutoff_len
         if True not in mask:
             raise _Refused("rejected", "all labels masked: the answer has no tokens", length)
@@ -85,7 +103,8 @@ class _PreferenceEncoder(RowEncoder, ABC):
                 length,
             )
         ids, mask = ids[:cutoff], mask[:cutoff]
-        return _Sequence(ids, shift_targets(ids, mask), prompt_len, truncated)
+        images = images.cut(cutoff) if images is not None and truncated else images
+        return _Sequence(ids, shift_targets(ids, mask), prompt_len, truncated, images)
 
 
 class PairEncoder(_PreferenceEncoder):
@@ -94,12 +113,16 @@ class PairEncoder(_PreferenceEncoder):
     def features(self):
         from datasets import List, Value
 
-        return output_features({"seq_lens": List(Value("int32")), "labels": List(Value("int32"))})
+        pair = {"seq_lens": List(Value("int32")), "labels": List(Value("int32"))}
+        return output_features(pair | vision_features(self.settings.vision))
 
     def _encode(self, row: dict) -> dict:
         pair = row_to_pair(row, self.settings.spec)
-        (chosen, rejected), length = self._sequences(pair.prompt, [pair.chosen, pair.rejected])
-        return {
+        if self.settings.vision is None:
+            refuse_images(Example(pair.prompt, pair.images))
+        answers = [pair.chosen, pair.rejected]
+        (chosen, rejected), length = self._sequences(pair.prompt, answers, pair.images)
+        out = {
             "status": "truncated" if chosen.truncated or rejected.truncated else "ok",
             "length": length,
             "input_ids": chosen.ids + rejected.ids,
@@ -107,6 +130,11 @@ class PairEncoder(_PreferenceEncoder):
             "seq_lens": [len(chosen.ids), len(rejected.ids)],
             "labels": [1, 0],
         }
+        if self.settings.vision is not None:
+            sequences = [(chosen.ids, chosen.images), (rejected.ids, rejected.images)]
+            out |= image_columns(self.settings.vision, sequences)
+            out["image_files"] = list(chosen.images.files)
+        return out
 
 
 class KtoEncoder(_PreferenceEncoder):

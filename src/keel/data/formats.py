@@ -20,6 +20,13 @@ and labelled samples.
 A column or tag mapped to None is not read: a LLaMA-Factory entry that names its columns
 or tags replaces the defaults (keel.data.dataset_info), as it does in LLaMA-Factory.
 
+Images (LLaMA-Factory's and TRL's vocabulary): a row's `images` column lists image
+references (paths relative to the dataset's folder, URLs, bytes) in the order of the `<image>`
+placeholders in its text; TRL's `{"type": "image"}` content parts are placeholders too, and
+an OpenAI `{"type": "image_url", "image_url": {"url": ...}}` part is a placeholder that
+carries its own reference. `Example.images` holds the references in placeholder order;
+keel.data.vision turns them into image tokens. Videos and audios are refused.
+
 Problems with a row raise `RowError`; the pipeline turns them into report rejections.
 """
 
@@ -29,9 +36,11 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 
 from keel.errors import DataError
+from keel.models.vision.family import PLACEHOLDER
 
 FORMATS = ("messages", "sharegpt", "alpaca", "text", "preference", "kto")
 _MEDIA = ("images", "videos", "audios")
+_UNSUPPORTED_MEDIA = ("videos", "audios")
 _RANKING = {"chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag"}  # preference stages
 DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
     "alpaca": {
@@ -83,6 +92,15 @@ TAG_KEYS = sorted(DEFAULT_TAGS["sharegpt"])
 
 class RowError(Exception):
     """A row that cannot be used; the message is the reason shown in the report."""
+
+
+@dataclass(frozen=True)
+class Example:
+    """What one row holds: a conversation (list of {role, content}) or a text, and the
+    references of its images in the order of the `<image>` placeholders in that text."""
+
+    content: list[dict] | str
+    images: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -150,25 +168,72 @@ def chat_flavour(conversation, col: str, tags: dict) -> str:
     return "sharegpt" if col == "conversations" else "messages"
 
 
-def row_to_example(row: dict, spec: FormatSpec) -> list[dict] | str:
-    """A validated conversation, or the text for the text format. Raises RowError."""
-    if spec.format == "text":
-        return _text(row, spec.columns)
+def row_to_example(row: dict, spec: FormatSpec) -> Example:
+    """The row's validated conversation (or text, for the text format) and its images.
+    Raises RowError."""
     refuse_unsupported(row, spec.columns)
-    if spec.format == "alpaca":
-        messages = _alpaca(row, spec.columns)
+    inline: list = []  # image_url parts' references, None for the other placeholders
+    if spec.format == "text":
+        content = _text(row, spec.columns)
+    elif spec.format == "alpaca":
+        content = _alpaca(row, spec.columns)
     else:
-        messages = _chat(row, spec.columns, spec.tags)
-    validate_conversation(messages)
-    return messages
+        content = _chat(row, spec.columns, spec.tags, inline)
+    if not isinstance(content, str):
+        validate_conversation(content)
+    texts = [content] if isinstance(content, str) else [m["content"] for m in content]
+    return Example(content, row_images(row, spec.columns, texts, inline))
+
+
+def row_images(row: dict, columns: dict, texts: list[str], inline: list) -> tuple:
+    """The image references of a row in placeholder order: inline image_url references where
+    they stand, the `images` column's in order for the other placeholders. RowError when the
+    placeholders and the images do not pair up. A row without images keeps its placeholders
+    as plain text here (a text model reads `<image>` as text; keel.data.vision checks)."""
+    listed = column_images(row, columns)
+    if not listed and not any(ref is not None for ref in inline):
+        return ()
+    col = columns.get("images") or "images"
+    placeholders = sum(text.count(PLACEHOLDER) for text in texts)
+    check_image_count(placeholders - sum(ref is not None for ref in inline), len(listed), col)
+    if not any(ref is not None for ref in inline):
+        return tuple(listed)
+    if len(inline) != placeholders:
+        raise RowError(
+            f"{placeholders} image placeholder(s) in the conversation but {len(inline)} in its "
+            f"messages: a system column with '{PLACEHOLDER}' cannot be mixed with image_url parts"
+        )
+    column = iter(listed)
+    return tuple(ref if ref is not None else next(column) for ref in inline)
+
+
+def check_image_count(placeholders: int, images: int, col: str = "images") -> None:
+    """RowError naming both counts unless every placeholder has its image."""
+    if placeholders != images:
+        raise RowError(
+            f"{placeholders} image placeholder(s) ('{PLACEHOLDER}' in the text or "
+            f'{{"type": "image"}} parts) but {images} image(s) in column \'{col}\'; '
+            f"each image needs one placeholder where it appears in the conversation"
+        )
+
+
+def column_images(row: dict, columns: dict) -> list:
+    """The `images` column's references (a single one becomes a list of one)."""
+    col = columns.get("images")
+    value = row.get(col) if col else None
+    if value in (None, "", []):
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def refuse_unsupported(row: dict, columns: dict) -> None:
-    """Refuse rows with media or tool definitions (RowError)."""
-    for key in _MEDIA:
+    """Refuse rows with videos, audios or tool definitions (RowError)."""
+    for key in _UNSUPPORTED_MEDIA:
         col = columns.get(key)
         if col and row.get(col):
-            raise RowError(f"has {key} (column '{col}'); multimodal data is not supported")
+            raise RowError(
+                f"has {key} (column '{col}'); multimodal data other than images is not supported"
+            )
     col = columns.get("tools")
     if col and row.get(col) not in (None, "", "[]", []):
         raise RowError(
@@ -234,12 +299,12 @@ def alpaca_prompt(row: dict, c: dict) -> list[dict]:
     return [*messages, {"role": "user", "content": user}]
 
 
-def _chat(row: dict, c: dict, t: dict) -> list[dict]:
+def _chat(row: dict, c: dict, t: dict, inline: list | None = None) -> list[dict]:
     col = c["messages"]
     conversation = row.get(col)
     if conversation is None:
         raise RowError(f"missing field '{col}'")
-    return with_system(parse_messages(conversation, col, t), row, c)
+    return with_system(parse_messages(conversation, col, t, inline), row, c)
 
 
 def with_system(messages: list[dict], row: dict, c: dict) -> list[dict]:
@@ -250,17 +315,20 @@ def with_system(messages: list[dict], row: dict, c: dict) -> list[dict]:
     return messages
 
 
-def parse_messages(conversation, col: str, t: dict) -> list[dict]:
-    """The messages of column `col` as {role, content}, roles mapped by the tags `t`."""
+def parse_messages(conversation, col: str, t: dict, inline: list | None = None) -> list[dict]:
+    """The messages of column `col` as {role, content}, roles mapped by the tags `t`.
+
+    inline: receives, per image placeholder in order, an image_url part's reference or None."""
     if not isinstance(conversation, list):
         raise RowError(
             f"field '{col}' must be a list of messages, got {type(conversation).__name__}"
         )
-    return [parse_message(m, i, col, t) for i, m in enumerate(conversation, 1)]
+    return [parse_message(m, i, col, t, inline) for i, m in enumerate(conversation, 1)]
 
 
-def parse_message(m, i: int, col: str, t: dict) -> dict:
-    """Message `i` of column `col` as {role, content}; tool turns and unknown roles refused."""
+def parse_message(m, i: int, col: str, t: dict, inline: list | None = None) -> dict:
+    """Message `i` of column `col` as {role, content}; tool turns and unknown roles refused.
+    Image content parts become `<image>` placeholders (their references go to `inline`)."""
     roles = {t["user_tag"]: "user", t["assistant_tag"]: "assistant", t["system_tag"]: "system"}
     roles.pop(None, None)  # a tag mapped to None: that role is not expected
     tool_roles = {t["observation_tag"], t["function_tag"]} - {None}
@@ -285,28 +353,49 @@ def parse_message(m, i: int, col: str, t: dict) -> dict:
             f"message {i} of '{col}': unknown role '{role}' "
             f"(expected one of {', '.join(roles)}){hint}"
         )
-    content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role])
+    refs: list = []
+    content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role], refs)
+    if inline is not None:
+        inline += refs
     return {"role": roles[role], "content": content}
 
 
-def _message_content(content, i: int, tag: str, role: str) -> str:
+def _message_content(content, i: int, tag: str, role: str, refs: list) -> str:
     if content is None:
         if role == "assistant":
             return ""  # reported as an empty answer
         raise RowError(f"message {i}: missing field '{tag}'")
     if isinstance(content, str):
+        refs += [None] * content.count(PLACEHOLDER)
         return content
     if isinstance(content, list):  # OpenAI content parts
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RowError(
-                    f"message {i}: content part of type '{kind}' is not supported (text only)"
-                )
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
+        return "".join(_content_part(part, i, refs) for part in content)
     raise RowError(f"message {i}: field '{tag}' must be text, got {type(content).__name__}")
+
+
+def _content_part(part, i: int, refs: list) -> str:
+    """One OpenAI/TRL content part as text: text as is, an image as a placeholder."""
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind == "text":
+        text = str(part.get("text", ""))
+        refs += [None] * text.count(PLACEHOLDER)
+        return text
+    if kind == "image":  # TRL: the image itself is the next one of the images column
+        refs.append(None)
+        return PLACEHOLDER
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str) or not url:
+            raise RowError(
+                f'message {i}: an image_url part needs {{"image_url": {{"url": "..."}}}} '
+                f"(a path, file:// or data: URL)"
+            )
+        refs.append(url)
+        return PLACEHOLDER
+    raise RowError(
+        f"message {i}: content part of type '{kind}' is not supported (text and images only)"
+    )
 
 
 def validate_conversation(messages: list[dict]) -> None:

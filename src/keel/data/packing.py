@@ -5,6 +5,9 @@ A row is one unit (unpacked) or several units concatenated (packed): a unit is a
 position_ids restart at 0 with each sequence. Targets are pre-shifted inside each sequence
 and its last target is -100, so concatenation never trains one sequence to predict the next
 one's first token.
+
+A vision-language run's units also carry `image_blobs` (one per image) and `rope_positions`
+(3 per token); a row concatenates them in the order of its units, like its tokens.
 """
 
 from __future__ import annotations
@@ -92,6 +95,27 @@ def _as_list(ends: np.ndarray, values: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(offsets, pa.array(values.astype(np.int32), type=pa.int32()))
 
 
+def _regroup_blobs(column, order: np.ndarray, bounds: np.ndarray) -> pa.ListArray:
+    """`_regroup` for a list-of-binary column (kept as Arrow: the values are not numbers)."""
+    column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    lengths = pc.list_value_length(column).to_numpy().astype(np.int64)
+    starts = np.cumsum(lengths) - lengths
+    lens = lengths[order]
+    values = pc.list_flatten(column).take(pa.array(gather_ranges(starts[order], lens)))
+    ends = np.concatenate([[0], np.cumsum(lens)])[bounds]
+    return pa.ListArray.from_arrays(pa.array(ends.astype(np.int32)), values)
+
+
+def _vision_columns(units: pa.Table, order: np.ndarray, bounds: np.ndarray) -> dict:
+    out = {}
+    if "image_blobs" in units.column_names:
+        out["image_blobs"] = _regroup_blobs(units.column("image_blobs"), order, bounds)
+    if "rope_positions" in units.column_names:
+        values, _, ends = _regroup(units.column("rope_positions"), order, bounds)
+        out["rope_positions"] = _as_list(ends, values)
+    return out
+
+
 def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Table:
     """Rows from `units` taken in `order`, `per_row[r]` consecutive units making row r.
 
@@ -99,7 +123,8 @@ def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Ta
     its sequences laid end to end, `seq_lens` their lengths (absent: one sequence). Rows get
     input_ids, targets, position_ids (restarting at 0 with each sequence) and num_targets:
     the trained tokens, or with `labels` (preference units) the units in the row; then
-    labels, and kl_input_ids/kl_targets/kl_position_ids when the units have KL sequences.
+    labels, and kl_input_ids/kl_targets/kl_position_ids when the units have KL sequences;
+    and image_blobs / rope_positions when the units have them.
     """
     names = units.column_names
     bounds = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)
@@ -127,7 +152,7 @@ def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Ta
             kl_ends, _regroup(units.column("kl_targets"), order, bounds)[0]
         )
         out["kl_position_ids"] = _as_list(kl_ends, restart_positions(kl_lens))
-    return pa.table(out)
+    return pa.table(out | _vision_columns(units, order, bounds))
 
 
 def make_rows(units: pa.Table, packing: bool, capacity: int, seed: int) -> pa.Table:

@@ -3,6 +3,10 @@
 The order is fixed so that nothing reaches training unchecked: resolve every source and the
 template (cheap), fingerprint, then either load the cache or load, encode and validate every
 row, report, and only then split, pack and cache.
+
+A vision-language run (`vision=`) encodes images too (keel.data.vision): its rows gain
+`image_blobs` and, for M-RoPE families, `rope_positions`; its cache is keyed by the image
+processing as well and invalidated when an image file changes (keel.data.cache).
 """
 
 from __future__ import annotations
@@ -18,7 +22,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from keel.config.schema import DataConfig
-from keel.data.cache import fingerprint, load_cached, save_cache
+from keel.data.cache import (
+    fingerprint,
+    image_manifest,
+    load_cached,
+    save_cache,
+    stale_image,
+    vision_fingerprint,
+)
 from keel.data.detect import spec_for_stage
 from keel.data.encode import IGNORE_INDEX, KEPT, EncodeSettings, encode_dataset
 from keel.data.encode_preference import encoder_for
@@ -34,8 +45,25 @@ from keel.stages.registry import STAGES
 if TYPE_CHECKING:
     from datasets import Dataset
 
+    from keel.models.vision import VisionProcessing
 
-_UNIT_COLUMNS = ("input_ids", "targets", "seq_lens", "labels", "prompt_len")
+
+_UNIT_COLUMNS = (
+    *("input_ids", "targets", "seq_lens", "labels", "prompt_len"),
+    *("image_blobs", "rope_positions"),  # a vision-language run's
+)
+
+
+@dataclass(frozen=True)
+class _Encoding:
+    """What every source of one run is encoded with."""
+
+    cfg: DataConfig
+    tokenizer: object
+    template: ChatTemplate
+    stage: str
+    vision: VisionProcessing | None
+    fingerprint: str
 
 
 @dataclass
@@ -60,6 +88,7 @@ def prepare_data(
     base_dir: Path,
     seed: int,
     log: Callable[[str], None] = print,
+    vision: VisionProcessing | None = None,
 ) -> PreparedData:
     """Load, validate, tokenize, split and pack the data of `cfg`, or load it from the cache.
 
@@ -78,38 +107,46 @@ def prepare_data(
     kl_targets and kl_position_ids: per sample, in the same order, its prompt followed by
     the next sample's answer (keel.data.kto). data.cutoff_len bounds each sequence; packed
     rows hold whole pairs up to 2 x cutoff_len tokens, KTO samples up to cutoff_len.
-    """
-    _check_tokenizer(tokenizer, stage)
+    With `vision` (keel.models.vision.vision_processing; None: a text model, which rejects
+    rows with images) rows also have image_blobs (per image, in token order) and, for
+    M-RoPE families, rope_positions (3 per token)."""
+    _check_tokenizer(tokenizer, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
-    sources = resolve_sources(cfg, base_dir, stage=stage)
-    for note in (n for src in sources for n in src.notes):
-        log(f"note: {note}")
+    sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
     template, note = resolve_template(cfg.template, tokenizer, base_dir)
     fp = fingerprint(cfg, sources, template, tokenizer, stage, seed)
+    fp = vision_fingerprint(fp, vision) if vision is not None else fp
     target = cache_dir / "data" / fp
-    cached = _load_cache(target, log)
-    if cached is not None:
-        train, eval_, report = cached
+    if (cached := _load_cache(target, log)) is not None:
         log(f"data: loaded from cache {target}")
-        log(report.format())
-        return PreparedData(train, eval_, report, fp, from_cache=True)
+        log(cached[2].format())
+        return PreparedData(*cached, fp, from_cache=True)
 
     report = _empty_report(cfg, stage)
     load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
-    samples, overlong, used_template = _encode_sources(
-        cfg, sources, tokenizer, template, stage, load, report, fp
-    )
+    encoding = _Encoding(cfg, tokenizer, template, stage, vision, fp)
+    samples, overlong, used_template, images = _encode_sources(encoding, sources, load, report)
     if used_template:
         report.template = template.name
         if note:
             log(note)
     _check(cfg, report, overlong)
     train, eval_ = _rows(cfg, samples, stage=stage, seed=seed, report=report, log=log)
-    save_cache(target, train, eval_, report)
+    save_cache(target, train, eval_, report, image_manifest(images))
     train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns
     log(f"data: prepared and cached at {target}")
     log(report.format())
     return PreparedData(train, eval_, report, fp, from_cache=False)
+
+
+def _sources(cfg: DataConfig, base_dir: Path, stage: str, *, text_only: bool, log) -> list:
+    """The run's data sources, their notes logged; image entries refused for a text model."""
+    sources = resolve_sources(cfg, base_dir, stage=stage)
+    if text_only:
+        _refuse_image_entries(sources)
+    for note in (n for src in sources for n in src.notes):
+        log(f"note: {note}")
+    return sources
 
 
 def _rows(
@@ -158,10 +195,11 @@ def _source_loader(
     )
 
 
-def _check_tokenizer(tokenizer, stage: str) -> None:
+def _check_tokenizer(tokenizer, stage: str, vision) -> None:
     if stage not in STAGES:
         raise DataError(f"stage '{stage}': train.stage must be one of {', '.join(STAGES)}")
-    masked = STAGES[stage].unit != "text"  # only plain text trains on every token
+    # only plain text trains on every token; image tokens are found by character offsets
+    masked = STAGES[stage].unit != "text" or vision is not None
     if tokenizer.eos_token_id is None:
         raise DataError(
             "the tokenizer has no eos token; set eos_token in its tokenizer_config.json"
@@ -177,47 +215,70 @@ def _check_tokenizer(tokenizer, stage: str) -> None:
 def _load_cache(target: Path, log: Callable[[str], None]):
     if not target.exists():
         return None
+    import shutil
+
     try:
-        return load_cached(target)
+        cached = load_cached(target)
     except Exception as e:  # a damaged cache is rebuilt, never trusted
         log(f"data: ignoring unreadable cache {target} ({e}); preparing again")
-        import shutil
-
         shutil.rmtree(target, ignore_errors=True)
         return None
+    stale = stale_image(target) if cached is not None else None
+    if stale is not None:
+        log(f"data: the cache {target} is stale ({stale}); preparing again")
+        shutil.rmtree(target, ignore_errors=True)
+        return None
+    return cached
 
 
-def _encode_sources(cfg, sources, tokenizer, template, stage, load, report, fp):
-    """Encode every unit of every source; fill `report`. Returns (samples, overlong, used).
+def _refuse_image_entries(sources: list[Source]) -> None:
+    """A text model's run: a dataset_info.json entry that declares images is refused whole."""
+    for i, src in enumerate(sources):
+        col = src.columns.get("images") if src.entry is not None else None
+        if col:
+            raise DataError(
+                f"data.datasets[{i}] ({src.config.path}) is multimodal (columns.images: "
+                f"'{col}'), but model.path is a text model; images need a vision-language "
+                f"model (e.g. Qwen2-VL, LLaVA), or use an entry without images"
+            )
+
+
+def _encode_sources(run: _Encoding, sources, load, report):
+    """Encode every unit of every source; fill `report`. Returns (samples, overlong, used
+    template, image files read).
 
     load: Source -> list[SourceUnit] (`load_source` with the paths and generator bound)."""
-    tables, overlong, used_template = [], [], False
+    tables, overlong, used_template, images = [], [], False, set()
     for i, src in enumerate(sources):
         units = load(src)
-        spec = _spec_for(src, units, stage, f"data.datasets[{i}] ({src.config.path})")
+        spec = _spec_for(src, units, run.stage, f"data.datasets[{i}] ({src.config.path})")
         used_template |= spec.format != "text"
-        encoder = encoder_for(
-            tokenizer,
-            EncodeSettings(
-                stage=stage,
-                spec=spec,
-                template=template if spec.format != "text" else None,
-                cutoff_len=cfg.cutoff_len,
-                overlength=cfg.overlength,
-            ),
-        )
+        encoder = encoder_for(run.tokenizer, _settings(run, src, spec))
         for j, unit in enumerate(units):
             stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections))
             report.rejections += unit.rejections
             if unit.dataset is not None and len(unit.dataset):
-                encoded = encode_dataset(
-                    unit.dataset, encoder, cfg.num_proc, f"keel-{fp[:40]}-{i}-{j}"
-                )
+                fp = f"keel-{run.fingerprint[:40]}-{i}-{j}"
+                encoded = encode_dataset(unit.dataset, encoder, run.cfg.num_proc, fp)
                 table = encoded.with_format("arrow")[:]
-                tables.append(_tally(table, unit, stats, report, overlong, template))
+                if "image_files" in table.column_names:
+                    images.update(pc.list_flatten(table.column("image_files")).to_pylist())
+                tables.append(_tally(table, unit, stats, report, overlong, run.template))
             report.files.append(stats)
     samples = pa.concat_tables(tables) if tables else None
-    return samples, overlong, used_template
+    return samples, overlong, used_template, images
+
+
+def _settings(run: _Encoding, src: Source, spec: FormatSpec) -> EncodeSettings:
+    return EncodeSettings(
+        stage=run.stage,
+        spec=spec,
+        template=run.template if spec.format != "text" else None,
+        cutoff_len=run.cfg.cutoff_len,
+        overlength=run.cfg.overlength,
+        vision=run.vision,
+        media_dir=src.media_dir,
+    )
 
 
 def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> FormatSpec:
@@ -251,6 +312,8 @@ def _tally(
         where = Rejection(unit.file, row, "", line).where()
         if st == "dropped":
             stats.dropped += 1
+            if reasons[k]:  # a vision run's row cut inside an image
+                report.drops.append(Rejection(unit.file, row, reasons[k], line))
         elif st == "overlength":
             overlong.append(f"{where}: {lengths[k]} tokens")
         elif st == "template":

@@ -16,6 +16,11 @@ column names of `keel.data.formats` (a `columns:` override renames them):
 
 Where messages are given, the prompt is every message before the last assistant one, and it
 must be the same for chosen and rejected; earlier assistant turns are context, never trained.
+Images (a vision-language run) belong to the prompt: its `<image>` placeholders, TRL's
+`{"type": "image"}` and OpenAI `image_url` parts, with the `images` column, as in SFT
+(keel.data.formats); each sequence of a pair holds them. An answer with an image, and KTO
+samples with images, are refused.
+
 Problems with a row raise `RowError`.
 """
 
@@ -27,13 +32,16 @@ from keel.data.formats import (
     FormatSpec,
     RowError,
     alpaca_prompt,
+    column_images,
     parse_message,
     parse_messages,
     refuse_unsupported,
     required_text,
+    row_images,
     validate_conversation,
     with_system,
 )
+from keel.models.vision.family import PLACEHOLDER
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,7 @@ class PairExample:
     prompt: list[dict]  # optional system, then user/assistant turns ending with a user turn
     chosen: str
     rejected: str
+    images: tuple = ()  # the prompt's image references, in placeholder order
 
 
 @dataclass(frozen=True)
@@ -60,15 +69,16 @@ def row_to_pair(row: dict, spec: FormatSpec) -> PairExample:
                 f"prompt-only row: missing field '{col}' (a pair needs a chosen and a "
                 f"rejected answer)"
             )
+    inline: list = []  # the prompt's image placeholders: image_url references or None
     if spec.format == "alpaca":
         prompt = alpaca_prompt(row, c)
         chosen, rejected = required_text(row, c["chosen"]), required_text(row, c["rejected"])
     elif spec.format in ("sharegpt", "messages"):
-        prompt = _conversation(row, c, t)
+        prompt = _conversation(row, c, t, inline)
         chosen = _answer_message(row[c["chosen"]], c["chosen"], t)
         rejected = _answer_message(row[c["rejected"]], c["rejected"], t)
     else:
-        prompt, chosen, rejected = _trl_pair(row, c, t)
+        prompt, chosen, rejected = _trl_pair(row, c, t, inline)
     _check_prompt(prompt)
     if not chosen.strip():
         raise RowError(f"empty chosen answer (field '{c['chosen']}')")
@@ -76,7 +86,13 @@ def row_to_pair(row: dict, spec: FormatSpec) -> PairExample:
         raise RowError(f"empty rejected answer (field '{c['rejected']}')")
     if chosen == rejected:
         raise RowError("chosen and rejected answers are identical: nothing to prefer")
-    return PairExample(prompt, chosen, rejected)
+    if PLACEHOLDER in chosen or PLACEHOLDER in rejected:
+        raise RowError(
+            f"an answer holds an image ('{PLACEHOLDER}' or an image part); images belong to "
+            f"the prompt, which both answers share"
+        )
+    images = row_images(row, c, [m["content"] for m in prompt], inline)
+    return PairExample(prompt, chosen, rejected, images)
 
 
 def row_to_kto(row: dict, spec: FormatSpec) -> KtoExample:
@@ -108,19 +124,29 @@ def row_to_kto(row: dict, spec: FormatSpec) -> KtoExample:
     _check_prompt(prompt)
     if not completion.strip():
         raise RowError("empty completion (the answer to label)")
+    texts = [completion, *(m["content"] for m in prompt)]
+    if column_images(row, c) or any(PLACEHOLDER in text for text in texts):
+        raise RowError(
+            "KTO samples with images are not supported (their KL sequences pair one sample's "
+            "prompt with another's answer); train the images with dpo, orpo or simpo pairs"
+        )
     return KtoExample(prompt, completion, label)
 
 
-def _trl_pair(row: dict, c: dict, t: dict) -> tuple[list[dict], str, str]:
+def _trl_pair(row: dict, c: dict, t: dict, inline: list) -> tuple[list[dict], str, str]:
+    """TRL's pair; `inline` receives the prompt's image placeholders (see row_to_pair)."""
     whole = all(isinstance(row[c[k]], list) for k in ("chosen", "rejected"))
-    given = _given_prompt(row, c, t, implicit=whole)
+    given = _given_prompt(row, c, t, implicit=whole, inline=inline)
+    in_chosen, in_rejected = [], []  # implicit prompts: their placeholders are the prompt's
     prompt, chosen = _last_answer(
-        given + _turns(row[c["chosen"]], c["chosen"], "assistant", t), c["chosen"]
+        given + _turns(row[c["chosen"]], c["chosen"], "assistant", t, in_chosen), c["chosen"]
     )
     shared, rejected = _last_answer(
-        given + _turns(row[c["rejected"]], c["rejected"], "assistant", t), c["rejected"]
+        given + _turns(row[c["rejected"]], c["rejected"], "assistant", t, in_rejected),
+        c["rejected"],
     )
-    if shared != prompt:
+    inline += in_chosen
+    if shared != prompt or in_chosen != in_rejected:
         raise RowError(
             f"'{c['chosen']}' and '{c['rejected']}' differ before their last assistant "
             f"message; only the last assistant turn may differ (the prompt is the messages "
@@ -129,11 +155,11 @@ def _trl_pair(row: dict, c: dict, t: dict) -> tuple[list[dict], str, str]:
     return with_system(prompt, row, c), chosen, rejected
 
 
-def _conversation(row: dict, c: dict, t: dict) -> list[dict]:
+def _conversation(row: dict, c: dict, t: dict, inline: list | None = None) -> list[dict]:
     col = c["messages"]
     if row.get(col) is None:
         raise RowError(f"missing field '{col}'")
-    return with_system(parse_messages(row[col], col, t), row, c)
+    return with_system(parse_messages(row[col], col, t, inline), row, c)
 
 
 def _answer_message(value, col: str, t: dict) -> str:
@@ -153,16 +179,20 @@ def _answer_message(value, col: str, t: dict) -> str:
     return message["content"]
 
 
-def _turns(value, col: str, role: str, t: dict) -> list[dict]:
+def _turns(value, col: str, role: str, t: dict, inline: list | None = None) -> list[dict]:
     """TRL's columns: text is one turn of `role`; a list is messages."""
     if isinstance(value, str):
+        if inline is not None:
+            inline += [None] * value.count(PLACEHOLDER)
         return [{"role": role, "content": value}]
     if isinstance(value, list):
-        return parse_messages(value, col, t)
+        return parse_messages(value, col, t, inline)
     raise RowError(f"field '{col}' must be text or a list of messages, got {type(value).__name__}")
 
 
-def _given_prompt(row: dict, c: dict, t: dict, *, implicit: bool) -> list[dict]:
+def _given_prompt(
+    row: dict, c: dict, t: dict, *, implicit: bool, inline: list | None = None
+) -> list[dict]:
     """The prompt column as turns; absent, an empty prompt when the answers are whole
     conversations (TRL's implicit prompt)."""
     if row.get(c["prompt"]) is None:
@@ -172,7 +202,7 @@ def _given_prompt(row: dict, c: dict, t: dict, *, implicit: bool) -> list[dict]:
             f"missing field '{c['prompt']}': with text answers the prompt must be given (only "
             f"answers that are whole conversations carry their own prompt)"
         )
-    return _turns(row[c["prompt"]], c["prompt"], "user", t)
+    return _turns(row[c["prompt"]], c["prompt"], "user", t, inline)
 
 
 def _last_answer(messages: list[dict], col: str) -> tuple[list[dict], str]:

@@ -70,6 +70,7 @@ class DataReport:
     packing: bool
     files: list[FileStats] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
+    drops: list[Rejection] = field(default_factory=list)  # dropped rows that have a reason
     train: SplitStats = field(default_factory=SplitStats)
     eval: SplitStats | None = None
 
@@ -107,6 +108,9 @@ class DataReport:
                     f"  {name}: {split.samples:,} {unit}{kto} in {split.rows:,} rows, "
                     f"{split.tokens:,} tokens, {split.targets:,} trained tokens"
                 )
+        if self.drops:
+            lines.append("  dropped rows:")
+            lines += list_capped([str(r) for r in self.drops], max_listed)
         if self.rejections:
             if self.on_invalid == "skip":
                 head = "rejected rows (skipped, data.on_invalid=skip):"
@@ -127,6 +131,7 @@ class DataReport:
         d = dict(d)
         d["files"] = [FileStats(**f) for f in d.get("files", [])]
         d["rejections"] = [Rejection(**r) for r in d.get("rejections", [])]
+        d["drops"] = [Rejection(**r) for r in d.get("drops", [])]
         d["train"] = SplitStats(**d.get("train", {}))
         d["eval"] = SplitStats(**d["eval"]) if d.get("eval") else None
         return cls(**d)

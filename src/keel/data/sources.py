@@ -59,6 +59,9 @@ class Source:
     num_samples: int | None = None  # LLaMA-Factory's: draw N rows with the run's seed
     notes: list[str] = field(default_factory=list)  # logged once when the data is prepared
     hub: HubDataset | None = None  # a Hub dataset: its commit and split files
+    # relative image paths are read from here: data.dataset_dir for a dataset_info.json
+    # entry (as LLaMA-Factory's media_dir defaults to it), else the data file's folder
+    media_dir: Path | None = None
 
 
 @dataclass
@@ -134,7 +137,22 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
         check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
     label = _label(path, base_dir)
-    return Source(dc, label, path, files, saved, fmt, columns, tags, split, raw, num_samples, notes)
+    media_dir = dataset_dir if raw is not None else path if path.is_dir() else path.parent
+    return Source(
+        dc,
+        label,
+        path,
+        files,
+        saved,
+        fmt,
+        columns,
+        tags,
+        split,
+        raw,
+        num_samples,
+        notes,
+        media_dir=media_dir,
+    )
 
 
 def _hub_name(path: str) -> bool:
@@ -173,6 +191,7 @@ def _resolve_hub(i: int, dc: DatasetConfig, where: str) -> Source:
         num_samples=dc.num_samples,
         notes=[note],
         hub=hub,
+        media_dir=hub.folder,
     )
 
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
 
-from keel.distributed.parallel_dims import ParallelDims
+from keel.distributed.parallel_dims import DP, ParallelDims
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
 
@@ -38,6 +38,11 @@ class ParallelizeSettings:
     reduce_dtype: torch.dtype | None = None  # FSDP mixed precision: gradient reduction dtype
     # DDP: parameters not broadcast from rank 0 (see `apply_ddp`)
     ddp_ignore: Sequence[str] = ()
+    # Modules every rank holds whole, outside DDP's reducer and FSDP's units (a vision
+    # tower and projector): a rank whose micro-batch has no image never runs them, so any
+    # collective of theirs would go out of step. Their trainable parameters' gradients are
+    # averaged once per optimizer step by `sync_replicated_grads`.
+    replicated: Sequence[nn.Module | nn.Parameter] = ()
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings) -> nn.Module:
@@ -47,8 +52,24 @@ def parallelize(model: nn.Module, dims: ParallelDims, settings: ParallelizeSetti
     if settings.strategy.shards:
         return apply_fsdp(model, settings.units, dims.dp_mesh(), settings)
     if settings.strategy.replicates:
-        return apply_ddp(model, dims.dp_mesh(), ignore=settings.ddp_ignore)
+        ignore = [*settings.ddp_ignore, *_names_of(model, replicated_parameters(settings))]
+        return apply_ddp(model, dims.dp_mesh(), ignore=ignore)
     return model
+
+
+def replicated_parameters(settings: ParallelizeSettings) -> list[nn.Parameter]:
+    """The parameters of `settings.replicated`, each once, in module order."""
+    seen: dict[int, nn.Parameter] = {}
+    for part in settings.replicated:
+        for param in [part] if isinstance(part, nn.Parameter) else part.parameters():
+            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _names_of(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
+    """`model`'s qualified names of `params` (DDP's ignore list is by name)."""
+    wanted = {id(p) for p in params}
+    return [name for name, p in model.named_parameters() if id(p) in wanted]
 
 
 def fsdp_units(lm: nn.Module, layers: Iterable[nn.Module], *, embeddings: bool) -> list[nn.Module]:
@@ -105,7 +126,10 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in units:
         fully_shard(unit, **kwargs)
-    fully_shard(model, **kwargs)
+    # Replicated modules (a vision tower) stay plain tensors on every rank: in the root unit
+    # they would be reduce-scattered only by the ranks that ran them.
+    ignored = set(replicated_parameters(settings))
+    fully_shard(model, **kwargs, ignored_params=ignored or None)
     return model
 
 
@@ -154,3 +178,53 @@ def device_memory_bytes(ctx: DistContext) -> int:
     import psutil
 
     return psutil.virtual_memory().total // max(ctx.local_world_size, 1)
+
+
+def sync_replicated_grads(params: Sequence[nn.Parameter], dims: ParallelDims) -> None:
+    """Average the gradients of replicated trainable `params` over the data-parallel
+    processes, as DDP and FSDP2 average every other gradient: one all-reduce per optimizer
+    step, after the window's last backward. A rank whose micro-batches never ran them
+    (text only, no image for the vision tower) sends zeros: every rank makes the same call.
+    A parameter no rank used keeps no gradient (None), as in one process, so the optimizer
+    skips it rather than decaying it and stepping on its old moments.
+    """
+    if dims.mesh is None or dims.dp_size == 1 or not params:
+        return
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)  # [P]
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    grads = [p.grad for p in params]
+    # Divide first, then sum: DDP's order (exact for a power-of-two world).
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dims.dp_size)  # [numel]
+    flat = torch.cat([flat, used.to(flat.device, flat.dtype)])  # one collective for all
+    torch.distributed.all_reduce(flat, group=dims.mesh[DP].get_group())
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+    for param, users in zip(params, flat[offset:].tolist()):
+        if users == 0:
+            param.grad = None
+
+
+def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_ (max_norm 0: the norm only) for gradients that mix FSDP2's
+    sharded DTensors with replicated plain tensors (a trainable vision tower): the two norms
+    are taken apart, the sharded one reduced over its mesh, then combined. Returns the
+    total norm before clipping, a plain tensor; every rank must call it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    if not sharded or not plain:
+        if max_norm > 0:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    norms = [full_value(torch.nn.utils.get_total_norm(sharded))]  # [] replicated
+    norms.append(torch.nn.utils.get_total_norm(plain).to(norms[0].device))
+    total = torch.linalg.vector_norm(torch.stack(norms))  # []
+    if max_norm > 0:  # torch's coefficient, applied to this rank's shards and replicas
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            local_tensor(grad).mul_(coefficient.to(grad.dtype))
+    return total

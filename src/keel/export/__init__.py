@@ -3,7 +3,8 @@ Hugging Face model folder. A consumer of models/ and checkpoint/, like infer/.
 
 The folder is what `AutoModelForCausalLM.from_pretrained` and vLLM load as they are:
 safetensors shards (with an index when there are several), config.json,
-generation_config.json, the tokenizer and its chat template. No adapter files, and nothing
+generation_config.json, the tokenizer and its chat template; for a vision-language model
+`AutoModelForImageTextToText`, with the processor files (preprocessor_config.json ...). No adapter files, and nothing
 keel-specific is needed to read it.
 
 Where the weights come from (the sources `keel chat` takes, plus training checkpoints):

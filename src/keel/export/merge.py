@@ -10,6 +10,7 @@ import torch
 
 from keel.checkpoint.source import load_checkpoint_weights
 from keel.errors import ModelError
+from keel.export.probe import probe_inputs
 from keel.export.sources import Sources
 from keel.models.loading import load_model
 
@@ -18,12 +19,12 @@ Log = Callable[[str], None]
 # Both run in fp32, so correct merges differ by round-off (~1e-6); a merge that went wrong
 # (e.g. into a weight two layers share) differs by far more.
 MERGE_RTOL = 1e-4
-PROBE_TOKENS = 16
 
 
-def build_merged_model(sources: Sources, log: Log):
+def build_merged_model(sources: Sources, tokenizer, log: Log):
     """(the fp32 model with any adapter merged in, the base's stored dtype, the probe's max
-    |logit diff| between merged and unmerged, or None when nothing was merged)."""
+    |logit diff| between merged and unmerged, or None when nothing was merged).
+    `tokenizer` spells a vision-language probe's image tokens (keel.export.probe)."""
     model, base_dtype = _load_base(sources.base_dir)
     if sources.adapter_dir is not None:
         log(f"loading adapter {sources.adapter_dir} on {sources.base_dir}")
@@ -38,7 +39,7 @@ def build_merged_model(sources: Sources, log: Log):
             "the adapter changes the input embeddings or the output layer, which the base "
             "shares (tied): the export gets its own output layer (tie_word_embeddings false)"
         )
-    model, merge_diff = _merge_checked(model)
+    model, merge_diff = _merge_checked(model, probe_inputs(model, sources.base_dir, tokenizer, log))
     log(f"merged: max |logit diff| vs. the unmerged adapter {merge_diff:.2e} (fp32)")
     return model, base_dtype, merge_diff
 
@@ -107,16 +108,11 @@ def _untie_adapted_embeddings(peft_model) -> bool:
     return True
 
 
-def _probe_ids(model) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
-    return (torch.arange(PROBE_TOKENS) * 7919 % vocab).unsqueeze(0)  # [1, T], spread over vocab
-
-
-def _merge_checked(peft_model) -> tuple[torch.nn.Module, float]:
-    """Merge the adapter into the base weights; refuse if the logits change doing so."""
-    ids = _probe_ids(peft_model)
+def _merge_checked(peft_model, probe: dict) -> tuple[torch.nn.Module, float]:
+    """Merge the adapter into the base weights; refuse if the logits on the `probe` inputs
+    change doing so."""
     with torch.no_grad():
-        unmerged = peft_model(input_ids=ids, use_cache=False).logits  # [1, T, V]
+        unmerged = peft_model(**probe, use_cache=False).logits  # [1, T, V]
         try:
             merged_model = peft_model.merge_and_unload()
         except (AttributeError, NotImplementedError, ValueError) as exc:  # e.g. prompt tuning
@@ -125,7 +121,7 @@ def _merge_checked(peft_model) -> tuple[torch.nn.Module, float]:
                 f"a {kind} adapter cannot be merged into the weights ({exc}); export merges "
                 f"LoRA-style adapters only"
             ) from None
-        merged = merged_model(input_ids=ids, use_cache=False).logits  # [1, T, V]
+        merged = merged_model(**probe, use_cache=False).logits  # [1, T, V]
     diff = (merged - unmerged).abs().max().item()
     scale = max(unmerged.abs().max().item(), 1.0)
     if not diff <= MERGE_RTOL * scale:

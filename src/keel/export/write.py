@@ -16,7 +16,7 @@ from keel.export.hf_compat import add_legacy_keys
 from keel.export.merge import build_merged_model
 from keel.export.partial_folder import write_folder_atomically
 from keel.export.sources import resolve_sources
-from keel.models.loading import load_tokenizer
+from keel.models.loading import copy_processor_files, load_tokenizer
 from keel.models.model_card import export_card, write_model_card
 
 Log = Callable[[str], None]
@@ -49,7 +49,7 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     if not tokenizer.chat_template:
         log(f"note: the tokenizer in {sources.tokenizer_dir} has no chat template")
-    model, base_dtype, merge_diff = build_merged_model(sources, log)
+    model, base_dtype, merge_diff = build_merged_model(sources, tokenizer, log)
     dtype = target_dtype or base_dtype
     _cast(model, dtype)
     _stop_at_end_of_turn(model, tokenizer)
@@ -67,6 +67,7 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
         # The template goes into tokenizer_config.json, which every transformers version
         # (and llama.cpp's converter) reads; only newer ones read chat_template.jinja.
         tokenizer.save_pretrained(str(folder), save_jinja_files=False)
+        copy_processor_files(model, folder)  # a vision-language model's image processor
         add_legacy_keys(folder)  # so that transformers 4.x readers load it too
         (folder / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         card = export_card(request.model, request.adapter, provenance["dtype"])

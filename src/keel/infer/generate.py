@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class ChatImages:
+    """The images of a conversation (PIL, in `<image>` placeholder order) and the model's
+    vision processing (keel.models.vision.VisionProcessing) that prepares them."""
+
+    images: tuple
+    vision: object
 
 
 class _TextCollector:
@@ -67,27 +77,44 @@ def generate_reply(
     tokenizer,
     messages: list[dict],
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    images: ChatImages | None = None,
     stream: Callable[[str], None] | None = None,
+    **settings,
 ) -> str:
     """Reply to `messages` (OpenAI-style role/content dicts) and return the reply text.
 
-    Greedy when temperature == 0, else sampling with temperature and top_p. Stops at eos or
-    after max_new_tokens. Each new piece of text is passed to `stream` as soon as it is
-    decoded; the pieces concatenate to the returned text. The caller sets eval() mode.
+    `settings`: max_new_tokens (128), temperature (0.0: greedy, else sampling with
+    temperature and top_p), top_p (1.0). Stops at eos or after max_new_tokens. Each new
+    piece of text is passed to `stream` as soon as it is decoded; the pieces concatenate to
+    the returned text. `images` go to the `<image>` placeholders of the messages, in order
+    (a vision-language model). The caller sets eval() mode.
     """
+    device = next(model.parameters()).device
+    _forget_rope_offsets(model)
+    if images is None:
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        inputs = {key: encoded[key] for key in ("input_ids", "attention_mask")}  # [1, T] each
+    else:
+        inputs = _image_inputs(model, tokenizer, messages, images)
+    inputs = {key: value.to(device) for key, value in inputs.items()}
+    collector = _TextCollector(tokenizer, stream)
+    model.generate(
+        **inputs,
+        generation_config=_generation_config(model, tokenizer, **settings),
+        streamer=collector,
+    )
+    return collector.text
+
+
+def _generation_config(
+    model, tokenizer, *, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0
+):
     from transformers import GenerationConfig
 
-    inputs = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    device = next(model.parameters()).device
-    input_ids = inputs["input_ids"].to(device)  # [1, T]
-    attention_mask = inputs["attention_mask"].to(device)  # [1, T]
     sampling = temperature > 0
-    config = GenerationConfig(
+    return GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=sampling,
         temperature=temperature if sampling else None,
@@ -96,11 +123,21 @@ def generate_reply(
         pad_token_id=tokenizer.pad_token_id,
         use_cache=True,
     )
-    collector = _TextCollector(tokenizer, stream)
-    model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        generation_config=config,
-        streamer=collector,
-    )
-    return collector.text
+
+
+def _image_inputs(model, tokenizer, messages: list[dict], images: ChatImages) -> dict:
+    from keel.infer.vision import encode_with_images
+
+    prompt = encode_with_images(tokenizer, messages, list(images.images), images.vision)
+    ids = torch.tensor([prompt.input_ids])  # [1, T]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **prompt.inputs}
+
+
+def _forget_rope_offsets(model) -> None:
+    # Qwen2-VL keeps the last prompt's M-RoPE offsets on the model (generation state);
+    # generate() recomputes them at prefill, and clearing them first means no earlier
+    # request's offsets can ever reach this one. Text models have no such attribute.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    if hasattr(inner, "rope_deltas"):
+        inner.rope_deltas = None

@@ -14,12 +14,26 @@ from pathlib import Path
 
 import torch
 
-from keel.config.schema import BUNDLED_PREFIX, FreezeConfig, LoraConfig, MethodConfig
+from keel.config.schema import (
+    BUNDLED_PREFIX,
+    FreezeConfig,
+    LoraConfig,
+    MethodConfig,
+    VisionConfig,
+)
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
 from keel.models.hub import hub_source, is_hub_id
-from keel.models.loading import load_model, load_tokenizer
+from keel.models.loading import copy_processor_files, load_model, load_tokenizer
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
+from keel.models.vision_parts import (
+    apply_vision_switches,
+    describe_parts,
+    lora_exclusions,
+    modules_to_save,
+    outside_vision,
+    vision_family,
+)
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA can wrap; a target name must match at least one of them.
@@ -38,12 +52,20 @@ def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     return trainable, sum(p.numel() for p in params)
 
 
-def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print) -> torch.nn.Module:
+def apply_method(
+    model: torch.nn.Module,
+    method: MethodConfig,
+    log: Log = print,
+    *,
+    vision: VisionConfig | None = None,
+) -> torch.nn.Module:
     """Mark what trains according to `method.type` and return the model to train.
 
     full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
     modules named in `trainable_modules`. lora and qlora: a PEFT LoRA wrapper (a new
     PeftModel around `model`; qlora's base is quantised later, by keel.quant). Anything `method_problems` finds raises one ModelError listing it all.
+    A vision-language model's tower and projector train as `vision` (model.vision; None:
+    its defaults) says, and LoRA adapts its language model only (keel.models.vision_parts).
     """
     problems = method_problems(model, method)
     if problems:
@@ -54,16 +76,22 @@ def apply_method(model: torch.nn.Module, method: MethodConfig, log: Log = print)
                 [f"method.type = {method.type} cannot be applied:", *(f"  - {p}" for p in problems)]
             )
         )
+    family = vision_family(model)
+    vision = vision or VisionConfig()
     if method.type == "full":
         model.requires_grad_(True)
     elif method.type == "freeze":
         _apply_freeze(model, method.freeze, log)
     else:
-        model = _apply_lora(model, method.lora, log)
+        model = _apply_lora(model, method.lora, log, vision=vision)
+    if family is not None:
+        apply_vision_switches(model, family, vision, method.type)
     trainable, total = count_parameters(model)
     log(
         f"method {method.type}: {trainable:,} of {total:,} parameters trainable ({100 * trainable / total:.2f}%)"
     )
+    if family is not None:
+        log(describe_parts(model, family))
     return model
 
 
@@ -202,29 +230,44 @@ def _lora_problems(model, lora: LoraConfig) -> list[str]:
             "or use all-linear"
         ]
     wrappable = [n for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)]
+    family = vision_family(model)
+    where = ""
+    if family is not None:  # LoRA adapts a vision-language model's language model only
+        wrappable = outside_vision(family, wrappable)
+        where = " outside the vision tower and projector"
     unknown = _unknown_names(targets, wrappable)
     if not unknown:
         return []
+    names = sorted({n.rsplit(".", 1)[-1] for n in wrappable})
     return [
-        f"method.lora.targets = {lora.targets}: no linear module named {'; '.join(unknown)}; "
-        f"this model has: {', '.join(lora_target_names(model))} (or use all-linear)"
+        f"method.lora.targets = {lora.targets}: no linear module named {'; '.join(unknown)}"
+        f"{where}; this model has: {', '.join(names)} (or use all-linear)"
     ]
 
 
-def _apply_lora(model, lora: LoraConfig, log: Log):
+def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
+    family = vision_family(model)
+    vision_settings = {}
+    if family is not None:
+        vision_settings = dict(
+            exclude_modules=lora_exclusions(family),
+            modules_to_save=modules_to_save(model, family, vision) or None,
+        )
     peft_config = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=_lora_targets(lora),
         task_type=TaskType.CAUSAL_LM,
+        **vision_settings,
     )
     peft_model = get_peft_model(model, peft_config)
-    # PEFT expands all-linear into every qualified name; short names keep the log one line.
-    wrapped = {t.rsplit(".", 1)[-1] for t in peft_model.peft_config["default"].target_modules}
+    # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
+    # also names modules its exclude_modules then skipped: a vision tower's).
+    wrapped = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
     log(f"LoRA r={lora.r} alpha={lora.alpha} on: {', '.join(sorted(wrapped))}")
     return peft_model
 
@@ -238,7 +281,8 @@ def _is_peft(model) -> bool:
 def save_model_dir(
     model, tokenizer, out_dir: Path, *, merged: bool = False, state_dict: dict | None = None
 ) -> None:
-    """Write `model` and `tokenizer` to `out_dir` in formats other tools load directly.
+    """Write `model` and `tokenizer` (and a vision-language model's processor files) to
+    `out_dir` in formats other tools load directly.
 
     A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors);
     with merged=True a copy is merged instead and written as a full HF model, leaving the live
@@ -268,6 +312,7 @@ def save_model_dir(
         if _is_peft(model):
             _name_hub_base(out_dir)
     tokenizer.save_pretrained(str(out_dir))
+    copy_processor_files(model, out_dir)  # a vision-language model's image processor
 
 
 def _name_hub_base(out_dir: Path) -> None:

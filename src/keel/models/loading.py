@@ -6,6 +6,7 @@ here downloads. Loader failures become `ModelError`s that name the directory.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from safetensors import SafetensorError
 
 from keel.errors import ModelError
 from keel.models.safetensors_files import check_model_dir
+from keel.models.vision import family_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,12 +61,13 @@ def load_model(
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ):
-    """Load an `AutoModelForCausalLM` from `model_dir` on the CPU, in `dtype`.
+    """Load the model in `model_dir` on the CPU, in `dtype`: an `AutoModelForCausalLM`, or
+    an `AutoModelForImageTextToText` for a vision-language family (`model_class`).
 
     dtype None keeps the dtype stored in the checkpoint. The model is left in whatever mode
     transformers gives it; training and inference callers set train()/eval() themselves.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     # An absolute path ends up in model.name_or_path, which PEFT copies into
     # adapter_config.json as base_model_name_or_path: `keel chat --model <output_dir>`
@@ -73,8 +76,11 @@ def load_model(
     # transformers fails on a truncated file with a traceback from the safetensors reader
     # (or a damaged file it could map); check every tensor's bytes first, naming the tensor.
     check_model_dir(Path(source))
+    kind = "causal-LM"
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        auto_class, kind = model_class(config)
+        return auto_class.from_pretrained(
             source,
             dtype=dtype if dtype is not None else "auto",
             # auto: transformers' own choice, sdpa where the architecture has it, else eager
@@ -82,7 +88,46 @@ def load_model(
             trust_remote_code=trust_remote_code,
         )
     except (OSError, ValueError, ImportError, SafetensorError) as e:
-        raise ModelError(f"cannot load a causal-LM model from {source}: {e}") from e
+        raise ModelError(f"cannot load a {kind} model from {source}: {e}") from e
+
+
+def model_class(config) -> tuple[type, str]:
+    """(the transformers Auto class that builds `config`'s model, what to call it in
+    messages): AutoModelForImageTextToText for a vision-language family (keel.models.vision),
+    else AutoModelForCausalLM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if family_of(config) is not None:
+        return AutoModelForImageTextToText, "vision-language"
+    return AutoModelForCausalLM, "causal-LM"
+
+
+# A vision-language folder's files besides the model and the tokenizer: the image processor,
+# the processor (image token counts), and the processor's chat template where it keeps one.
+PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+
+
+def copy_processor_files(model, out_dir: Path) -> list[str]:
+    """Copy the processor files of the vision-language folder `model` was loaded from
+    (its name_or_path; keel loads from absolute paths) into `out_dir`, so that
+    AutoProcessor / AutoImageProcessor load the saved folder too. Files the tokenizer
+    already wrote there are kept. Nothing for a text model; returns the names copied."""
+    get_base = getattr(model, "get_base_model", None)
+    hf_model = get_base() if callable(get_base) else model
+    source = Path(str(getattr(hf_model, "name_or_path", "") or ""))
+    if family_of(hf_model.config) is None or not source.is_dir():
+        return []
+    copied = []
+    for name in PROCESSOR_FILES:
+        if (source / name).is_file() and not (Path(out_dir) / name).exists():
+            shutil.copyfile(source / name, Path(out_dir) / name)
+            copied.append(name)
+    return copied
 
 
 def enable_activation_checkpointing(model) -> None:

@@ -22,6 +22,8 @@ from torch import nn
 
 from keel.errors import ModelError
 from keel.models.attention import auto_attention
+from keel.models.checkpoint_names import stored_names
+from keel.models.loading import model_class
 from keel.models.safetensors_files import check_model_dir
 from keel.quant.nf4 import is_nf4
 
@@ -35,19 +37,22 @@ def build_empty_model(
     attn_implementation: str = "auto",
     trust_remote_code: bool = False,
 ) -> nn.Module:
-    """An `AutoModelForCausalLM` with the architecture of `model_dir`, on the meta device.
+    """The model of `model_dir` on the meta device: an `AutoModelForCausalLM`, or an
+    `AutoModelForImageTextToText` for a vision-language family (keel.models.loading.model_class).
 
     `attn_implementation` auto: see keel.models.attention.auto_attention; the choice is
     the built model's `config._attn_implementation`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     source = str(Path(model_dir).expanduser().resolve())
+    kind = "causal-LM"
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        auto_class, kind = model_class(config)
         if attn_implementation == "auto":
             attn_implementation = auto_attention(config)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(
+            model = auto_class.from_config(
                 config,
                 dtype=dtype,
                 attn_implementation=attn_implementation,
@@ -57,7 +62,7 @@ def build_empty_model(
         hint = ""
         if "does not support an attention implementation" in str(e):
             hint = " (set model.attn_implementation: eager for this architecture)"
-        raise ModelError(f"cannot build a causal-LM model from {source}{hint}: {e}") from e
+        raise ModelError(f"cannot build a {kind} model from {source}{hint}: {e}") from e
     # PEFT copies name_or_path into adapter_config.json as the base model: keep it absolute.
     model.name_or_path = source
     model.config._name_or_path = source
@@ -69,40 +74,26 @@ def build_empty_model(
 def _check_checkpoint_names(model: nn.Module, model_dir: Path) -> None:
     """Refuse, before anything is allocated, a checkpoint keel cannot copy tensor by tensor.
 
-    fill_weights reads each tensor under the model's own parameter name. transformers
-    renames or fuses some families' tensors while loading (e.g. per-expert MoE weights
-    into one [experts, ...] tensor); keel's sharded loader does not, so those families
-    are refused here with the reason rather than failing on the first missing name.
+    fill_weights reads each tensor under the model's own parameter name, or the older name
+    transformers renames into it (keel.models.checkpoint_names). transformers also fuses
+    some families' tensors while loading (e.g. per-expert MoE weights into one
+    [experts, ...] tensor); keel's sharded loader does not, so those checkpoints are refused
+    here with the reason rather than failing on the first missing name.
     """
     reader = CheckpointReader(model_dir)
     try:
+        key_of = stored_key_lookup(model, reader)
         missing = [
-            name
-            for name, _ in materialized_tensors(model)
-            if reader.shape(checkpoint_key(name)) is None
+            name for name, _ in materialized_tensors(model) if reader.shape(key_of(name)) is None
         ]
     finally:
         reader.close()
-    if not missing:
-        return
-    model_type = getattr(model.config, "model_type", "?")
-    try:  # transformers' own list of the renames/fusions it applies to this model
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        converted = bool(get_model_conversion_mapping(model, add_legacy=False))
-    except (ImportError, TypeError):
-        converted = False
-    why = (
-        f"transformers converts {model_type} checkpoints while loading them (renamed or "
-        f"fused tensors, e.g. per-expert MoE weights), a conversion keel's loader does "
-        f"not do: keel cannot train model_type {model_type} yet"
-        if converted
-        else "the checkpoint does not match the architecture in its config.json"
-    )
-    raise ModelError(
-        f"{model_dir}: {len(missing)} of the model's tensors are not in the "
-        f"checkpoint (e.g. {', '.join(missing[:3])}); {why}"
-    )
+    if missing:
+        raise ModelError(
+            f"{model_dir}: {len(missing)} of the model's tensors are not in the "
+            f"checkpoint (e.g. {', '.join(missing[:3])}); the checkpoint does not match the "
+            f"architecture in its config.json"
+        )
 
 
 def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
@@ -203,8 +194,29 @@ def _read_exactly(handle, buffer: bytearray, key: str) -> None:
 
 
 def checkpoint_key(param_name: str) -> str:
-    """The name a (possibly PEFT-wrapped, possibly prefixed) parameter has in the HF files."""
-    return param_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    """The model's own name of a (possibly PEFT-wrapped, possibly prefixed) parameter: its
+    name in the HF files, unless transformers renames it while loading (`stored_key_lookup`).
+
+    PEFT's modules_to_save (a trainable projector beside LoRA) keeps the original module and
+    a trained copy under `original_module.` and `modules_to_save.default.`: both start from
+    the checkpoint's tensor."""
+    name = param_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    return name.replace(".original_module.", ".").replace(".modules_to_save.default.", ".")
+
+
+def stored_key_lookup(model: nn.Module, reader: CheckpointReader) -> Callable[[str], str]:
+    """parameter name -> the key of its tensor in `reader`'s files: `checkpoint_key`, or the
+    older name transformers renames into it (keel.models.checkpoint_names)."""
+    get_base = getattr(model, "get_base_model", None)  # PEFT: the Hugging Face model inside
+    hf_model = get_base() if callable(get_base) else model
+    names = [checkpoint_key(name) for name, _ in materialized_tensors(model)]
+    renamed = stored_names(hf_model, names, reader.keys())
+
+    def key_of(param_name: str) -> str:
+        own = checkpoint_key(param_name)
+        return renamed.get(own, own)
+
+    return key_of
 
 
 def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
@@ -266,10 +278,22 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> None:
     """Recompute non-persistent buffers (rotary frequencies) that `to_empty` left garbage,
     and with `device`, put every buffer there: computed buffers live where the compute is
-    (an offloaded FSDP model's parameters are in CPU memory, its rotary tables must not be)."""
-    for module in lm.modules():
+    (an offloaded FSDP model's parameters are in CPU memory, its rotary tables must not be).
+
+    Each buffer is computed by the innermost Hugging Face model holding it, with that model's
+    config: a vision-language model's tower (e.g. CLIP's position ids) is a model of its own,
+    which the outer model's initialiser does not know."""
+    from transformers import PreTrainedModel
+
+    initializers = {"": lm._init_weights}  # module name -> the initialiser that covers it
+    for name, module in lm.named_modules():
+        if name:
+            inner = isinstance(module, PreTrainedModel)
+            initializers[name] = (
+                module._init_weights if inner else initializers[name.rpartition(".")[0]]
+            )
         if module._non_persistent_buffers_set:
-            lm._init_weights(module)
+            initializers[name](module)
     if device is None:
         return
     for module in lm.modules():
@@ -304,9 +328,10 @@ def fill_weights(
     reader = CheckpointReader(Path(model_dir))
     initialised: list[str] = []
     try:
+        key_of = stored_key_lookup(model, reader)
         with torch.no_grad():
             for name, tensor in materialized_tensors(model):
-                key = checkpoint_key(name)
+                key = key_of(name)
                 custom = getattr(
                     model.get_submodule(name.rpartition(".")[0]), "keel_load_weight", None
                 )

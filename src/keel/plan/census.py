@@ -3,7 +3,9 @@
 The architecture comes from `config.json` alone (a folder holding nothing else works), or
 for a bundled model that was never converted, from the GGUF file's header. The model is
 built on the meta device and the training method applied there, exactly as training
-builds it (keel.models), so the counts are the real module tree's, not a formula's.
+builds it (keel.models), so the counts are the real module tree's, not a formula's. A
+vision-language model's tower and projector tensors carry their part and are REPLICATED: in
+no FSDP unit, whole on every rank (keel.plan.vision).
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
-from keel.config.schema import BUNDLED_PREFIX, MethodConfig
+from keel.config.schema import BUNDLED_PREFIX, MethodConfig, VisionConfig
 from keel.errors import ModelError
 from keel.models.hub import CONFIG_FILES, download_hub_model, is_hub_id
+from keel.plan.vision import LANGUAGE, PROJECTOR, TOWER
 from keel.precision import Precision
 from keel.quant.layout import nf4_bytes, quantizable
 
 ROOT = -1  # unit index of the parameters left to the root FSDP unit
+# "unit" of a vision tower's and projector's tensors: in no FSDP unit, whole on every rank
+# (keel.plan.vision)
+REPLICATED = -2
 
 # Methods the plan weighs, in the order alternatives are suggested. QLoRA's census is
 # LoRA's with the frozen linear weights of the decoder layers in NF4 (`TensorInfo.nf4`);
@@ -45,6 +51,12 @@ class TensorInfo:
     # QLoRA's frozen linear weights: NF4 where keel.quant.layout.quantizable (over the
     # ranks that split it), else kept in the compute dtype, whose size `itemsize` is then
     nf4: bool = False
+    part: str = LANGUAGE  # LANGUAGE, or a vision-language model's TOWER or PROJECTOR
+
+    @property
+    def replicated(self) -> bool:
+        """Whole on every rank under every strategy (a vision tower or projector)."""
+        return self.unit == REPLICATED
 
     @property
     def nbytes(self) -> int:
@@ -60,7 +72,7 @@ class TensorInfo:
         full chunk; optimizer state (zeros_like of the unpadded local shard) is not. An NF4
         weight splits into equal shards (keel.quant.layout).
         """
-        if self.buffer or not self.shape:
+        if self.buffer or self.replicated or not self.shape:
             return self.nbytes
         if self.nf4 and quantizable(*self.shape, world):
             return nf4_bytes(*self.shape, self.itemsize, world)
@@ -104,6 +116,9 @@ class Census:
     head_trainable: bool  # the output layer's weight trains (tied or not)
     final_norm_trainable: bool
     param_itemsize: int  # bytes per element of the model's weights as trained
+    # a vision-language model's projector, per image token: its linears' inputs and hidden
+    # outputs (keel.plan.vision); 0 for a text model
+    projector_width: int = 0
     units: int = field(init=False)
 
     def __post_init__(self):
@@ -116,6 +131,18 @@ class Census:
     @property
     def trainable_params(self) -> int:
         return sum(math.prod(t.shape) for t in self.tensors if t.trainable)
+
+    def part_params(self, part: str, *, trainable_only: bool = False) -> int:
+        """Parameters of one part (TOWER, PROJECTOR or LANGUAGE)."""
+        return sum(
+            math.prod(t.shape)
+            for t in self.tensors
+            if t.part == part and not t.buffer and (t.trainable or not trainable_only)
+        )
+
+    @property
+    def is_vision(self) -> bool:
+        return any(t.part != LANGUAGE for t in self.tensors)
 
     def with_frozen_itemsize(self, itemsize: int) -> Census:
         """This census with frozen fp32 weights stored in `itemsize` bytes: model.dtype
@@ -205,16 +232,17 @@ def _bundled_dir(cfg: RunConfig) -> Path | None:
 
 
 def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
-    """An `AutoModelForCausalLM` of `config` on the meta device: no memory behind it."""
-    from transformers import AutoModelForCausalLM
+    """The model of `config` on the meta device (no memory behind it), as training loads it:
+    `AutoModelForImageTextToText` for a vision-language family (keel.models.vision), else
+    `AutoModelForCausalLM`."""
+    from keel.models.loading import model_class
 
+    auto, kind = model_class(config)
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
-                config, dtype=dtype, trust_remote_code=trust_remote_code
-            )
+            return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, ImportError) as e:
-        raise ModelError(f"cannot build a causal-LM model from this config.json: {e}") from e
+        raise ModelError(f"cannot build a {kind} model from this config.json: {e}") from e
 
 
 def take_census(
@@ -224,11 +252,13 @@ def take_census(
     copy_first: bool = True,
     precision: Precision,
     log: Callable[[str], None] = lambda _m: None,
+    vision: VisionConfig | None = None,
 ) -> Census:
     """Apply `method` to (a copy of) the meta model `base` and count what it holds.
 
     `precision` (resolved train.precision) sets QLoRA's compute dtype when
-    method.qlora.compute_dtype is auto.
+    method.qlora.compute_dtype is auto. `vision` (model.vision) says whether a
+    vision-language model's tower and projector train, as in training.
     """
     from keel.models import apply_method
 
@@ -237,7 +267,7 @@ def take_census(
     # layer's: with meta as the default nothing is allocated (a 72B model's 0.2B LoRA
     # weights would otherwise be created and initialised in RAM first).
     with torch.device("meta"):
-        model = apply_method(model, method, log=log)
+        model = apply_method(model, method, log=log, vision=vision)
     census = _count(model, method.type)
     if method.type == "qlora":
         census = _with_nf4(census, model, qlora_compute_itemsize(method, precision))
@@ -285,6 +315,7 @@ def _count(model: nn.Module, method: str) -> Census:
 
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model  # the *ForCausalLM inside PEFT
+    parts, projector_width = _vision_parts(lm)
     layers = list(decoder_layers(lm))
     units: dict[int, int] = {}
     embeddings, head = lm.get_input_embeddings(), lm.get_output_embeddings()
@@ -294,12 +325,26 @@ def _count(model: nn.Module, method: str) -> Census:
         offset = 1
     for index, layer in enumerate(layers):
         units.update({id(p): index + offset for p in layer.parameters()})
+    units.update({key: REPLICATED for key in parts})
     tensors = [
-        TensorInfo(tuple(p.shape), p.element_size(), p.requires_grad, units.get(id(p), ROOT))
+        TensorInfo(
+            tuple(p.shape),
+            p.element_size(),
+            p.requires_grad,
+            units.get(id(p), ROOT),
+            part=parts.get(id(p), LANGUAGE),
+        )
         for p in model.parameters()
     ]
     tensors += [
-        TensorInfo(tuple(b.shape), b.element_size(), False, ROOT, buffer=True)
+        TensorInfo(
+            tuple(b.shape),
+            b.element_size(),
+            False,
+            units.get(id(b), ROOT),
+            buffer=True,
+            part=parts.get(id(b), LANGUAGE),
+        )
         for b in model.buffers()
     ]
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
@@ -314,7 +359,40 @@ def _count(model: nn.Module, method: str) -> Census:
         if final_norm is not None
         else False,
         param_itemsize=embeddings.weight.element_size(),
+        projector_width=projector_width,
     )
+
+
+def _vision_parts(model: nn.Module) -> tuple[dict[int, str], int]:
+    """For a vision-language model (keel.models.vision's family of its config): the part
+    (TOWER or PROJECTOR) of each of its vision tensors by id, and the projector's width per
+    image token (its linears' inputs and all but the last one's outputs); ({}, 0) else."""
+    from keel.models.vision import family_of
+    from keel.models.vision.family import module_or_parameter
+
+    family = family_of(model.config)
+    if family is None:
+        return {}, 0
+    parts: dict[int, str] = {}
+    for part, paths in ((TOWER, family.tower), (PROJECTOR, family.projector)):
+        for path in paths:  # the projector last: Qwen2-VL's lives inside its tower
+            found = module_or_parameter(model, path)  # a module, or a bare parameter
+            if isinstance(found, nn.Parameter):
+                tensors = [found]
+            else:
+                tensors = [*found.parameters(), *found.buffers()]
+            for tensor in tensors:
+                parts[id(tensor)] = part
+    modules = [module_or_parameter(model, path) for path in family.projector]
+    linears = [
+        m
+        for module in modules
+        if isinstance(module, nn.Module)
+        for m in module.modules()
+        if isinstance(m, nn.Linear)
+    ]
+    width = sum(m.in_features for m in linears) + sum(m.out_features for m in linears[:-1])
+    return parts, width
 
 
 def _layer_info(layer: nn.Module) -> LayerInfo:

@@ -16,6 +16,9 @@ Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
   gradients plus the fp32 reduce-scatter input; or
   autocast's weight copies without FSDP;
 - overhead: the process's fixed cost (keel.plan.devices).
+A vision-language model's tower and projector are replicated on every rank under every
+strategy (their weights, and when they train their gradients and AdamW state, whole), and
+its images add the vision side's activations (keel.plan.vision).
 fsdp_offload keeps params, grads and optimizer state in host memory (GPUs only).
 Checkpointing is off (False), on (True) or "offload" (train.gradient_checkpointing's
 values): offload keeps the checkpointed blocks' inputs in host memory on a GPU, and is
@@ -31,7 +34,7 @@ come at different times in backward, and gradients appear as backward frees acti
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from keel.distributed.strategy import Strategy
 from keel.plan.activations import (
@@ -44,6 +47,13 @@ from keel.plan.activations import (
 )
 from keel.plan.census import ROOT, Census
 from keel.plan.devices import DeviceSpec
+from keel.plan.vision import (
+    PROJECTOR,
+    TOWER,
+    VisionShapes,
+    VisionTraining,
+    vision_activation_bytes,
+)
 from keel.precision import Precision
 from keel.quant.optim_state import adamw_state_bytes
 
@@ -67,10 +77,20 @@ class Workload:
     # DPO/KTO with a live reference and full or freeze: a frozen copy of the weights
     reference_copy: bool = False
     optimizer: str = "adamw"  # train.optimizer: adamw | adamw_8bit | adamw_4bit
+    # A vision-language model: its encoder's sizes and one image's cost (None: text)
+    vision: VisionShapes | None = None
+    images_per_sequence: int = 1  # assumed: the plan reads no data
 
     @property
     def tokens(self) -> int:
         return self.micro_batch_size * self.cutoff_len * self.sequences_per_row
+
+    @property
+    def images(self) -> int:
+        """Images in one micro-batch (0 for a text model)."""
+        if self.vision is None:
+            return 0
+        return self.micro_batch_size * self.sequences_per_row * self.images_per_sequence
 
 
 @dataclass(frozen=True)
@@ -108,13 +128,20 @@ def strategies_for(devices: DeviceSpec) -> tuple[Strategy, ...]:
 
 
 def state_bytes(
-    census: Census, strategy: Strategy, dp_size: int, rank: int = 0, *, optimizer: str = "adamw"
+    census: Census,
+    strategy: Strategy,
+    dp_size: int,
+    rank: int = 0,
+    *,
+    optimizer: str = "adamw",
+    tensors: list | None = None,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes rank `rank` allocates; exact, see tests/distributed
-    (and tests/unit/test_plan_optimizer.py for train.optimizer's 8/4-bit moments)."""
+    (and tests/unit/test_plan_optimizer.py for train.optimizer's 8/4-bit moments).
+    `tensors`: only these of the census's."""
     sharded = Strategy(strategy).shards
     params = grads = state = 0
-    for t in census.tensors:
+    for t in tensors if tensors is not None else census.tensors:
         held = t.shard_bytes(dp_size, rank) if sharded else t.nbytes
         params += held
         if t.trainable:
@@ -124,6 +151,27 @@ def state_bytes(
             moment = t.shard_bytes(dp_size, rank, padded=False) if sharded else t.nbytes
             state += adamw_state_bytes(optimizer, moment // t.itemsize, t.itemsize)
     return params, grads, state
+
+
+def _saved_activations(census, shapes, devices, work, regime, checkpointing: bool | str):
+    """The activations a step keeps for backward: the language model's, plus the image
+    tokens' and the vision encoder's for a vision-language model."""
+    saved = activation_bytes(
+        census,
+        shapes,
+        regime,
+        tokens=work.tokens,
+        seq=work.cutoff_len,
+        checkpointing=bool(checkpointing),
+        packed=work.packing,
+        attn=work.attn,
+        offload=checkpointing == "offload" and devices.kind == "cuda",
+    )
+    if work.vision is None:
+        return saved
+    return _with_vision(
+        saved, census, work, regime, hidden=shapes.hidden, checkpointing=bool(checkpointing)
+    )
 
 
 def estimate(
@@ -145,17 +193,7 @@ def estimate(
         cpu=devices.kind == "cpu",
     )
     params, grads, optimizer, host_state = _state(census, devices, work, strategy)
-    saved = activation_bytes(
-        census,
-        shapes,
-        regime,
-        tokens=work.tokens,
-        seq=work.cutoff_len,
-        checkpointing=bool(checkpointing),
-        packed=work.packing,
-        attn=work.attn,
-        offload=checkpointing == "offload" and devices.kind == "cuda",
-    )
+    saved = _saved_activations(census, shapes, devices, work, regime, checkpointing)
     gathered = regime.compute if mixed else census.param_itemsize
     logits = loss_bytes(
         census,
@@ -187,18 +225,46 @@ def estimate(
     )
 
 
+def _with_vision(
+    saved: Saved,
+    census: Census,
+    work: Workload,
+    regime: Regime,
+    *,
+    hidden: int,
+    checkpointing: bool,
+) -> Saved:
+    """`saved` plus what the micro-batch's images keep for backward (keel.plan.vision)."""
+    training = VisionTraining(
+        tower=census.part_params(TOWER, trainable_only=True) > 0,
+        projector=census.part_params(PROJECTOR, trainable_only=True) > 0,
+        checkpointing=checkpointing,
+        compute=regime.compute,
+        hidden=hidden,
+    )
+    extra = vision_activation_bytes(work.vision, work.images, training)
+    return replace(saved, kept=saved.kept + extra)
+
+
 def _state(
     census: Census, devices: DeviceSpec, work: Workload, strategy: Strategy
 ) -> tuple[int, int, int, int]:
     """(params, grads, optimizer) bytes on the device, and the bytes fsdp_offload moves to
-    host memory instead (all three of them)."""
+    host memory instead (all three of them, except a vision tower's and projector's: they
+    are in no FSDP unit, so they stay on the device)."""
     params, grads, optimizer = state_bytes(
         census, strategy, devices.dp_size, optimizer=work.optimizer
     )
     if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
         params *= 2
     if strategy is Strategy.FSDP_OFFLOAD:
-        return 0, 0, 0, params + grads + optimizer
+        kept = [t for t in census.tensors if t.replicated]
+        on_device = state_bytes(
+            census, strategy, devices.dp_size, optimizer=work.optimizer, tensors=kept
+        )
+        if work.reference_copy and census.method not in ("lora", "qlora"):
+            on_device = (2 * on_device[0], *on_device[1:])
+        return (*on_device, params + grads + optimizer - sum(on_device))
     return params, grads, optimizer, 0
 
 
@@ -276,7 +342,7 @@ def _read_buffer(census: Census, work: Workload, dp_size: int, sharded: bool) ->
     for t in census.tensors:
         if t.buffer:
             continue
-        rows = -(-t.shape[0] // dp_size) if sharded and t.shape else None
+        rows = -(-t.shape[0] // dp_size) if sharded and t.shape and not t.replicated else None
         numel = math.prod(t.shape) if rows is None else rows * math.prod(t.shape[1:])
         largest = max(largest, numel * work.checkpoint_itemsize)
     return largest

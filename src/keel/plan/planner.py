@@ -23,6 +23,7 @@ from keel.plan.census import (
 )
 from keel.plan.devices import DeviceSpec
 from keel.plan.estimate import Option, Workload, estimate, strategies_for
+from keel.plan.vision import VisionShapes
 from keel.precision import Precision
 from keel.stages.base import reference_source
 from keel.stages.registry import get_stage
@@ -92,11 +93,17 @@ class Plan:
 
 
 def workload_of(
-    cfg: RunConfig, *, precision: Precision, checkpoint_itemsize: int, auto_attn: str = "sdpa"
+    cfg: RunConfig,
+    *,
+    precision: Precision,
+    checkpoint_itemsize: int,
+    auto_attn: str = "sdpa",
+    vision: VisionShapes | None = None,
 ) -> Workload:
     """The run's per-step work; `auto_attn` is what model.attn_implementation auto means for
     this model (sdpa or eager: flash-attn on the target machine cannot be known here, and
-    sdpa's estimate is the larger)."""
+    sdpa's estimate is the larger). `vision`: a vision-language model's encoder and image
+    sizes (one image per sequence assumed: the plan reads no data)."""
     attn = cfg.model.attn_implementation
     stage = get_stage(cfg.train.stage)
     reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
@@ -112,6 +119,7 @@ def workload_of(
         sequences_per_row=stage.sequences_per_row,
         reference_copy=reference == "copy",
         optimizer=cfg.train.optimizer,
+        vision=vision,
     )
 
 
@@ -157,6 +165,7 @@ def plan_run(
         precision=precision,
         checkpoint_itemsize=torch.empty((), dtype=on_disk).element_size(),
         auto_attn=base.config._attn_implementation,  # built without one: transformers' choice
+        vision=_vision_shapes(arch, cfg, censuses[cfg.method.type]),
     )
     shapes = Shapes.from_config(arch)
     options = [
@@ -183,6 +192,13 @@ def plan_run(
     )
 
 
+def _vision_shapes(arch, cfg: RunConfig, census: Census) -> VisionShapes | None:
+    """A vision-language model's encoder and image sizes at model.vision.image_max_pixels."""
+    if not census.is_vision:
+        return None
+    return VisionShapes.of(arch, cfg.model.vision.image_max_pixels, census.projector_width)
+
+
 def checkpointing_for(devices: DeviceSpec, configured: bool | str) -> tuple[bool | str, ...]:
     """The checkpointing choices to weigh: off and on; offload on GPUs (on a CPU it is
     plain checkpointing, so only when configured)."""
@@ -197,7 +213,11 @@ def _censuses(base, cfg: RunConfig, precision: Precision, log) -> dict[str, Cens
     for index, method in enumerate(variants):
         try:
             censuses[method.type] = take_census(
-                base, method, copy_first=index < len(variants) - 1, precision=precision
+                base,
+                method,
+                copy_first=index < len(variants) - 1,
+                precision=precision,
+                vision=cfg.model.vision,
             )
         except ModelError as exc:
             if method.type == cfg.method.type:

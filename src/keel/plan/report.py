@@ -8,12 +8,16 @@ from keel.distributed.strategy import STRATEGIES, Strategy
 from keel.plan.devices import GIB, USABLE_FRACTION, gib
 from keel.plan.estimate import COMPONENTS, Option
 from keel.plan.planner import Plan, changes, knob_changes, more_devices, recommend
+from keel.plan.vision import LANGUAGE, PROJECTOR, TOWER, image_assumption
 
 
 def to_json(plan: Plan) -> dict:
     """The `keel plan --json` document."""
+    model = {"params": plan.params, "trainable_params": plan.trainable_params}
+    if plan.work.vision is not None:
+        model["vision"] = _vision_json(plan)
     return {
-        "model": {"params": plan.params, "trainable_params": plan.trainable_params},
+        "model": model,
         "devices": {
             "count": plan.devices.world,
             "memory_bytes": plan.devices.memory_bytes,
@@ -21,6 +25,25 @@ def to_json(plan: Plan) -> dict:
         },
         "options": [_option_json(o) for o in plan.options],
         "recommendation": _option_json(plan.recommendation) if plan.recommendation else None,
+    }
+
+
+def _vision_json(plan: Plan) -> dict:
+    """A vision-language model's parts and image assumption, for `--json`."""
+    census, shapes = plan.censuses[plan.method], plan.work.vision
+    parts = {
+        name: {
+            "params": census.part_params(part),
+            "trainable_params": census.part_params(part, trainable_only=True),
+        }
+        for name, part in (("tower", TOWER), ("projector", PROJECTOR), ("language_model", LANGUAGE))
+    }
+    return {
+        **parts,
+        "replicated": True,  # tower and projector: whole on every rank
+        "images_per_sequence": plan.work.images_per_sequence,
+        "tokens_per_image": shapes.tokens_per_image,
+        "patches_per_image": shapes.patches_per_image,
     }
 
 
@@ -96,6 +119,23 @@ def summary(plan: Plan) -> str:
         f"tokens, precision {w.precision.name}, loss chunk {w.loss_chunk_size}"
         f"{', packing' if w.packing else ''}; sizes in GiB per device (host: RAM per "
         f"process)"
+    ) + (f"\n{_vision_summary(plan)}" if w.vision is not None else "")
+
+
+def _vision_summary(plan: Plan) -> str:
+    """Two lines: the vision-language model's parts, and what its images are taken to be."""
+    c = plan.censuses[plan.method]
+
+    def part(name: str, key: str) -> str:
+        trainable = c.part_params(key, trainable_only=True)
+        return f"{name} {c.part_params(key):,} ({trainable:,} trainable)"
+
+    w = plan.work
+    return (
+        f"vision-language model: {part('vision tower', TOWER)}, "
+        f"{part('projector', PROJECTOR)}, {part('language model', LANGUAGE)}; the tower and "
+        f"projector are replicated whole on every rank (never sharded)\n"
+        f"{image_assumption(w.vision, w.images_per_sequence, w.cutoff_len)}"
     )
 
 

@@ -14,7 +14,13 @@ import torch
 from torch import nn
 
 from keel.data import collate
-from keel.distributed.parallelize import full_value, gradient_sync, unwrap
+from keel.distributed.parallelize import (
+    clip_grad_norm,
+    full_value,
+    gradient_sync,
+    sync_replicated_grads,
+    unwrap,
+)
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
 from keel.distributed.watchdog import Progress
@@ -69,6 +75,16 @@ def grad_scaler(
     return torch.amp.GradScaler(device.type, enabled=enabled)
 
 
+def to_device(value, device: torch.device):
+    """A batch entry on `device`: a tensor, or a vision batch's images (a list of dicts of
+    tensors, keel.data.collate); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return [{k: t.to(device, non_blocking=True) for k, t in image.items()} for image in value]
+    return value
+
+
 @dataclass
 class Trainer:
     """Runs optimizer steps and evaluations for one objective, on one or many processes.
@@ -91,6 +107,9 @@ class Trainer:
     # attention; see keel.models.attention) instead of right-padded rows
     padding_free: bool = False
     strategy: Strategy = Strategy.SINGLE  # fp16: whose overflow checks must agree
+    # trainable parameters outside DDP/FSDP (a vision tower kept whole on every rank): their
+    # gradients are averaged here, once per step (keel.distributed.parallelize)
+    replicated: list[nn.Parameter] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
@@ -110,10 +129,7 @@ class Trainer:
             # invisible to real tokens), and without position ids transformers neither
             # builds a mask nor reads a device value back to check for packed rows.
             batch["position_ids"] = None
-        return {
-            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()
-        }
+        return {k: to_device(v, self.device) for k, v in batch.items()}
 
     def train_step(
         self,
@@ -154,6 +170,7 @@ class Trainer:
                     stats = out.statistics
                     statistics = stats if statistics is None else statistics + stats
         mark("optimizer step")
+        sync_replicated_grads(self.replicated, self.dist.dims)
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
         self.scaler.step(self.optimizer)
@@ -221,6 +238,8 @@ class Trainer:
 
     def _clip(self) -> torch.Tensor:
         """The total gradient norm (before clipping), left on the device."""
+        if self.replicated:  # plain tensors beside FSDP's DTensors
+            return clip_grad_norm(self.trainable, self.max_grad_norm)
         if self.max_grad_norm > 0:
             return torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         grads = [p.grad for p in self.trainable if p.grad is not None]

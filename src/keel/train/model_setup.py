@@ -7,7 +7,7 @@ so under FSDP each process allocates and loads only its own shards.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from keel.distributed.parallelize import (
     local_region,
     local_tensor,
     parallelize,
+    replicated_parameters,
 )
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
@@ -31,6 +32,7 @@ from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
 from keel.models.offload import offload_activations
 from keel.models.qlora import quantize_base, quantized_names
+from keel.models.vision import VisionFamily, family_of
 from keel.precision import Precision
 from keel.stages.base import (
     Objective,
@@ -40,7 +42,7 @@ from keel.stages.base import (
     reference_source,
 )
 from keel.stages.registry import get_stage
-from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention
+from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention, vision_modules
 from keel.train.preference import PreferenceObjective
 from keel.train.reference import build_reference_copy
 
@@ -51,6 +53,9 @@ class TrainingModel:
     objective: nn.Module  # what the trainer calls; DDP-wrapped under ddp
     strategy: Strategy
     padding_free: bool = False  # micro-batches laid end to end, on keel's varlen attention
+    # trainable parameters kept whole on every rank, outside DDP/FSDP (a trainable vision
+    # tower or projector): the trainer averages their gradients itself
+    replicated: list[nn.Parameter] = field(default_factory=list)
 
 
 def replica_bytes(model: nn.Module) -> int:
@@ -102,11 +107,35 @@ def build_training_model(
             build, objective, sharded=strategy.shards, fast_head=fast_head, varlen=padding_free
         )
     if strategy.replicates:
-        replicated = ParallelizeSettings(strategy=strategy, ddp_ignore=quantized_names(objective))
+        replicated = ParallelizeSettings(
+            strategy=strategy,
+            ddp_ignore=quantized_names(objective),
+            replicated=_vision_modules(model),
+        )
         objective = parallelize(objective, dist.dims, replicated)
     return TrainingModel(
-        model=model, objective=objective, strategy=strategy, padding_free=padding_free
+        model=model,
+        objective=objective,
+        strategy=strategy,
+        padding_free=padding_free,
+        replicated=_trainable_replicas(model, strategy),
     )
+
+
+def _vision_modules(model: nn.Module) -> list[nn.Module | nn.Parameter]:
+    """A vision-language model's tower and projector ([] for a text model)."""
+    lm = causal_lm_of(model)
+    return vision_modules(lm, family_of(lm.config))
+
+
+def _trainable_replicas(model: nn.Module, strategy: Strategy) -> list[nn.Parameter]:
+    """The trainable parameters of a vision-language model's tower and projector, which
+    data parallelism keeps whole on every rank (keel.distributed.parallelize); [] for a
+    text model, a frozen tower, or one process."""
+    if strategy is Strategy.SINGLE:
+        return []
+    settings = ParallelizeSettings(strategy=strategy, replicated=_vision_modules(model))
+    return [p for p in replicated_parameters(settings) if p.requires_grad]
 
 
 def _model_on_meta(build: _Build) -> nn.Module:
@@ -127,7 +156,7 @@ def _model_on_meta(build: _Build) -> nn.Module:
     # The preflight has built this on the meta device too and logged what trains. New
     # adapter weights go on the meta device as well (keel fills them itself).
     with torch.device("meta"):
-        model = apply_method(model, cfg.method, log=lambda _message: None)
+        model = apply_method(model, cfg.method, log=lambda _message: None, vision=cfg.model.vision)
     return model
 
 
@@ -143,6 +172,12 @@ def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy
         if strategy is Strategy.FSDP_OFFLOAD:  # FSDP2 moves each layer to the GPU to run it
             init_device = torch.device("cpu")
     allocate(objective, init_device)
+    if init_device != dist.device:  # FSDP2 moves only its own units: a replicated vision
+        for part in _vision_modules(model):  # tower computes where it is held
+            if isinstance(part, nn.Parameter):
+                part.data = part.data.to(dist.device)
+            else:
+                part.to(dist.device)
     lm = causal_lm_of(model)
     init_computed_buffers(lm, dist.device)
     fill_weights(
@@ -199,13 +234,18 @@ class _ObjectiveKit:
     model: nn.Module
     chunk_size: int
     settings: StageSettings | None
+    vision: VisionFamily | None = None  # a vision-language model's family
 
     def causal_lm(self) -> Objective:
-        return CausalLMObjective(self.model, chunk_size=self.chunk_size)
+        return CausalLMObjective(self.model, chunk_size=self.chunk_size, vision=self.vision)
 
     def sequence_scores(self, stage: Stage) -> Objective:
         return PreferenceObjective(
-            self.model, stage=stage, settings=self.settings, chunk_size=self.chunk_size
+            self.model,
+            stage=stage,
+            settings=self.settings,
+            chunk_size=self.chunk_size,
+            vision=self.vision,
         )
 
 
@@ -213,7 +253,10 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
     """The objective of the run's stage, from its factory in the stage registry."""
     stage = get_stage(cfg.train.stage)
     kit = _ObjectiveKit(
-        model=model, chunk_size=cfg.train.loss_chunk_size, settings=cfg.stage_settings
+        model=model,
+        chunk_size=cfg.train.loss_chunk_size,
+        settings=cfg.stage_settings,
+        vision=family_of(causal_lm_of(model).config),
     )
     return stage.objective(kit, stage)
 
@@ -264,6 +307,7 @@ def _sharded(
     return ParallelizeSettings(
         strategy=strategy,
         units=fsdp_units(lm, decoder_layers(lm), embeddings=True),
+        replicated=_vision_modules(model),
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         cpu_offload=strategy is Strategy.FSDP_OFFLOAD,
         param_dtype=low,

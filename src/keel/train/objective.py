@@ -19,6 +19,8 @@ from torch import nn
 
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
 from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
+from keel.models.vision import VisionFamily, family_of
+from keel.models.vision.family import module_or_parameter
 from keel.stages.base import ObjectiveOutput
 
 # Logit magnitude of the probe's synthetic hidden states. A random or freshly initialised
@@ -42,13 +44,33 @@ def causal_lm_of(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def model_inputs(batch: dict, prefix: str = "") -> dict:
+def decoder_of(lm: nn.Module, vision: VisionFamily | None) -> nn.Module:
+    """The module whose last_hidden_state the output layer turns into `lm`'s logits: the
+    decoder, or for a vision-language model its base model (`lm.model`), which merges the
+    image features into the token embeddings first (`get_decoder()` would skip them)."""
+    return lm.model if vision is not None else lm.get_decoder()
+
+
+def vision_modules(lm: nn.Module, vision: VisionFamily | None) -> list[nn.Module | nn.Parameter]:
+    """The vision tower and projector of `lm` (the model under any PEFT wrapper), by its
+    family's paths: modules, and bare parameters such as LLaVA-NeXT's image_newline; [] for
+    a text model. Data parallelism keeps them whole on every rank
+    (keel.distributed.parallelize: ParallelizeSettings.replicated)."""
+    if vision is None:
+        return []
+    return [module_or_parameter(lm, path) for path in (*vision.tower, *vision.projector)]
+
+
+def model_inputs(
+    batch: dict, prefix: str = "", *, vision: VisionFamily | None = None, config=None
+) -> dict:
     """The keyword arguments of a training forward for `batch`'s `prefix`ed sequences.
 
     No attention mask and no cache: right padding is invisible to real tokens under causal
     attention, packed samples are separated by their restarting position ids, and a
     padding-free micro-batch (one concatenated row) carries its sample lengths for keel's
-    varlen attention.
+    varlen attention. A vision-language model (`vision`, its family, and `config`, the
+    model's) also gets its images' and tokens' inputs (`vision_inputs`).
     """
     inputs = dict(
         input_ids=batch[f"{prefix}input_ids"],
@@ -58,12 +80,42 @@ def model_inputs(batch: dict, prefix: str = "") -> dict:
     seq_lens = batch.get(f"{prefix}seq_lens")
     if seq_lens is not None:
         inputs[SEQ_LENS] = seq_lens
+    if vision is not None:
+        inputs |= vision_inputs(batch, prefix, inputs["position_ids"], vision, config)
     return inputs
 
 
+def vision_inputs(
+    batch: dict, prefix: str, position_ids: torch.Tensor | None, vision: VisionFamily, config
+) -> dict:
+    """The family's forward arguments for a micro-batch: its images' tensors (in token
+    order, already on the device), per-token inputs from the ids, and for 3-D rotary
+    families the positions: [3, B, T] (t, h, w) per sample, under a row of the text
+    positions ([4, B, T]) when there are any, from which transformers tells packed samples
+    apart."""
+    extra = vision.token_inputs(batch[f"{prefix}input_ids"], config)
+    images = batch.get(f"{prefix}images")
+    if images:
+        extra |= vision.model_inputs(images)
+    rope = batch.get(f"{prefix}rope_position_ids")  # [3, B, T]
+    if rope is not None:
+        text = position_ids  # [B, T] or None (right-padded rows, one sample each)
+        extra["position_ids"] = rope if text is None else torch.cat([text[None], rope])
+    return extra
+
+
 def use_attention(model: nn.Module, implementation: str) -> None:
-    """Switch the causal LM inside `model` (PEFT or not) to an attention implementation."""
-    causal_lm_of(model).set_attn_implementation(implementation)
+    """Switch the causal LM inside `model` (PEFT or not) to an attention implementation;
+    for a vision-language model its language model only (the vision tower's attention is
+    not causal)."""
+    text_model(causal_lm_of(model)).set_attn_implementation(implementation)
+
+
+def text_model(lm: nn.Module) -> nn.Module:
+    """The module whose attention is causal text attention: `lm`, or a vision-language
+    model's language model (by its family's path)."""
+    vision = family_of(lm.config)
+    return lm if vision is None else lm.get_submodule(vision.language_model)
 
 
 class CausalLMObjective(nn.Module):
@@ -80,11 +132,24 @@ class CausalLMObjective(nn.Module):
     metric_names: tuple[str, ...] = ()  # no statistics beside the loss
     needs_window_statistic = False
 
-    def __init__(self, model: nn.Module, *, chunk_size: int = 1024, fast_head: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        chunk_size: int = 1024,
+        fast_head: bool = False,
+        vision: VisionFamily | None = None,
+    ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.fast_head = fast_head
+        self.vision = vision  # the family of a vision-language model, None for text
+
+    def inputs(self, batch: dict, prefix: str = "") -> dict:
+        """`model_inputs` of this objective's model (with its family's, for a VLM)."""
+        config = causal_lm_of(self.model).config
+        return model_inputs(batch, prefix, vision=self.vision, config=config)
 
     def set_window_statistic(self, value: float) -> None:
         raise AssertionError("next-token cross-entropy needs no window statistic")
@@ -99,10 +164,10 @@ class CausalLMObjective(nn.Module):
         FSDP's root hooks gather the output layer and final norm for them.
         """
         if probe == "head":
-            return self._probe_logits(model_inputs(batch))
+            return self._probe_logits(self.inputs(batch))
         if probe == "attention":
             return self._probe_attention(batch)
-        inputs = model_inputs(batch)
+        inputs = self.inputs(batch)
         targets = batch["targets"]  # [B, T], pre-shifted
         mask = targets != IGNORE_INDEX  # [B, T]
         num_targets = mask.sum()
@@ -110,7 +175,7 @@ class CausalLMObjective(nn.Module):
             logits = self.model(**inputs).logits  # [B, T, V]
             return ObjectiveOutput(cross_entropy_sum(logits, targets), num_targets)
         lm = causal_lm_of(self.model)
-        hidden = lm.get_decoder()(**inputs).last_hidden_state  # [B, T, H]
+        hidden = decoder_of(lm, self.vision)(**inputs).last_hidden_state  # [B, T, H]
         selected = hidden[mask]  # [N, H]
         loss = chunked_cross_entropy(
             selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
@@ -131,7 +196,7 @@ class CausalLMObjective(nn.Module):
         """
         if device is None:
             device = next(self.parameters()).device
-        vocab = _vocab_size(causal_lm_of(self.model))
+        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
         generator = torch.Generator().manual_seed(0)
         input_ids = torch.randint(vocab, (1, PROBE_TOKENS), generator=generator)  # [1, T]
         positions = torch.arange(PROBE_TOKENS, device=device)[None]  # [1, T]
@@ -149,12 +214,17 @@ class CausalLMObjective(nn.Module):
         padding-free rows itself; eager is left as it is). Under FSDP every rank must call
         it together.
         """
-        implementation = causal_lm_of(self.model).config._attn_implementation
+        implementation = text_model(causal_lm_of(self.model)).config._attn_implementation
         if implementation != "sdpa":
             return False, f"the model's attention is {implementation}, not sdpa"
+        if self.vision is not None and self.vision.image_attention != "causal":
+            return False, (
+                f"{self.vision.name}'s image tokens attend to each other both ways "
+                "(keel's varlen attention is causal only)"
+            )
         if device is None:
             device = next(self.parameters()).device
-        vocab = _vocab_size(causal_lm_of(self.model))
+        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
         generator = torch.Generator().manual_seed(2)
         input_ids = torch.randint(vocab, (1, sum(PROBE_SAMPLES)), generator=generator)
         positions = torch.cat([torch.arange(n) for n in PROBE_SAMPLES])[None]  # [1, T]
@@ -174,8 +244,7 @@ class CausalLMObjective(nn.Module):
     def _probe_attention(self, batch: dict) -> dict:
         """{"dtype", "checks": {sample: (own attention logits, varlen logits)}} or
         {"error": why}."""
-        lm = causal_lm_of(self.model)
-        own = lm.config._attn_implementation
+        own = text_model(causal_lm_of(self.model)).config._attn_implementation
         alone = []
         start = 0
         for n in PROBE_SAMPLES:
@@ -185,7 +254,7 @@ class CausalLMObjective(nn.Module):
         register_varlen_attention()
         use_attention(self.model, VARLEN_ATTENTION)
         try:
-            inputs = model_inputs(batch | {"seq_lens": PROBE_SAMPLES})
+            inputs = self.inputs(batch | {"seq_lens": PROBE_SAMPLES})
             together = self.model(**inputs).logits  # [1, T, V]
         except (ValueError, TypeError, RuntimeError) as error:
             return {"error": f"keel's varlen attention does not run on this model: {error}"}
@@ -199,7 +268,7 @@ class CausalLMObjective(nn.Module):
         """{"dtype": compute dtype, "checks": {name: (forward logits, fast-head logits)}}, or
         {"error": why} when the model has no decoder/output layer the fast head can use."""
         lm = causal_lm_of(self.model)
-        decoder, head = lm.get_decoder(), lm.get_output_embeddings()
+        decoder, head = decoder_of(lm, self.vision), lm.get_output_embeddings()
         if not isinstance(head, nn.Module):
             return {"error": f"{type(lm).__name__} has no output embeddings module"}
         logits = self.model(**inputs).logits  # [1, T, V]
@@ -234,6 +303,24 @@ class CausalLMObjective(nn.Module):
 def _vocab_size(lm: nn.Module) -> int:
     embeddings = lm.get_input_embeddings()
     return getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
+
+
+def _probe_vocab(lm: nn.Module, vision: VisionFamily | None) -> int:
+    """How many ids the probes draw from: the vocabulary, or for a vision-language model
+    the text ids below its first image/vision special (an image token without its image
+    is an error in the model's forward). Every supported family appends those specials
+    after the text vocabulary."""
+    vocab = _vocab_size(lm)
+    if vision is None:
+        return vocab
+    specials = [
+        value
+        for key, value in lm.config.to_dict().items()
+        if key.endswith(("token_id", "token_index"))
+        and not key.startswith(("bos", "eos", "pad"))
+        and isinstance(value, int)
+    ]
+    return min([vocab, *specials])
 
 
 _MISMATCH = {

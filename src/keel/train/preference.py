@@ -26,25 +26,33 @@ from torch import nn
 
 from keel.losses import preference as losses
 from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
+from keel.models.vision.family import VisionFamily
 from keel.stages.base import ObjectiveOutput, Scored, Stage, StageSettings
-from keel.train.objective import CausalLMObjective, causal_lm_of, model_inputs
+from keel.train.objective import CausalLMObjective, causal_lm_of, decoder_of, model_inputs
 
 
 def score_sequences(
-    model: nn.Module, batch: dict, *, prefix: str = "", fast_head: bool, chunk_size: int
+    model: nn.Module,
+    batch: dict,
+    *,
+    prefix: str = "",
+    fast_head: bool,
+    chunk_size: int,
+    vision: VisionFamily | None = None,
 ) -> Scored:
-    """Each sequence's summed completion log-prob under `model` (an HF or PEFT causal LM).
+    """Each sequence's summed completion log-prob under `model` (an HF or PEFT causal LM,
+    or a vision-language model of family `vision`).
 
     Sequences are numbered by `batch[prefix + "sequence_index"]` (see keel.data.collate);
     their count is the length of `labels`. No attention mask and no cache, as for SFT: rows
     are right-padded and packed sequences are separated by their restarting position ids.
     """
-    inputs = model_inputs(batch, prefix)
+    lm = causal_lm_of(model)
+    inputs = model_inputs(batch, prefix, vision=vision, config=lm.config)
     targets = batch[f"{prefix}targets"]  # [B, T]
     mask = targets != IGNORE_INDEX  # [B, T]
     if fast_head:
-        lm = causal_lm_of(model)
-        hidden = lm.get_decoder()(**inputs).last_hidden_state  # [B, T, H]
+        hidden = decoder_of(lm, vision)(**inputs).last_hidden_state  # [B, T, H]
         logps = chunked_token_logps(
             hidden[mask], targets[mask], lm.get_output_embeddings(), chunk_size=chunk_size
         )  # [N]
@@ -62,16 +70,29 @@ class SequenceScorer(nn.Module):
     """A frozen reference model that scores sequences. A module of its own so that, under
     FSDP, it is the root unit whose hooks gather the weights its forward uses."""
 
-    def __init__(self, model: nn.Module, *, chunk_size: int, fast_head: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        chunk_size: int,
+        fast_head: bool,
+        vision: VisionFamily | None = None,
+    ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.fast_head = fast_head
+        self.vision = vision
 
     @torch.no_grad()
     def forward(self, batch: dict, prefix: str = "") -> torch.Tensor:
         scored = score_sequences(
-            self.model, batch, prefix=prefix, fast_head=self.fast_head, chunk_size=self.chunk_size
+            self.model,
+            batch,
+            prefix=prefix,
+            fast_head=self.fast_head,
+            chunk_size=self.chunk_size,
+            vision=self.vision,
         )
         return scored.sums
 
@@ -102,8 +123,9 @@ class PreferenceObjective(CausalLMObjective):
         settings: StageSettings,
         reference: SequenceScorer | None = None,
         chunk_size: int = 1024,
+        vision: VisionFamily | None = None,
     ):
-        super().__init__(model, chunk_size=chunk_size)
+        super().__init__(model, chunk_size=chunk_size, vision=vision)
         assert stage.unit in ("pair", "sample"), f"{stage.name} does not score sequences"
         self.stage = stage
         self.settings = settings
@@ -143,6 +165,7 @@ class PreferenceObjective(CausalLMObjective):
             prefix=prefix,
             fast_head=self.fast_head,
             chunk_size=self.chunk_size,
+            vision=self.vision,
         )
 
     @torch.no_grad()

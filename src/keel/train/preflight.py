@@ -28,6 +28,7 @@ from keel.models import count_parameters, load_tokenizer, resolve_model_path, to
 from keel.models.adapters import apply_method, find_decoder_layers, method_problems
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
+from keel.models.vision import VisionProcessing, vision_processing
 from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
 from keel.train.batch_source import StepPlan, default_global_batch
@@ -125,7 +126,7 @@ def preflight(
     notes = _ignored_settings(cfg, device)
     for note in notes:
         log(f"note: {note}")
-    tokenizer = checked = None
+    tokenizer = checked = vision = None
     model_dir, found = _model_dir(cfg, model_dir, log)
     problems += found
     if model_dir is not None:
@@ -133,6 +134,9 @@ def preflight(
         problems += found
         tokenizer, found = _tokenizer(cfg, model_dir, checked, log)
         problems += found
+        if checked is not None and not found:  # a model keel builds, with its tokenizer
+            vision, found = _vision(cfg, model_dir, log)
+            problems += found
     problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg)
     if problems:
         raise ConfigError(problems, source=source)
@@ -144,6 +148,7 @@ def preflight(
         base_dir=base_dir,
         seed=cfg.train.seed,
         log=log,
+        vision=vision,
     )
     return Preflight(
         model_dir=model_dir,
@@ -224,7 +229,7 @@ def check_model(
         # the base layer's (meta): building them on meta keeps this allocation-free.
         try:
             with torch.device("meta"):
-                model = apply_method(model, cfg.method, log=log)
+                model = apply_method(model, cfg.method, log=log, vision=cfg.model.vision)
         except ValueError as exc:  # PEFT's own refusals, past what method_problems knows
             return checked, [*problems, f"method.type = {cfg.method.type}: {exc}"]
         problems += _fp16_weights(cfg, model, precision)
@@ -390,6 +395,26 @@ def _tokenizer(
             f"{rows} rows; a sample holding a token id >= {rows} would fail"
         )
     return tokenizer, []
+
+
+def _vision(cfg: RunConfig, model_dir: Path, log: Log) -> tuple[VisionProcessing | None, list[str]]:
+    """The model's image processing (None for a text model) and the settings its family
+    cannot train exactly."""
+    try:
+        vision = vision_processing(model_dir, cfg.model.vision, log)
+    except ModelError as exc:  # e.g. no preprocessor_config.json in the folder
+        return None, [str(exc)]
+    if vision is None or not cfg.data.packing or vision.family.image_attention == "causal":
+        return vision, []
+    # transformers 5.24 (Gemma 3) adds the image blocks to the sliding-window layers' mask
+    # with positions renumbered per packed sample: every sample after the first gets the
+    # first sample's image blocks, not its own
+    return vision, [
+        f"data.packing = true: {vision.family.name}'s image tokens attend to each other both "
+        "ways, and transformers builds that mask wrongly for packed samples (in the "
+        "sliding-window layers, every sample after the first gets the first one's image "
+        "blocks); set data.packing=false"
+    ]
 
 
 def _data_settings(cfg: RunConfig, tokenizer, base_dir: Path) -> list[str]:

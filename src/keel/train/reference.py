@@ -39,10 +39,11 @@ from keel.distributed.strategy import Strategy
 from keel.models import torch_dtype
 from keel.models.adapters import decoder_layers
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.models.vision import family_of
 from keel.precision import Precision
 from keel.train.batch_source import split_for_rank
 from keel.train.loop import Trainer
-from keel.train.objective import causal_lm_of
+from keel.train.objective import causal_lm_of, vision_modules
 from keel.train.preference import SequenceScorer
 
 COMPLETE = "complete.json"
@@ -62,14 +63,18 @@ def build_reference_copy(
         trust_remote_code=cfg.model.trust_remote_code,
     )
     model.requires_grad_(False)
-    scorer = SequenceScorer(model, chunk_size=cfg.train.loss_chunk_size, fast_head=fast_head)
+    lm = causal_lm_of(model)
+    vision = family_of(lm.config)
+    scorer = SequenceScorer(
+        model, chunk_size=cfg.train.loss_chunk_size, fast_head=fast_head, vision=vision
+    )
     if sharded:
         # Its own layout: no gradients to reduce, no offload, and the embeddings stay in the
         # root unit (the policy makes untied ones a unit of their own).
-        lm = causal_lm_of(model)
         frozen = ParallelizeSettings(
             strategy=Strategy.FSDP,
             units=fsdp_units(lm, decoder_layers(lm), embeddings=False),
+            replicated=vision_modules(lm, vision),
             reshard_after_forward=True,
             param_dtype=precision.autocast_dtype,
         )

@@ -290,6 +290,7 @@ def _build_trainer(
         progress=env.watchdog.progress,
         padding_free=built.padding_free,
         strategy=built.strategy,
+        replicated=built.replicated,
     )
     if trainer.scaler.is_enabled():
         env.detail(

@@ -21,6 +21,12 @@ from starlette.exceptions import HTTPException
 from keel.errors import KeelError
 from keel.infer.serve import streams
 from keel.infer.serve.adapter_files import within_root
+from keel.infer.serve.chat_images import (
+    chat_prompt_with_images,
+    chat_turns,
+    has_placeholder,
+    image_refs,
+)
 from keel.infer.serve.limits import (
     ApiError,
     ServeLimits,
@@ -35,8 +41,10 @@ from keel.infer.serve.protocol import ChatRequest, CompletionRequest, Reply, par
 @dataclass(kw_only=True)
 class ServeState:
     """What the routes share: the engine (any backend with its interface), the tokenizer
-    that turns requests into token ids, the limits, the optional API key, and the folder
-    clients may load adapters from (None: adapters are managed at startup only)."""
+    that turns requests into token ids, the limits, the optional API key, the folder
+    clients may load adapters from (None: adapters are managed at startup only), and for a
+    vision-language model its image processing (keel.models.vision.VisionProcessing) and
+    the folder request image paths may point into (None: data: URLs only)."""
 
     engine: object
     tokenizer: object
@@ -44,10 +52,16 @@ class ServeState:
     default_model: str
     api_key: str | None = None
     adapter_root: Path | None = None
+    vision: object | None = None
+    image_root: Path | None = None
     slots: Slots = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = Slots(self.limits.max_concurrency)
+
+    @property
+    def body_bytes(self) -> int:
+        return self.limits.body_bytes(images=self.vision is not None)
 
 
 def create_app(state: ServeState) -> FastAPI:
@@ -149,7 +163,7 @@ def _add_adapter_routes(app: FastAPI, state: ServeState) -> None:
     async def load_lora_adapter(request: Request):
         _authorize(request, state)
         root = _adapter_root(state)
-        body = await _json_body(request, state.limits)
+        body = await _json_body(request, state.body_bytes)
         name, path = _string_field(body, "lora_name"), _string_field(body, "lora_path")
         try:
             directory = within_root(root, path)
@@ -162,7 +176,7 @@ def _add_adapter_routes(app: FastAPI, state: ServeState) -> None:
     async def unload_lora_adapter(request: Request):
         _authorize(request, state)
         _adapter_root(state)
-        body = await _json_body(request, state.limits)
+        body = await _json_body(request, state.body_bytes)
         name = _string_field(body, "lora_name")
         names = state.engine.adapters.names()
         if name not in names[1:]:
@@ -179,18 +193,24 @@ def _add_adapter_routes(app: FastAPI, state: ServeState) -> None:
 async def _complete(request: Request, state: ServeState, *, chat: bool):
     """Both completion routes: check the request, then answer it whole or streamed."""
     _authorize(request, state)
-    body = await _json_body(request, state.limits)
+    body = await _json_body(request, state.body_bytes)
     refuse_unsupported(body)
     req = parse(ChatRequest if chat else CompletionRequest, body)
     model = _served_model(req.model, state)
+    job = {"model": model, "n": req.n}
     if chat:
-        prompts = [_encode_chat(state.tokenizer, req.messages)]
+        images = image_refs(req.messages, state)
+        if images or has_placeholder(req.messages, state):
+            prompt = await asyncio.to_thread(chat_prompt_with_images, state, req.messages, images)
+            prompts, job["images"] = [prompt.input_ids], prompt
+        else:
+            prompts = [_encode_chat(state.tokenizer, req.messages)]
     else:
         prompts = _encode_prompts(state.tokenizer, req.prompt, state.limits.max_prompts)
-    return await _answer(request, state, req, prompts, model=model, chat=chat)
+    return await _answer(request, state, req, prompts, job=job, chat=chat)
 
 
-async def _answer(request: Request, state: ServeState, req, prompts, *, model: str, chat: bool):
+async def _answer(request: Request, state: ServeState, req, prompts, *, job: dict, chat: bool):
     prompt_field = "messages" if chat else "prompt"
     if min(len(ids) for ids in prompts) == 0:
         raise ApiError(400, "the prompt is empty", param=prompt_field)
@@ -202,8 +222,8 @@ async def _answer(request: Request, state: ServeState, req, prompts, *, model: s
         prompt_field=prompt_field,
     )
     state.slots.acquire()
-    run = streams.Run(state.engine, prompts, params, state.slots.release, model=model, n=req.n)
-    reply = Reply(chat=chat, model=model)
+    run = streams.Run(state.engine, prompts, params, state.slots.release, **job)
+    reply = Reply(chat=chat, model=job["model"])
     run.start()
     if req.stream:
         events = streams.stream(run, reply, include_usage=req.include_usage)
@@ -246,19 +266,19 @@ def _authorize(request: Request, state: ServeState) -> None:
         )
 
 
-async def _json_body(request: Request, limits: ServeLimits) -> dict:
+async def _json_body(request: Request, limit: int) -> dict:
     too_large = ApiError(
         413,
-        f"the request body is larger than this server's limit of {limits.max_body_bytes} bytes",
+        f"the request body is larger than this server's limit of {limit} bytes",
         code="request_too_large",
     )
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+    if declared.isdigit() and int(declared) > limit:
         raise too_large
     raw = bytearray()
     async for piece in request.stream():
         raw += piece
-        if len(raw) > limits.max_body_bytes:
+        if len(raw) > limit:
             raise too_large
     try:
         body = json.loads(raw, parse_constant=_not_json)
@@ -306,16 +326,7 @@ def _string_field(body: dict, key: str) -> str:
 def _encode_chat(tokenizer, messages) -> list[int]:
     from jinja2 import TemplateError
 
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(
-            400,
-            "this model's tokenizer has no chat template; use /v1/completions",
-            param="messages",
-        )
-    turns = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    turns = chat_turns(tokenizer, messages)
     try:
         encoded = tokenizer.apply_chat_template(
             turns, add_generation_prompt=True, tokenize=True, return_dict=True

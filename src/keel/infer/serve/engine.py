@@ -3,7 +3,8 @@
 Each round of the scheduler (`Engine.step`):
 1. runs queued calls that change the model (loading/unloading adapters) between steps;
 2. drops sequences whose client went away;
-3. prefills at most `max_prefill_tokens` prompt tokens: the next chunk of a prompt too
+3. prefills at most `max_prefill_tokens` prompt tokens: a prompt with images alone and
+   whole (its own pixel inputs and positions), or the next chunk of a prompt too
    long for one step (its own cache, a chunk per step), then waiting requests while the
    batch has room, together in one forward pass (left-padded, each prompt with its own
    positions and a mask that hides the padding). A finished prompt samples its first
@@ -50,6 +51,9 @@ class _Sequence:
     next_token: int = -1  # sampled, not yet fed to the model
     generated: int = 0
     done: bool = False
+    # M-RoPE (Qwen2-VL) gives an image fewer positions than tokens: the next position is
+    # `length + rope_delta` (0 for text and 1-D positions).
+    rope_delta: int = 0
 
 
 @dataclass(eq=False)
@@ -142,6 +146,11 @@ class Engine(SchedulerThread):
                 continue
             if seats and seats + job.n > self.max_batch_size:
                 break  # first come, first served: later jobs wait behind this one
+            if job.images is not None:
+                if group or not self._fits_alone(job, budget):
+                    break
+                self._waiting.popleft()
+                return self._prefill_alone(job)
             chunked = len(job.prompt_ids) > self.max_prefill_tokens
             longest = max(width, len(job.prompt_ids))
             if chunked and (group or self._chunked is not None):
@@ -167,6 +176,36 @@ class Engine(SchedulerThread):
             traceback.print_exc(file=sys.stderr)
             self._end_jobs([job for job, _ in group], f"generation failed: {type(e).__name__}: {e}")
         return width * len(group)
+
+    def _fits_alone(self, job: Job, budget: int) -> bool:
+        # A prompt with images is prefilled whole (its image spans must not be cut), alone
+        # with its own image inputs; one longer than a round's budget takes a whole round.
+        return len(job.prompt_ids) <= budget or budget >= self.max_prefill_tokens
+
+    def _prefill_alone(self, job: Job) -> int:
+        """Prefill one prompt with images in its own forward pass (its pixel inputs and
+        M-RoPE positions are its own; no padding) and add it to the batch, whose decode
+        steps then treat it like any text sequence. Returns the tokens prefilled."""
+        prompt = job.images
+        try:
+            adapter = self.adapters.key(job.model)
+        except KeyError:
+            job.sink(Failed(f"model {job.model!r} is no longer served"))
+            return 0
+        ids = torch.tensor([job.prompt_ids], device=self.device)  # [1, P]
+        inputs = {key: value.to(self.device) for key, value in prompt.inputs.items()}
+        if prompt.rope_positions is not None:
+            # Explicit positions: the model never falls back on offsets it cached itself.
+            inputs["position_ids"] = prompt.rope_positions[:, None, :].to(self.device)  # [3, 1, P]
+        cache = DynamicCache()
+        try:
+            logits = self._forward(ids, cache, [adapter], **inputs)  # [1, V]
+            valid = torch.ones(1, len(job.prompt_ids), dtype=torch.bool, device=self.device)
+            self._join([(job, adapter)], cache, valid, logits)
+        except Exception as e:  # a failed prefill fails its job, not the server
+            traceback.print_exc(file=sys.stderr)
+            self._end_jobs([job], f"generation failed: {type(e).__name__}: {e}")
+        return len(job.prompt_ids)
 
     def _prefill_chunk(self, budget: int) -> int:
         """Feed the next chunk (at most `budget` tokens) of the prompt being prefilled in
@@ -228,6 +267,7 @@ class Engine(SchedulerThread):
                 make_generator(job.params, choice),
                 TextTracker(self.tokenizer, job.params.stop),
                 length=len(job.prompt_ids),
+                rope_delta=0 if job.images is None else job.images.rope_delta,
             )
             for job, adapter in group
             for choice in range(job.n)
@@ -240,7 +280,8 @@ class Engine(SchedulerThread):
     def _decode(self) -> None:
         rows = self._running
         ids = torch.tensor([[s.next_token] for s in rows], device=self.device)  # [B, 1]
-        positions = torch.tensor([[s.length] for s in rows], device=self.device)  # [B, 1]
+        positions = [[s.length + s.rope_delta] for s in rows]
+        positions = torch.tensor(positions, device=self.device)  # [B, 1]
         try:
             logits = self._forward(
                 ids,
@@ -329,6 +370,7 @@ class Engine(SchedulerThread):
 
 def context_length(config) -> int:
     """The longest sequence (prompt + reply) the model's positions allow."""
+    config = config.get_text_config()  # a vision-language model's language model
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:

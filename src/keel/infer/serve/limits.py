@@ -49,6 +49,11 @@ class ServeLimits:
     max_adapters: int = 8  # LoRA adapters served at once (startup ones included)
     max_lora_rank: int = 256
     max_adapter_bytes: int = 1 << 30  # adapter_model.safetensors
+    # Images in one chat request (vision-language models only), each at most this many
+    # bytes (encoded) and pixels.
+    max_images: int = 4
+    max_image_bytes: int = 8 << 20
+    max_image_pixels: int = 4096 * 4096
 
     def problems(self) -> list[str]:
         """Every flag value that cannot work, each naming its flag."""
@@ -63,10 +68,20 @@ class ServeLimits:
             ("--max-adapters", self.max_adapters),
             ("--max-lora-rank", self.max_lora_rank),
             ("--max-adapter-size", self.max_adapter_bytes),
+            ("--max-images", self.max_images),
+            ("--max-image-size", self.max_image_bytes),
+            ("--max-image-pixels", self.max_image_pixels),
         ):
             if value < 1:
                 found.append(f"{flag} {value}: must be at least 1")
         return found
+
+    def body_bytes(self, *, images: bool) -> int:
+        """The largest request body: with images, room for --max-images inline images
+        (base64: 4 characters per 3 bytes) on top of --max-body-bytes."""
+        if not images:
+            return self.max_body_bytes
+        return self.max_body_bytes + self.max_images * (self.max_image_bytes * 4 // 3 + 64)
 
     def adapter_caps(self) -> AdapterCaps:
         return AdapterCaps(

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from keel.infer.serve.limits import ApiError
+from keel.models.vision.family import PLACEHOLDER
 
 # Strict: a number is a number (not "5" or true), a flag a JSON boolean; unknown fields are
 # ignored as OpenAI does (the ones keel refuses are checked first: limits.refuse_unsupported).
@@ -65,16 +66,46 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _STRICT
+
+    url: str  # data:image/...;base64,..., a file path or file:// URL (see serve/images.py)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; keel sends full images
+
+
+class ImagePart(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Part] | None = None
 
     def text(self) -> str:
+        """The content as text; each image part becomes the `<image>` placeholder."""
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(
+                part.text if isinstance(part, TextPart) else PLACEHOLDER for part in self.content
+            )
         return self.content or ""
+
+    def image_urls(self) -> list[tuple[int, str]]:
+        """(part index, URL) of each image part, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [
+            (index, part.image_url.url)
+            for index, part in enumerate(self.content)
+            if isinstance(part, ImagePart)
+        ]
 
 
 class ChatRequest(_Body):

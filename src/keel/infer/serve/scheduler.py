@@ -50,6 +50,9 @@ class Job:
     n: int = 1
     first_index: int = 0  # choice index of the first of the n completions
     cancelled: bool = False
+    # A prompt with images: keel.infer.vision.ImagePrompt (forward inputs, M-RoPE
+    # positions); None for text.
+    images: object | None = None
 
 
 @dataclass

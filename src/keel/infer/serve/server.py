@@ -32,6 +32,8 @@ class ServeOptions:
     cache_dir: str = "~/.cache/keel"
     # Clients may load adapters over HTTP only from inside this folder; None: not at all.
     adapter_root: str | None = None
+    # Chat requests may name image files only inside this folder; None: data: URLs only.
+    image_root: str | None = None
 
 
 def check_options(options: ServeOptions) -> list[tuple[str, str]]:
@@ -41,9 +43,12 @@ def check_options(options: ServeOptions) -> list[tuple[str, str]]:
         problems.append(f"--backend {options.backend}: use one of {', '.join(BACKENDS)}")
     if not 0 <= options.port <= 65535:
         problems.append(f"--port {options.port}: must be 0..65535")
-    root = options.adapter_root
-    if root is not None and not Path(root).expanduser().is_dir():
-        problems.append(f"--adapter-root {root}: not a folder; give the folder adapters live in")
+    for flag, root, what in (
+        ("--adapter-root", options.adapter_root, "adapters"),
+        ("--image-root", options.image_root, "images"),
+    ):
+        if root is not None and not Path(root).expanduser().is_dir():
+            problems.append(f"{flag} {root}: not a folder; give the folder {what} live in")
     adapters = []
     for spec in options.adapters:
         name, sep, path = spec.partition("=")
@@ -75,6 +80,7 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
     from keel.infer.serve.adapters import AdapterSet
     from keel.infer.serve.app import ServeState
     from keel.infer.serve.engine import Engine
+    from keel.infer.vision import vision_of
     from keel.models import load_for_inference
 
     model, tokenizer = load_for_inference(options.model, None, cache_dir=options.cache_dir, log=log)
@@ -103,14 +109,21 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
         default_model=options.model,
         api_key=options.api_key,
         adapter_root=adapter_root(options),
+        vision=vision_of(model, log),
+        image_root=_resolved(options.image_root),
     )
 
 
 def adapter_root(options: ServeOptions) -> Path | None:
     """The folder adapters may be loaded from over HTTP (symlinks resolved), or None."""
-    if options.adapter_root is None:
+    return _resolved(options.adapter_root)
+
+
+def _resolved(root: str | None) -> Path | None:
+    """A --adapter-root / --image-root folder with symlinks resolved, or None."""
+    if root is None:
         return None
-    return Path(options.adapter_root).expanduser().resolve()
+    return Path(root).expanduser().resolve()
 
 
 def _check_cache_layout(config) -> None:
