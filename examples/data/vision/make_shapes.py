@@ -1,7 +1,7 @@
 """Generate the vision demo's data: pictures of one coloured shape and questions about it.
 
-Each picture is a solid background (a neutral shade) with one circle, square or triangle
-in one of six colours, near the middle, of a random size. Each picture gets both questions,
+Each picture is a light background (white or light grey) with one circle, square or
+triangle in one of six colours, large and near the middle. Each picture gets both questions,
 "What shape is this?" and "What colour is the shape?" (two rows), answered in one word. The rows are
 OpenAI-style `messages` with LLaMA-Factory's `images` column and `<image>` placeholder
 (its mllm_demo layout), image paths relative to the dataset file; a `dataset_info.json`
@@ -30,7 +30,7 @@ COLOURS = {
     "orange": (245, 140, 30),
 }
 SHAPES = ("circle", "square", "triangle")
-BACKGROUNDS = ((255, 255, 255), (200, 200, 200), (120, 120, 120), (30, 30, 30))
+BACKGROUNDS = ((255, 255, 255), (225, 225, 225))  # light: no shape colour is near them
 QUESTIONS = {"shape": "What shape is this?", "colour": "What colour is the shape?"}
 SYSTEM = "Answer with one word."
 JITTER = 12  # colours vary by up to this much per channel, so no two reds are equal
@@ -49,7 +49,7 @@ def draw(rng: random.Random, size: int) -> Picture:
     place; anywhere in the picture needs far more of them)."""
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     image = Image.new("RGB", (size, size), _jitter(rng, rng.choice(BACKGROUNDS)))
-    side = rng.uniform(0.55, 0.85) * size
+    side = rng.uniform(0.7, 0.9) * size
     room = size - side  # shifted by up to a fifth of the room either way from the middle
     left, top = (room / 2 + rng.uniform(-0.2, 0.2) * room for _ in range(2))
     box = (left, top, left + side, top + side)
