@@ -49,7 +49,12 @@ demo-vision: install
 test: install-dev browser
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/ruff format --check src tests benchmarks tools
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra -m "not demo"
+
+# The demos' whole runs, checked (the vision demo: about 15 minutes on 2 cores).
+.PHONY: test-demo
+test-demo: install-dev
+	$(BIN)/python -m pytest -q -ra -m demo
 
 # The suite on the newest release of every dependency (torch stays at $(TORCH); `TORCH=`
 # lets it float too), in $(LATEST), so that a break shows here before users meet it.
