@@ -14,7 +14,7 @@
 5. Writes <out>/results.json, a plot (training loss and held-out accuracy) and the
    markdown section of the README.
 
-    python benchmarks/vision_demo.py [--out outputs/vision-demo] [--train 800] [--heldout 40]
+    python benchmarks/vision_demo.py [--out outputs/vision-demo] [--train 400] [--heldout 40]
         [--set KEY=VALUE] [--plot FILE] [--readme FILE]
 """
 
@@ -200,7 +200,7 @@ def _first(found: Accuracy) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/vision-demo", help="model, data and run")
-    parser.add_argument("--train", type=int, default=800, help="training pictures")
+    parser.add_argument("--train", type=int, default=400, help="training pictures")
     parser.add_argument("--heldout", type=int, default=40, help="held-out pictures")
     parser.add_argument("--size", type=int, default=64, help="picture side, pixels")
     parser.add_argument("--patch", type=int, default=16, help="vision tower patch side")
