@@ -22,6 +22,7 @@ LLaVA-NeXT's `model.image_newline`) in the transformers 5.x model tree of `AutoM
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,10 @@ class PreparedImage:
     num_tokens: int
 
 
-class VisionFamily:
-    """Base record of a family; subclasses set the class attributes and override what differs."""
+class VisionFamily(ABC):
+    """Base record of a family; subclasses set the class attributes, implement the two
+    abstract methods (every family processes images and builds its own forward inputs) and
+    override what else differs."""
 
     name: str = ""  # keel's name, shown in logs and errors (e.g. "qwen2_vl")
     model_types: tuple[str, ...] = ()  # config.model_type values this family loads
@@ -60,21 +63,21 @@ class VisionFamily:
     # same image (Gemma 3, from token_type_ids); keel's varlen attention is causal only
     image_attention: str = "causal"
 
+    @abstractmethod
     def prepare_images(self, image_processor, images: list, config) -> list[PreparedImage]:
         """Run the image processor on PIL images; one PreparedImage per image, in order.
         `config` is the model's config: some families count image tokens from it (LLaVA:
         the tower's patch size and feature strategy)."""
-        raise NotImplementedError
 
     def image_processor_kwargs(self, *, min_pixels: int, max_pixels: int) -> dict:
         """Overrides for the image processor's `from_pretrained` that bound the pixels of a
         resized image (model.vision.image_min/max_pixels); {} for fixed-size families."""
         return {}
 
+    @abstractmethod
     def model_inputs(self, images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Forward keyword arguments for a micro-batch whose images (their PreparedImage
         tensors) are `images`, in token order across the micro-batch; {} for none."""
-        raise NotImplementedError
 
     def token_inputs(self, input_ids: torch.Tensor, config) -> dict[str, torch.Tensor]:
         """Per-token forward arguments computed from the ids (e.g. Qwen2-VL's
