@@ -46,6 +46,12 @@ demo-dpo: install
 demo-vision: install
 	$(BIN)/python benchmarks/vision_demo.py --out outputs/vision-demo --plot outputs/vision-demo/vision_demo.png
 
+# GRPO on a CPU: the bundled model learns one-digit sums from a reward function (held-out
+# accuracy before/after, a plot).
+.PHONY: demo-grpo
+demo-grpo: install
+	$(BIN)/python benchmarks/grpo_demo.py --out outputs/grpo-sums --plot outputs/grpo-sums/grpo_demo.png
+
 test: install-dev browser
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/ruff format --check src tests benchmarks tools
@@ -92,6 +98,10 @@ bench: install-dev
 bench-dpo: install-dev
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[bench]'
 	$(BIN)/python benchmarks/dpo_vs_trl.py --steps 6 --rounds 2
+
+.PHONY: bench-grpo
+bench-grpo: install-dev
+	$(BIN)/python benchmarks/grpo_vs_trl.py --steps 6 --rounds 2
 
 bench-fsdp: install-dev
 	$(BIN)/python benchmarks/fsdp_memory.py

@@ -12,8 +12,8 @@ the same machine: every value must be bit-identical.
 Each case runs the real CLI (`python -m keel train`) of the checkout named by --repo (its
 `src` first on PYTHONPATH) in fp32 with fixed threads, and reads metrics.jsonl. The tiny-model
 cases are the parity tests' configurations (one process and two, DDP and FSDP, LoRA, full,
-QLoRA, packing, gradient checkpointing, every preference stage, resume); the example cases
-are every `examples/*.yaml`, cut to a few steps.
+QLoRA, packing, gradient checkpointing, every preference stage, rm, grpo, resume); the
+example cases are every `examples/*.yaml`, cut to a few steps.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ TINY_STEPS = 6
 
 # values that are numbers of the training, not of the machine's speed
 _EXACT = ("loss", "grad_norm", "lr", "kl", "nll_loss", "pairs", "samples")
-_EXACT_PREFIXES = ("eval_", "rewards/", "logps/", "log_odds")
+_EXACT += ("accuracy", "margin", "mean_reward", "chosen_reward", "rejected_reward")  # rm
+_EXACT += ("reward", "reward_std", "frac_reward_zero_std")  # grpo
+_EXACT_PREFIXES = ("eval_", "rewards/", "logps/", "log_odds", "completions/", "clip_ratio/")
 
 PAIRS = [
     ("Who are you?", "I am Keel, a small assistant.", "I am a cat."),
@@ -52,6 +54,20 @@ PAIRS = [
     ("Is the sky blue?", "Yes, on a clear day.", "Never."),
     ("Translate to French: hello world.", "Bonjour le monde.", "Hola mundo."),
 ]
+# grpo: the prompts of the pairs, rewarded by the share of one letter in the completion
+# (a function of the sampled text: equal on any number of processes)
+GRPO_REWARDS = """
+def share_of_letter(completions, letter, **kwargs):
+    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
+"""
+# imported by module name (the workspace is on PYTHONPATH), so the run's config, recorded
+# with its numbers, names no temporary folder
+GRPO_REWARDS_MODULE = "loss_compare_rewards"
+GRPO = {
+    "rewards": [f"{GRPO_REWARDS_MODULE}:share_of_letter"],
+    "num_generations": 4,
+    "max_completion_length": 6,
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class Case:
     """One `keel train` run (or two, for resume): a config, overrides, process count."""
 
     name: str
-    config: str  # "tiny-sft", "tiny-pairs", "tiny-kto" or an examples/ file name
+    config: str  # "tiny-sft", "tiny-pairs", "tiny-kto", "tiny-prompts" or an examples/ file name
     overrides: tuple[str, ...] = ()
     nproc: int = 1
     resume_from_steps: int = 0  # >0: run that many steps first, then resume to the end
@@ -86,6 +102,10 @@ PREFERENCE = [
     ("orpo-full", "tiny-pairs", ("train.stage=orpo", "method.type=full")),
     ("simpo-packed", "tiny-pairs", ("train.stage=simpo", "data.packing=true")),
     ("kto-freeze", "tiny-kto", ("train.stage=kto", "method.type=freeze", "method.freeze.trainable_layers=1")),
+    ("rm-lora", "tiny-pairs", ("train.stage=rm", "rm.center_rewards_coefficient=0.01")),
+    ("rm-full", "tiny-pairs", ("train.stage=rm", "method.type=full")),
+    ("grpo-full", "tiny-prompts", ("method.type=full",)),
+    ("grpo-dapo-reused", "tiny-prompts", ("grpo.loss_type=dapo", "grpo.num_iterations=2", "output.save_every=2")),
 ]  # fmt: skip
 
 
@@ -142,11 +162,18 @@ def prepare(ws: Workspace) -> None:
             for i, (q, c, r) in enumerate(PAIRS)
         ],
     }
+    files["tiny-prompts"] = [{"prompt": q, "letter": "a"} for q, _c, _r in PAIRS[:8]]
+    (ws.root / f"{GRPO_REWARDS_MODULE}.py").write_text(GRPO_REWARDS)
     for name, rows in files.items():
         data = ws.root / f"{name}.json"
         data.write_text(json.dumps(rows))
+        config = _tiny_config(ws, data)
+        if name == "tiny-prompts":  # batch sizes count prompts; no held-out prompts
+            config["data"].pop("val_size")
+            config["train"] |= {"stage": "grpo", "global_batch_size": 4}
+            config["grpo"] = GRPO
         ws.configs[name] = ws.root / f"{name}.yaml"
-        ws.configs[name].write_text(yaml.safe_dump(_tiny_config(ws, data)))
+        ws.configs[name].write_text(yaml.safe_dump(config))
 
 
 def _command(ws: Workspace, case: Case, out: Path, steps: int | None) -> list[str]:
@@ -168,7 +195,7 @@ def _command(ws: Workspace, case: Case, out: Path, steps: int | None) -> list[st
 def run_case(ws: Workspace, case: Case) -> dict[str, dict[str, float]]:
     """step -> {metric: value} for one case (a resumed case: the resumed run's file)."""
     out = ws.root / "runs" / case.name
-    env = {**os.environ, "PYTHONPATH": str(ws.repo / "src")}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ws.repo / "src"), str(ws.root)])}
     env.pop("OMP_NUM_THREADS", None)
     runs = [case.resume_from_steps, None] if case.resume_from_steps else [None]
     for steps in runs:

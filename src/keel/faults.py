@@ -13,6 +13,13 @@ rank `rank` (default 0):
   oom              the forward pass raises torch.OutOfMemoryError
   nan              the forward pass's embeddings turn NaN (the loss, gradients and, after
                    the update, the weights follow: a diverged step)
+
+Generation kinds fire inside a grpo step's rollout generation, after an engine round (a
+step that generates: with grpo.num_iterations mu, every mu-th step):
+  hang_generation  the rank sleeps forever after its first round of the step (a rank stuck
+                   while generating, with its peers waiting in the step's collectives)
+  slow_generation  the rank sleeps `seconds` after EVERY round of the step (slow generation
+                   that keeps marking progress: not a hang, however long it takes in all)
 """
 
 from __future__ import annotations
@@ -25,7 +32,16 @@ from dataclasses import dataclass, field
 from keel.errors import KeelError
 
 ENV = "KEEL_FAULT"
-KINDS = ("hang", "stall", "skip_collective", "exit", "oom", "nan")
+KINDS = (
+    "hang",
+    "stall",
+    "skip_collective",
+    "exit",
+    "oom",
+    "nan",
+    "hang_generation",
+    "slow_generation",
+)
 
 
 @dataclass
@@ -42,6 +58,11 @@ class Fault:
             return False
         self.fired = True
         return True
+
+    def during(self, kind: str, step: int, rank: int) -> bool:
+        """True all through `step` on `rank` when this fault is of `kind` (a fault that
+        fires at every site of its step, not once)."""
+        return kind == self.kind and step == self.step and rank == self.rank
 
 
 def fault_from_env(environ: Mapping[str, str] | None = None) -> Fault | None:
@@ -79,5 +100,20 @@ def at_step_start(fault: Fault | None, step: int, rank: int) -> None:
     if fault.due("stall", step, rank):
         time.sleep(fault.seconds)
     if fault.due("hang", step, rank):
-        while True:  # forever: only the watchdog (or a signal) ends this process
-            time.sleep(3600)
+        _sleep_forever()
+
+
+def after_generation_round(fault: Fault | None, step: int, rank: int) -> None:
+    """Fire a generation fault due after an engine round of `step`'s rollout generation on
+    `rank`: slow_generation at every round of the step, hang_generation once."""
+    if fault is None:
+        return
+    if fault.during("slow_generation", step, rank):
+        time.sleep(fault.seconds)
+    if fault.due("hang_generation", step, rank):
+        _sleep_forever()
+
+
+def _sleep_forever() -> None:
+    while True:  # forever: only the watchdog (or a signal) ends this process
+        time.sleep(3600)

@@ -22,6 +22,7 @@ SMALL_EXAMPLES = [
     "simpo_bundled.yaml",
     "kto_bundled.yaml",
     "llamafactory_dpo.yaml",
+    "grpo_sums.yaml",
 ]
 
 

@@ -494,8 +494,8 @@ def test_sft_data_in_a_preference_stage_is_refused_with_the_fix(run, stage, sft_
 @pytest.mark.parametrize(
     ("rows", "stage", "fix"),
     [
-        (PAIRS, "sft", "dpo, orpo or simpo"),
-        (PAIRS, "pt", "dpo, orpo or simpo"),
+        (PAIRS, "sft", "dpo, orpo, simpo or rm"),
+        (PAIRS, "pt", "dpo, orpo, simpo or rm"),
         (SAMPLES, "sft", "train.stage to kto"),
         (
             [
@@ -503,7 +503,7 @@ def test_sft_data_in_a_preference_stage_is_refused_with_the_fix(run, stage, sft_
                 | {"rejected": {"from": "gpt", "value": "b"}}
             ],
             "sft",
-            "dpo, orpo or simpo",
+            "dpo, orpo, simpo or rm",
         ),
     ],
 )

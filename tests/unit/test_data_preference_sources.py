@@ -103,7 +103,7 @@ def test_shipped_kto_entry_loads_for_kto(prepare):
         (
             "dpo_mini",
             "sft",
-            "'dpo_mini' is preference data.*dpo, orpo or simpo.*this run is train.stage sft",
+            "'dpo_mini' is preference data.*dpo, orpo, simpo or rm.*this run is train.stage sft",
         ),
         ("dpo_mini", "kto", "'dpo_mini' is preference data"),
         ("dpo_alpaca_mini", "pt", "'dpo_alpaca_mini' is preference data"),

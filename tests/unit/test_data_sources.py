@@ -212,7 +212,7 @@ def test_dataset_info_alpaca_and_sharegpt_entries(registry, prepare):
 
 
 def test_dataset_info_ranking_entry_needs_a_preference_stage(registry, prepare):
-    with pytest.raises(DataError, match="my_dpo.*preference stage.*dpo, orpo or simpo"):
+    with pytest.raises(DataError, match="my_dpo.*preference stage.*dpo, orpo, simpo or rm"):
         prepare("my_dpo", dataset_dir="lf")
 
 

@@ -91,6 +91,15 @@ def test_consumers_never_import_train(graph, consumer):
     assert example is None, f"keel.{consumer} must not import keel.train: {example}"
 
 
+def test_rewards_import_no_caller(graph):
+    # keel.rewards scores completions for the rollout source (train); it reads rows from
+    # nobody and must load without the trainer, the data pipeline or the CLI
+    callers = {"train", "data", "cli"}
+    wrong = {b: ex for b, ex in _imports(graph, "rewards").items() if b in callers}
+    assert not wrong, f"keel.rewards is called by train, never the reverse: {wrong}"
+    assert "rewards" not in TOOL.reachable(graph, "config"), "config must not load user rewards"
+
+
 def _torch_distributed_imports(path: Path) -> list[str]:
     """`file:line` of each import of torch.distributed in `path` (comments do not count)."""
     found = []

@@ -80,7 +80,10 @@ def test_bad_stage_settings_are_refused_up_front(tmp_path, tiny_model_dir, overr
         (["dpo.desirable_weight=2"], "did you mean 'kto.desirable_weight'?"),
         (["train.stage=kto", "kto.gamma=1"], "unknown key kto.gamma (command line); did you"),
         (["train.stage=kto", "kto.gamma=1"], "(kto has beta, reference, desirable_weight,"),
-        (["train.stage=orpo", "orpo.reference=live"], "'dpo.reference' or 'kto.reference'?"),
+        (
+            ["train.stage=orpo", "orpo.reference=live"],
+            "'dpo.reference', 'kto.reference' or 'grpo.reference'?",
+        ),
         (["dpo.betta=0.2"], "did you mean 'dpo.beta'?"),
         (["dop.beta=0.2"], "unknown key dop (command line); did you mean 'dpo'?"),
     ],

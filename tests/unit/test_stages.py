@@ -29,7 +29,13 @@ from keel.data.detect import spec_for_stage
 from keel.data.formats import FORMATS
 from keel.errors import DataError
 from keel.precision import Precision
-from keel.stages.base import ObjectiveOutput, Stage, causal_lm_objective, reference_source
+from keel.stages.base import (
+    ObjectiveOutput,
+    Stage,
+    causal_lm_objective,
+    reference_source,
+    sequence_objective,
+)
 from keel.stages.registry import STAGES, get_stage
 from keel.train.loop import Trainer
 from keel.train.model_setup import make_objective
@@ -48,7 +54,31 @@ ROW_OF_FORMAT = {
     },
     "preference": lambda i: {"prompt": f"Say {i}.", "chosen": f"{i}, said.", "rejected": "No."},
     "kto": lambda i: {"prompt": f"Say {i}.", "completion": f"{i}.", "label": i % 2 == 0},
+    "prompt": lambda i: {"prompt": f"Say {i}.", "answer": str(i)},
 }
+# Settings a stage cannot default (grpo's rewards: which ones is the user's to say).
+REQUIRED_SETTINGS = {"grpo": {"rewards": ["keel.rewards:format"]}}
+
+
+def answered(rows: list[dict], tokenizer) -> list[dict]:
+    """Prompt rows (grpo) as the rollout rows its batch source (keel.train.rollouts) builds
+    each step: a fixed answer stands in for the sampled completions, +-1 for advantages."""
+    out = []
+    for i, row in enumerate(rows):
+        completion = tokenizer(f"{i}, said.", add_special_tokens=False)["input_ids"]
+        completion.append(tokenizer.eos_token_id)
+        ids = row["input_ids"] + completion
+        targets = [-100] * (len(row["input_ids"]) - 1) + completion + [-100]
+        out.append(
+            {
+                "input_ids": ids,
+                "targets": targets,
+                "position_ids": list(range(len(ids))),
+                "num_targets": len(completion),
+                "advantages": [(-1.0) ** i],
+            }
+        )
+    return out
 
 
 def run_config(stage: str, tmp_path, **sections) -> RunConfig:
@@ -103,10 +133,14 @@ def test_the_record_agrees_with_itself(name):
     stage = get_stage(name)
     assert stage.name == name
     assert stage.sequences_per_row == (2 if stage.unit == "pair" else 1)
-    assert (stage.pair_loss is not None) == (stage.unit == "pair")
+    # a pair_loss is what the sequence-scoring objective hands the pairs' log-probs to (rm
+    # scores its pairs with a head of its own)
+    scored_pairs = stage.unit == "pair" and stage.objective is sequence_objective
+    assert (stage.pair_loss is not None) == scored_pairs
     assert set(stage.formats) <= set(FORMATS)
     if stage.settings is not None:  # a keyword-only dataclass with a default for each knob
-        assert dataclasses.is_dataclass(stage.settings) and stage.settings().problems(name) == []
+        settings = stage.settings(**REQUIRED_SETTINGS.get(name, {}))
+        assert dataclasses.is_dataclass(stage.settings) and settings.problems(name) == []
         assert stage.knobs == tuple(f.name for f in dataclasses.fields(stage.settings))
     assert stage.uses_reference == ("reference" in stage.knobs)
 
@@ -132,6 +166,8 @@ def test_a_step_of_each_stage_logs_the_record_s_metrics(name, tiny_tokenizer, tm
     """Data in the stage's first format -> prepared rows -> its objective -> one step."""
     stage = get_stage(name)
     rows = prepared_rows(name, stage.formats[0], tiny_tokenizer, tmp_path)
+    if stage.unit == "prompt":
+        rows = answered(rows, tiny_tokenizer)
     assert all(len(r["labels"]) == stage.sequences_per_row for r in rows if "labels" in r)
     model = build_tiny_model(vocab_size=len(tiny_tokenizer), seed=1)
     if stage.uses_reference:  # with LoRA the reference is the policy with its adapters off

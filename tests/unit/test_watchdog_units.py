@@ -94,6 +94,24 @@ def test_one_process_never_hangs_on_peers(tmp_path):
         dog._check_hang()
 
 
+def test_waiting_for_a_rank_that_still_works_is_not_a_hang(tmp_path):
+    """Rank 0 waits in a collective while rank 1 generates slowly, marking each round: slow,
+    not stuck. Once rank 1 stops moving too (or has finished), it is a hang."""
+    store = MemoryStore()
+    dog = watchdog(tmp_path, store=store, hang=1.0)
+    with dog.progress.phase("step", 1.0):
+        idle_for(dog.progress, 5.0)
+        store.set("hb/1", json.dumps({"beat": 9, "idle_s": 0.3}))
+        dog._check_hang()
+        dog._check_hang()  # asked first again: the rank it waited on
+        store.set("hb/1", json.dumps({"beat": 10, "idle_s": 1.4}))
+        with pytest.raises(Alarmed, match="no progress for 5.0 s"):
+            dog._check_hang()
+        store.set("hb/1", json.dumps({"beat": 11, "idle_s": 0.0, "done": True}))
+        with pytest.raises(Alarmed):
+            dog._check_hang()
+
+
 def test_a_frozen_peer_heartbeat_is_a_hang_in_any_phase(tmp_path):
     store = MemoryStore()
     dog = watchdog(tmp_path, store=store, hang=0.2)

@@ -15,7 +15,7 @@ import yaml
 
 from keel.config.schema import DatasetConfig, RunConfig, TrainConfig
 from keel.errors import ConfigError
-from keel.stages.registry import STAGES, stage_sections
+from keel.stages.registry import STAGES, spoken, stage_sections
 
 
 def load_config(
@@ -210,7 +210,7 @@ def _unknown_key_hint(prefix: str, key: str, valid: list[str]) -> str:
             if key in {f.name for f in dataclasses.fields(settings)}
         ]
         if holders:
-            return f"; did you mean {' or '.join(holders)}? ({section} has {', '.join(valid)})"
+            return f"; did you mean {spoken(holders)}? ({section} has {', '.join(valid)})"
     return f"; valid keys: {', '.join(valid)}"
 
 

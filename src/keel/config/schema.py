@@ -85,8 +85,11 @@ class DatasetConfig:
     # auto (from the first row, for the stage), alpaca, sharegpt, messages, text (pt only);
     # preference (TRL's prompt/chosen/rejected: dpo, orpo, simpo), kto (prompt/completion/
     # label). In a preference stage alpaca, sharegpt and messages read chosen and rejected
-    # (LLaMA-Factory's ranking data) or kto_tag as well.
-    format: Literal["auto", "alpaca", "sharegpt", "messages", "text", "preference", "kto"] = "auto"
+    # (LLaMA-Factory's ranking data) or kto_tag as well. prompt (TRL's prompt-only: grpo);
+    # grpo reads alpaca, sharegpt and messages rows as prompts too.
+    format: Literal[
+        "auto", "alpaca", "sharegpt", "messages", "text", "preference", "kto", "prompt"
+    ] = "auto"
     # e.g. {prompt: question, response: answer}; preference data: chosen, rejected, kto_tag
     columns: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)  # sharegpt role tags, e.g. {user_tag: human}

@@ -166,6 +166,12 @@ def _check_data(cfg: RunConfig) -> list[str]:
     problems += _positive(data.num_proc, "data.num_proc")
     problems += _positive(data.max_row_bytes, "data.max_row_bytes")
     stage = STAGES.get(cfg.train.stage)  # None: _check_stage reports it
+    if stage and stage.unit == "prompt" and data.packing:
+        problems.append(
+            f"data.packing = true: train.stage {stage.name} is trained on completions generated "
+            f"from one prompt at a time, so prompt rows are never packed; set data.packing=false "
+            f"(train.padding_free already lays a micro-batch's completions end to end)"
+        )
     for index, ds in enumerate(data.datasets):
         if stage and ds.format != "auto" and ds.format not in stage.formats:
             problems.append(_format_problem(f"data.datasets.{index}.format", ds.format, stage))
@@ -233,7 +239,9 @@ def _format_problem(key: str, fmt: str, stage: Stage) -> str:
             f"{key} = text has no assistant turns to learn; use train.stage = "
             f"{spoken(users)}, or a chat format for {stage.name}"
         )
-    holds = {"preference": "pairs", "kto": "labelled samples"}.get(fmt, f"{fmt} data")
+    holds = {"preference": "pairs", "kto": "labelled samples", "prompt": "prompts alone"}.get(
+        fmt, f"{fmt} data"
+    )
     which = f" = {users[0]}" if len(users) == 1 else ""
     return (
         f"{key} = {fmt} holds {holds} for train.stage {spoken(users)} (it is "

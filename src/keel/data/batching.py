@@ -32,12 +32,17 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     Preference rows (they carry `labels`, one per sequence) also get `labels` [S] (the
     sequences of all rows, in order), `sequence_index` [B, T] (which of those S sequences a
     token belongs to, -1 for padding), the same for their KTO mismatched sequences under a
-    `kl_` prefix, and `reference_logps` / `reference_kl_logps` [S] when the rows carry
-    precomputed reference log-probs.
+    `kl_` prefix, `reference_logps` / `reference_kl_logps` [S] when the rows carry
+    precomputed reference log-probs, and `margin` [P] (rm's pairs).
 
     A vision-language run's rows also give `images` (each image's tensors, unpacked from
     `image_blobs`, in token order: row after row; absent when there are none) and, with
     `rope_positions`, `rope_position_ids` [3, B, T] (M-RoPE; pads count up as position_ids).
+
+    Rollout rows (grpo: a prompt and one sampled completion, keel.train.rollouts) carry
+    `advantages` (a list of one float) and give `advantages` [S] float32, `kept` [S] (1.0, or
+    0.0 for a completion masked out of the loss), `sequence_index` [B, T] as above, and `old_logps` [B, T] float32 (aligned with targets, 0 on padding)
+    when the rows carry the log-probs they were sampled with.
     """
     assert rows, "collate needs at least one row"
     if padding_free:
@@ -46,6 +51,8 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     if padding_free:
         batch["seq_lens"] = sample_lengths(rows[0]["position_ids"])
     batch |= _vision(rows, batch["position_ids"])
+    if "advantages" in rows[0]:
+        return batch | _rollout(rows, batch["input_ids"].shape[1])
     if not rows[0].get("labels"):
         return batch
     batch["labels"] = torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)
@@ -56,11 +63,28 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
         batch["kl_sequence_index"] = _sequence_index(rows, "kl_", width)
         if padding_free:
             batch["kl_seq_lens"] = sample_lengths(rows[0]["kl_position_ids"])
-    for key in ("reference_logps", "reference_kl_logps"):
+    for key in ("reference_logps", "reference_kl_logps", "margin"):
         if key in rows[0]:
             values = [x for row in rows for x in row[key]]
             batch[key] = torch.tensor(values, dtype=torch.float32)
     return batch
+
+
+def _rollout(rows: list[dict], width: int) -> dict[str, torch.Tensor]:
+    """`advantages` [S], `sequence_index` [B, T] and, if present, `old_logps` [B, T]."""
+    advantages = [a for row in rows for a in row["advantages"]]
+    out = {
+        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "sequence_index": _sequence_index(rows, "", width),
+    }
+    if "kept" in rows[0]:  # 0.0: a completion masked out of the loss (truncated)
+        out["kept"] = torch.tensor([k for row in rows for k in row["kept"]], dtype=torch.float32)
+    if "old_logps" in rows[0]:
+        old = torch.zeros((len(rows), width), dtype=torch.float32)  # [B, T]
+        for b, row in enumerate(rows):
+            old[b, : len(row["old_logps"])] = torch.as_tensor(row["old_logps"], dtype=torch.float32)
+        out["old_logps"] = old
+    return out
 
 
 def merge_rows(rows: list[dict]) -> dict:

@@ -22,6 +22,10 @@ converter.py, processor/pretrain.py):
   `kto_tag` column holds labelled samples (the answer is `response` for alpaca, the last
   message for sharegpt) and trains with kto. Each is refused for other stages, and entries
   that are neither are refused for those stages, as LLaMA-Factory's loader does.
+- Prompts (train.stage grpo, which LLaMA-Factory does not have): alpaca and sharegpt entries
+  give the prompt as they give SFT's, without the answer (a response column the entry names
+  stays a column for the reward functions; a sharegpt conversation must end with the user's
+  turn); ranking and kto_tag entries are refused, as for SFT.
 
 keel reads local files only, so hub entries are refused with the reason; so are
 tool-calling entries and entries with videos or audios. An `images` column holds each row's

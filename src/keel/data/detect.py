@@ -6,19 +6,22 @@ column means sharegpt/messages, an instruction column with text answers alpaca (
 Factory's ranking data), anything else TRL's formats (preference, kto). Data meant for
 another stage is refused before any row is encoded, with the stage to use: SFT data given
 to dpo would otherwise be rejected row by row for missing answers, and pairs given to sft
-row by row for ending with a user turn.
+row by row for ending with a user turn. For grpo (prompts alone) a conversation column means
+sharegpt/messages, an alpaca instruction alpaca, a `prompt` column TRL's prompt-only format;
+conversations that end with the assistant's answer (SFT data) are refused.
 """
 
 from __future__ import annotations
 
-from keel.data.formats import FormatSpec, chat_flavour, detect_format, make_spec
+from keel.data.encode_prompt import CONVERT_HINT, AnsweredPrompt, row_to_prompt
+from keel.data.formats import FormatSpec, RowError, chat_flavour, detect_format, make_spec
 from keel.errors import DataError
 from keel.stages.registry import get_stage, spoken, stages_of
 
 _CONVERSATION_COLUMNS = ("messages", "conversations")
 _KTO_LABELS = ("kto_tag", "label")  # LLaMA-Factory's column name, TRL's
 # the format assumed, by the stage's data unit, when no row could be read
-_UNREADABLE_FORMAT = {"pair": "preference", "sample": "kto"}
+_UNREADABLE_FORMAT = {"pair": "preference", "sample": "kto", "prompt": "prompt"}
 
 
 def spec_for_stage(
@@ -48,6 +51,8 @@ def _detect(row: dict, columns: dict, tags: dict, stage: str, where: str) -> tup
         found["kto_tag"] = label
     if unit in ("pair", "sample"):
         fmt = _preference_format(row, present, conversation, columns, tags, unit)
+    elif unit == "prompt":
+        fmt = _prompt_format(row, present, conversation, columns, tags, where)
     else:
         # checked before detection, which would find no SFT format in TRL's columns
         if {columns.get("chosen", "chosen"), columns.get("rejected", "rejected")} <= present:
@@ -73,6 +78,25 @@ def _preference_format(row, present, conversation, columns, tags, unit) -> str:
     return "preference"
 
 
+def _prompt_format(row, present, conversation, columns, tags, where) -> str:
+    """grpo: a conversation; alpaca (an instruction column, or a text prompt column beside
+    alpaca's input column); else TRL's prompt-only `prompt`, text or messages."""
+    if conversation is not None:
+        return chat_flavour(row[conversation], conversation, tags)
+    name = columns.get("prompt") or ("instruction" if "instruction" in present else "prompt")
+    if name not in present:
+        raise DataError(
+            f"{where}: cannot find prompts in the columns {sorted(row)}; expected 'prompt' "
+            f"(TRL's prompt-only format: text or messages), 'instruction' (alpaca) or "
+            f"'messages'/'conversations' ending with the user's turn. Set format: and "
+            f"columns: for this dataset in data.datasets (e.g. columns: {{prompt: question}})"
+        )
+    text = isinstance(row[name], str)
+    if text and (name == "instruction" or columns.get("query", "input") in present):
+        return "alpaca"
+    return "prompt"
+
+
 def _first_present(present: set, override: str | None, names: tuple[str, ...]) -> str | None:
     if override is not None:
         return override if override in present else None
@@ -82,6 +106,18 @@ def _first_present(present: set, override: str | None, names: tuple[str, ...]) -
 def _check_format(fmt: str, stage: str, where: str) -> None:
     unit = get_stage(stage).unit
     text = spoken(stages_of("text"))
+    if fmt == "prompt" and unit != "prompt":
+        raise DataError(
+            f"{where}: format prompt holds prompts alone (TRL's prompt-only format) for "
+            f"train.stage {spoken(stages_of('prompt'))}, which generates the answers; "
+            f"{stage} trains on answers given in the data: set train.stage, or the format"
+        )
+    if fmt == "text" and unit == "prompt":
+        raise DataError(
+            f"{where}: plain text (format text) holds no prompts for train.stage {stage}; give "
+            f"prompts (TRL's prompt-only rows, alpaca instructions, or conversations ending "
+            f"with the user's turn), or set train.stage: {text} to pretrain on it"
+        )
     if fmt == "text" and unit == "conversation":
         raise DataError(
             f"{where}: plain text (format text) has no answers to train on in SFT; "
@@ -113,6 +149,9 @@ def _check_answers(row: dict, spec: FormatSpec, stage: str, where: str) -> None:
     answers = {c.get("chosen"), c.get("rejected")} - {None}
     labelled = c.get("kto_tag") is not None and c["kto_tag"] in present
     unit = get_stage(stage).unit
+    if unit == "prompt":
+        _check_prompt(row, spec, stage, where)
+        return
     if unit == "pair" and not answers & present:
         raise _not_for_stage(row, stage, where)
     if unit == "sample" and not labelled:
@@ -121,6 +160,21 @@ def _check_answers(row: dict, spec: FormatSpec, stage: str, where: str) -> None:
         raise _wrong_stage(row, "preference pairs (chosen, rejected)", stage, "pair", where)
     if unit in ("text", "conversation") and labelled:
         raise _wrong_stage(row, f"KTO samples (label '{c['kto_tag']}')", stage, "sample", where)
+
+
+def _check_prompt(row: dict, spec: FormatSpec, stage: str, where: str) -> None:
+    """The first row is a prompt, not a conversation that ends with its answer (SFT data).
+    Other problems with it are the row's, reported with the others."""
+    try:
+        row_to_prompt(row, spec)
+    except AnsweredPrompt:
+        raise DataError(
+            f"{where}: the first row's conversation ends with the assistant's answer, so the "
+            f"data looks like SFT data (train.stage {spoken(stages_of('conversation'))}), not "
+            f"{stage} data. {CONVERT_HINT}"
+        ) from None
+    except RowError:
+        pass
 
 
 def _wrong_stage(row: dict, kind: str, stage: str, unit: str, where: str) -> DataError:

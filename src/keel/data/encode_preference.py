@@ -18,10 +18,12 @@ truncate never cuts a prompt, it never cuts an image.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from keel.data.encode import EncodeSettings, RowEncoder, output_features
+from keel.data.encode_prompt import PromptEncoder
 from keel.data.formats import Example, RowError
 from keel.data.preference import row_to_kto, row_to_pair
 from keel.data.template import TemplateMismatch, encode_sft, shift_targets
@@ -107,13 +109,34 @@ class _PreferenceEncoder(RowEncoder, ABC):
         return _Sequence(ids, shift_targets(ids, mask), prompt_len, truncated, images)
 
 
+# The stage whose loss reads a pair's margin: rm (TRL's RewardTrainer). The others have none.
+MARGIN_STAGE = "rm"
+MARGIN_COLUMN = "margin"  # TRL's name; optional per dataset
+
+
+def pair_margin(row: dict) -> float:
+    """How much higher the chosen answer must score (the row's `margin`; 0 without one)."""
+    value = row.get(MARGIN_COLUMN)
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RowError(
+            f"field '{MARGIN_COLUMN}' must be a finite number (how much higher chosen must "
+            f"score), got {type(value).__name__} {value!r}"
+        )
+    return float(value)
+
+
 class PairEncoder(_PreferenceEncoder):
-    """dpo/orpo/simpo: a row → chosen then rejected, `seq_lens` and `labels` [1, 0]."""
+    """dpo/orpo/simpo/rm: a row → chosen then rejected, `seq_lens` and `labels` [1, 0]
+    (rm: and `margin` [m])."""
 
     def features(self):
         from datasets import List, Value
 
         pair = {"seq_lens": List(Value("int32")), "labels": List(Value("int32"))}
+        if self.settings.stage == MARGIN_STAGE:
+            pair["margin"] = List(Value("float32"))
         return output_features(pair | vision_features(self.settings.vision))
 
     def _encode(self, row: dict) -> dict:
@@ -130,6 +153,8 @@ class PairEncoder(_PreferenceEncoder):
             "seq_lens": [len(chosen.ids), len(rejected.ids)],
             "labels": [1, 0],
         }
+        if self.settings.stage == MARGIN_STAGE:
+            out["margin"] = [pair_margin(row)]
         if self.settings.vision is not None:
             sequences = [(chosen.ids, chosen.images), (rejected.ids, rejected.images)]
             out |= image_columns(self.settings.vision, sequences)
@@ -165,4 +190,6 @@ def encoder_for(tokenizer, settings: EncodeSettings) -> RowEncoder:
         return PairEncoder(tokenizer, settings)
     if unit == "sample":
         return KtoEncoder(tokenizer, settings)
+    if unit == "prompt":
+        return PromptEncoder(tokenizer, settings)
     return RowEncoder(tokenizer, settings)

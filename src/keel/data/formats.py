@@ -12,6 +12,9 @@ override renames these defaults:
 - preference (TRL's preference format, dpo/orpo/simpo): prompt, chosen, rejected, system;
   each text or a list of messages (tags role/content, user/assistant/system)
 - kto (TRL's unpaired preference format): prompt, response=completion, kto_tag=label, system
+- prompt (TRL's prompt-only format, grpo): prompt, as text or a list of messages (tags
+  role/content); alpaca, sharegpt and messages rows are prompts there too
+  (keel.data.encode_prompt)
 
 In the preference stages alpaca, sharegpt and messages also read chosen and rejected
 (LLaMA-Factory's ranking data) or kto_tag; keel.data.preference turns such rows into pairs
@@ -38,7 +41,7 @@ from difflib import get_close_matches
 from keel.errors import DataError
 from keel.models.vision.family import PLACEHOLDER
 
-FORMATS = ("messages", "sharegpt", "alpaca", "text", "preference", "kto")
+FORMATS = ("messages", "sharegpt", "alpaca", "text", "preference", "kto", "prompt")
 _MEDIA = ("images", "videos", "audios")
 _UNSUPPORTED_MEDIA = ("videos", "audios")
 _RANKING = {"chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag"}  # preference stages
@@ -61,6 +64,7 @@ DEFAULT_COLUMNS: dict[str, dict[str, str]] = {
         "system": "system",
     },
     "kto": {"prompt": "prompt", "response": "completion", "kto_tag": "label", "system": "system"},
+    "prompt": {"prompt": "prompt"},
 }
 for _cols in DEFAULT_COLUMNS.values():
     _cols.update({"tools": "tools", **{m: m for m in _MEDIA}})
@@ -84,8 +88,9 @@ DEFAULT_TAGS: dict[str, dict[str, str]] = {
         "system_tag": "system",
     },
 }
-# TRL's preference formats hold OpenAI-style messages when they are conversational
-DEFAULT_TAGS["preference"] = DEFAULT_TAGS["kto"] = DEFAULT_TAGS["messages"]
+# TRL's preference and prompt-only formats hold OpenAI-style messages when conversational
+for _fmt in ("preference", "kto", "prompt"):
+    DEFAULT_TAGS[_fmt] = DEFAULT_TAGS["messages"]
 COLUMN_KEYS = sorted({k for cols in DEFAULT_COLUMNS.values() for k in cols})
 TAG_KEYS = sorted(DEFAULT_TAGS["sharegpt"])
 

@@ -145,6 +145,10 @@ def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Ta
         trained = (targets != IGNORE_INDEX).astype(np.int64)
         num_targets = np.add.reduceat(trained, ends[:-1]) if len(per_row) else trained[:0]
         out["num_targets"] = pa.array(num_targets, type=pa.int64())
+    if "margin" in names:  # rm's pairs: one float each, in the order of their labels
+        margins, _, margin_ends = _regroup(units.column("margin"), order, bounds)
+        offsets = pa.array(margin_ends.astype(np.int32))
+        out["margin"] = pa.ListArray.from_arrays(offsets, pa.array(margins.astype(np.float32)))
     if "kl_input_ids" in names:
         kl_ids, kl_lens, kl_ends = _regroup(units.column("kl_input_ids"), order, bounds)
         out["kl_input_ids"] = _as_list(kl_ends, kl_ids)

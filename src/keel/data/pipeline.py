@@ -33,6 +33,7 @@ from keel.data.cache import (
 from keel.data.detect import spec_for_stage
 from keel.data.encode import IGNORE_INDEX, KEPT, EncodeSettings, encode_dataset
 from keel.data.encode_preference import encoder_for
+from keel.data.encode_prompt import prompt_rows
 from keel.data.formats import FormatSpec
 from keel.data.kto import add_kl_sequences
 from keel.data.packing import make_rows, split_indices
@@ -49,7 +50,8 @@ if TYPE_CHECKING:
 
 
 _UNIT_COLUMNS = (
-    *("input_ids", "targets", "seq_lens", "labels", "prompt_len"),
+    *("input_ids", "targets", "seq_lens", "labels", "prompt_len", "margin"),
+    *("prompt", "columns"),  # grpo's prompt rows (keel.data.encode_prompt)
     *("image_blobs", "rope_positions"),  # a vision-language run's
 )
 
@@ -78,6 +80,14 @@ class PreparedData:
     fingerprint: str
     from_cache: bool = False  # True when loaded from <cache_dir>/data/<fingerprint>
 
+    def longest_prompt(self) -> int | None:
+        """Tokens of the longest training prompt when the rows are prompts (grpo: each is
+        answered online, so the planner counts it and a completion), else None."""
+        if "prompt" not in self.train.column_names or not len(self.train):
+            return None
+        lengths = pc.list_value_length(self.train.with_format("arrow")["input_ids"])
+        return int(pc.max(lengths).as_py())
+
 
 def prepare_data(
     cfg: DataConfig,
@@ -94,7 +104,7 @@ def prepare_data(
 
     stage: a stage of keel.stages.registry; its data unit decides what a row is: text (pt,
     every token is a target), a conversation (sft, targets on assistant tokens only), a pair
-    (dpo, orpo, simpo) or a labelled sample (kto).
+    (dpo, orpo, simpo), a labelled sample (kto) or a prompt alone (grpo).
     Relative paths in `cfg` are resolved against `base_dir`. Every problem with the data is a
     `DataError` whose message names the file and row; the report is logged once.
 
@@ -109,7 +119,9 @@ def prepare_data(
     rows hold whole pairs up to 2 x cutoff_len tokens, KTO samples up to cutoff_len.
     With `vision` (keel.models.vision.vision_processing; None: a text model, which rejects
     rows with images) rows also have image_blobs (per image, in token order) and, for
-    M-RoPE families, rope_positions (3 per token)."""
+    M-RoPE families, rope_positions (3 per token).
+    Prompt rows (grpo) are different: input_ids, num_targets 0, and the JSON strings prompt
+    and columns, one prompt per row, never packed (keel.data.encode_prompt)."""
     _check_tokenizer(tokenizer, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
     sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
@@ -159,12 +171,17 @@ def _rows(
     log: Callable[[str], None],
 ) -> tuple[Dataset, Dataset | None]:
     """The encoded samples as train and eval rows of the stage's unit, packed up to its
-    capacity (cutoff_len per sequence of a row)."""
+    capacity (cutoff_len per sequence of a row); prompts (grpo) one per row, never packed:
+    each is answered online, and its completions make the rows trained on."""
+    if STAGES[stage].unit == "prompt":
+        return _split_and_pack(cfg, samples, seed, report, lambda units, _seed: prompt_rows(units))
     if STAGES[stage].unit == "sample":  # labelled: KTO's mismatched sequences for its KL estimate
         samples = add_kl_sequences(samples, cfg.cutoff_len)
         _note_one_sided(samples, log)
     capacity = cfg.cutoff_len * STAGES[stage].sequences_per_row
-    return _split_and_pack(cfg, samples, seed, report, capacity)
+    return _split_and_pack(
+        cfg, samples, seed, report, lambda units, s: make_rows(units, cfg.packing, capacity, s)
+    )
 
 
 def _empty_report(cfg: DataConfig, stage: str) -> DataReport:
@@ -198,8 +215,9 @@ def _source_loader(
 def _check_tokenizer(tokenizer, stage: str, vision) -> None:
     if stage not in STAGES:
         raise DataError(f"stage '{stage}': train.stage must be one of {', '.join(STAGES)}")
-    # only plain text trains on every token; image tokens are found by character offsets
-    masked = STAGES[stage].unit != "text" or vision is not None
+    # only plain text trains on every token (and prompts on none); image tokens are found
+    # by character offsets
+    masked = STAGES[stage].unit not in ("text", "prompt") or vision is not None
     if tokenizer.eos_token_id is None:
         raise DataError(
             "the tokenizer has no eos token; set eos_token in its tokenizer_config.json"
@@ -346,18 +364,23 @@ def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
 
 
 def _split_and_pack(
-    cfg: DataConfig, samples: pa.Table, seed: int, report: DataReport, capacity: int
+    cfg: DataConfig,
+    samples: pa.Table,
+    seed: int,
+    report: DataReport,
+    rows_of: Callable[[pa.Table, int], pa.Table],
 ):
-    """Split the units (samples, pairs) and pack each split into rows of `capacity` tokens."""
+    """Split the units (samples, pairs, prompts) and make each split's rows with
+    `rows_of(units, seed)` (e.g. packed into rows of cutoff_len tokens)."""
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
     train_idx, eval_idx = split_indices(samples.num_rows, cfg.val_size, seed)
-    train = make_rows(samples.take(train_idx), cfg.packing, capacity, seed)
+    train = rows_of(samples.take(train_idx), seed)
     report.train = _split_stats(len(train_idx), train)
     eval_ = None
     if len(eval_idx):
-        eval_ = make_rows(samples.take(eval_idx), cfg.packing, capacity, seed + 1)
+        eval_ = rows_of(samples.take(eval_idx), seed + 1)
         report.eval = _split_stats(len(eval_idx), eval_)
         eval_ = Dataset(InMemoryTable(eval_))
     return Dataset(InMemoryTable(train)), eval_
@@ -365,8 +388,10 @@ def _split_and_pack(
 
 def _split_stats(samples: int, rows: pa.Table) -> SplitStats:
     tokens = pc.sum(pc.list_value_length(rows.column("input_ids"))).as_py() or 0
-    trained = pc.not_equal(pc.list_flatten(rows.column("targets")), IGNORE_INDEX)
-    targets = pc.sum(pc.cast(trained, pa.int64())).as_py() or 0
+    targets = 0  # prompt rows (grpo) have none: their completions are generated
+    if "targets" in rows.column_names:
+        trained = pc.not_equal(pc.list_flatten(rows.column("targets")), IGNORE_INDEX)
+        targets = pc.sum(pc.cast(trained, pa.int64())).as_py() or 0
     desirable = 0
     if "kl_input_ids" in rows.column_names:
         desirable = pc.sum(pc.list_flatten(rows.column("labels"))).as_py() or 0

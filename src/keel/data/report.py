@@ -51,7 +51,7 @@ class FileStats:
 class SplitStats:
     """What one split (train or eval) holds after packing."""
 
-    samples: int = 0  # samples; pairs in dpo/orpo/simpo
+    samples: int = 0  # samples; pairs in dpo/orpo/simpo; prompts in grpo
     rows: int = 0
     tokens: int = 0
     targets: int = 0  # trained tokens
@@ -97,16 +97,18 @@ class DataReport:
         ]
         lines += _file_table([*self.files, self.totals()])
         stage_unit = get_stage(self.stage).unit
-        unit = "pairs" if stage_unit == "pair" else "samples"
+        unit = {"pair": "pairs", "prompt": "prompts"}.get(stage_unit, "samples")
         for name, split in (("train", self.train), ("eval", self.eval)):
             if split is not None and split.samples:
                 kto = ""
                 if stage_unit == "sample":  # labelled samples
                     kto = f" ({split.desirable:,} desirable, "
                     kto += f"{split.samples - split.desirable:,} undesirable)"
+                # a prompt's trained tokens are its completions, generated each step
+                trained = "" if stage_unit == "prompt" else f", {split.targets:,} trained tokens"
                 lines.append(
                     f"  {name}: {split.samples:,} {unit}{kto} in {split.rows:,} rows, "
-                    f"{split.tokens:,} tokens, {split.targets:,} trained tokens"
+                    f"{split.tokens:,} tokens{trained}"
                 )
         if self.drops:
             lines.append("  dropped rows:")

@@ -8,14 +8,14 @@ differ only in their settings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
@@ -136,6 +136,49 @@ def apply_fsdp(
 def unwrap(module: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 does not wrap, so it is returned as is)."""
     return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module` is an FSDP2 root (`apply_fsdp`'s model)."""
+    return isinstance(module, FSDPModule)
+
+
+@contextmanager
+def whole_units(root: nn.Module, mark: Callable[[tuple], None] | None = None) -> Iterator[None]:
+    """Every FSDP2 unit of `root` (an `apply_fsdp` model) gathered once, in module order,
+    and kept whole through any number of forward passes, so that those make no collective
+    (ranks may then run different numbers of them: generation). On exit every unit is
+    resharded, which is local, and FSDP's per-iteration bookkeeping (the forward order its
+    backward prefetches by) is reset, so the next training forward starts clean.
+
+    Every rank must enter together: the gathers are collectives. `mark((what, i, n))`
+    after each unit's gather (the watchdog's progress). Run forward passes inside under
+    torch.no_grad, never inference_mode: FSDP keeps the gathered tensors it allocates here
+    for the training forwards after, and autograd refuses inference tensors.
+    """
+    units = [module for module in root.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        yield
+        return
+    # The forwards inside run the units without the root: FSDP would make the first of them
+    # a root of its own unless the real root is settled first (idempotent).
+    root._get_fsdp_state()._lazy_init()
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    # FSDP's public setter has no getter: keep each group's setting to put it back as it was
+    # (the root, unlike the layers, may keep its weights after forward).
+    kept = [group.post_forward_mesh_info for group in groups]
+    try:
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        for index, unit in enumerate(units):
+            unit.unshard()
+            if mark is not None:
+                mark(("weight gather", index + 1, len(units)))
+        yield
+    finally:
+        for group, setting in zip(groups, kept):
+            group.post_forward_mesh_info = setting
+        root.reset_iter_state()  # reshards every unit and clears the forward order
 
 
 def gradient_sync(module: nn.Module, enabled: bool):

@@ -184,6 +184,20 @@ class CollectiveGuard:
         return limit if limit is not None else self.slow_limit_s
 
 
+def watchdog_store(timeout_s: float):
+    """A new client of the rendezvous store (MASTER_ADDR:MASTER_PORT) for the watchdog thread,
+    so its heartbeats never wait behind the main thread's use of the store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return dist.PrefixStore(f"keel/{attempt}/watchdog", client)
+
+
 def init_distributed(
     *,
     rank: int,

@@ -5,8 +5,10 @@ keel's collectives) and the collectives it makes (`CollectiveLog`: sequence numb
 shapes, dtype). The watchdog thread looks at them every second:
 
 - **hang** (several processes): the main thread made no progress for `hang_timeout_s`
-  inside a watched phase. Detection does not depend on the stuck backend: every rank
-  publishes a heartbeat to the rendezvous store torchrun already runs (a side channel), so
+  inside a watched phase, and no other rank made any either (waiting in a collective for a
+  rank that still marks progress, a slow generation say, is not a hang). Detection does
+  not depend on the stuck backend: every rank publishes a heartbeat to the rendezvous
+  store torchrun already runs (a side channel), so
   the first rank to notice can tell which ranks are behind (their progress marks), which
   stopped responding (their heartbeat no longer moves), and where the collective sequences
   first differ. It asks every live rank to write its stacks to `<output.dir>/diagnostics/`,
@@ -37,7 +39,6 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -202,6 +203,7 @@ class Watchdog:
         self._stalled_step: int | None = None
         self._dumped = False
         self._peer_beat: tuple[int, float] | None = None  # (beat, since) of the next rank
+        self._waiting_on: int | None = None  # the working rank this idle rank waited for last
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="keel-watchdog", daemon=True)
 
@@ -284,11 +286,31 @@ class Watchdog:
             return
         name, limit, _since = progress.phases[-1]
         idle = time.monotonic() - progress.changed
-        if limit is not None and idle > limit:
+        if limit is not None and idle > limit and not self._waiting_on_working_rank(limit):
             self.alarm(
                 f"rank {self.rank} made no progress for {idle:.1f} s (limit {limit:.0f} s,"
                 f" phase '{name}') at {progress.describe()}"
             )
+
+    def _waiting_on_working_rank(self, limit: float) -> bool:
+        """True when another rank made progress within `limit` s: this one is waiting for it
+        (in the collective after one rank's long generation, say), which is slow, not stuck.
+        The job is stuck once no rank moves. A rank that stops beating altogether is the ring
+        check's to report (_check_peer). The rank found working is asked first next time, so
+        a long wait costs one store read per second, not one per rank."""
+        if self.store is None:
+            return False
+        others = [r for r in range(self.world_size) if r != self.rank]
+        if self._waiting_on is not None:
+            others.insert(0, others.pop(others.index(self._waiting_on)))
+        for rank in others:
+            if self._store_has(f"hb/{rank}"):
+                beat = json.loads(self.store.get(f"hb/{rank}"))
+                if not beat.get("done") and beat["idle_s"] <= limit:
+                    self._waiting_on = rank
+                    return True
+        self._waiting_on = None
+        return False
 
     def _check_peer(self) -> None:
         """Watch the next rank's heartbeat (a ring: every rank is watched by one other, so
@@ -473,19 +495,3 @@ class Watchdog:
         path = folder / name
         path.write_text(text, encoding="utf-8")
         return path
-
-
-def watchdog_store(timeout_s: float):
-    """A new client of the rendezvous store (MASTER_ADDR:MASTER_PORT) for the watchdog thread,
-    so its heartbeats never wait behind the main thread's use of the store."""
-    import torch.distributed as dist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    return dist.PrefixStore(f"keel/{attempt}/watchdog", client)

@@ -37,23 +37,26 @@ def _head_cross_entropy(
 
 
 def _head_token_logps(
-    head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    return token_logps(head(hidden), targets)
+    return token_logps(head(hidden), targets, temperature=temperature)
 
 
-def _by_chunks(loss_of_chunk, hidden, targets, head, chunk_size: int) -> list[torch.Tensor]:
-    """`loss_of_chunk(head, h, t)` for each chunk of `chunk_size` positions, checkpointed
-    when it will be differentiated (backward recomputes the chunk's logits)."""
+def _by_chunks(loss_of_chunk, hidden, targets, head, chunk_size: int, *extra) -> list[torch.Tensor]:
+    """`loss_of_chunk(head, h, t, *extra)` for each chunk of `chunk_size` positions,
+    checkpointed when it will be differentiated (backward recomputes the chunk's logits)."""
     assert hidden.shape[0] == targets.shape[0], (hidden.shape, targets.shape)
     parts = []
     for start in range(0, hidden.shape[0], chunk_size):
         h = hidden[start : start + chunk_size]  # [c, H]
         t = targets[start : start + chunk_size]  # [c]
         if torch.is_grad_enabled() and h.requires_grad:
-            parts.append(checkpoint(loss_of_chunk, head, h, t, use_reentrant=False))
+            parts.append(checkpoint(loss_of_chunk, head, h, t, *extra, use_reentrant=False))
         else:
-            parts.append(loss_of_chunk(head, h, t))
+            parts.append(loss_of_chunk(head, h, t, *extra))
     return parts
 
 
@@ -78,10 +81,19 @@ def chunked_cross_entropy(
     return total
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits_i)[targets_i] for each position, in fp32. logits [N, V], targets [N]
-    (every target real: select the target positions first)."""
-    return -F.cross_entropy(logits.float(), targets, reduction="none")
+def token_logps(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits_i / temperature)[targets_i] for each position, in fp32. logits
+    [N, V], targets [N] (every target real: select the target positions first).
+
+    The temperature is the one the tokens were sampled at (GRPO: the policy's log-probs of
+    its own samples, as TRL takes them); the logits are divided in fp32, as TRL divides them.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return -F.cross_entropy(logits, targets, reduction="none")
 
 
 def chunked_token_logps(
@@ -90,13 +102,15 @@ def chunked_token_logps(
     head: Callable[[torch.Tensor], torch.Tensor],
     *,
     chunk_size: int = 1024,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Per-position log-probs of `targets` under `head(hidden)`, chunk by chunk: [N].
+    """Per-position log-probs of `targets` under `head(hidden) / temperature`, chunk by
+    chunk: [N] (see `token_logps`).
 
     The per-token counterpart of `chunked_cross_entropy` (same memory behaviour: one chunk's
     logits at a time, recomputed in backward); preference losses need each sequence's sum.
     """
-    parts = _by_chunks(_head_token_logps, hidden, targets, head, chunk_size)
+    parts = _by_chunks(_head_token_logps, hidden, targets, head, chunk_size, temperature)
     if not parts:
         return hidden.new_zeros((0,), dtype=torch.float32)
     return torch.cat(parts)

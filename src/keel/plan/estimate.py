@@ -15,6 +15,8 @@ Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
   gradients (reduced at the end of backward) and, for the largest unit, its unsharded
   gradients plus the fp32 reduce-scatter input; or
   autocast's weight copies without FSDP;
+- generation: what a generating stage (grpo) holds while it generates, before it trains:
+  KV cache, logits row, FSDP2's unsharded replica (keel.plan.generation);
 - overhead: the process's fixed cost (keel.plan.devices).
 A vision-language model's tower and projector are replicated on every rank under every
 strategy (their weights, and when they train their gradients and AdamW state, whole), and
@@ -27,7 +29,8 @@ plain checkpointing on a CPU. QLoRA's NF4 weights: keel.plan.census.
 The total is the step's peak, not the sum of the components: the loss's peak (logits),
 a checkpointed block's recomputation (part of activations) and FSDP2's gradient buffers
 come at different times in backward, and gradients appear as backward frees activations
-(except DDP's buckets, which exist throughout); see `_moving_peak`. Checked against
+(except DDP's buckets, which exist throughout); see `_moving_peak`. Generation comes
+before training, so the step's peak is the larger of the two phases. Checked against
 `keel train` on this CPU in benchmarks/plan_accuracy.py.
 """
 
@@ -47,6 +50,7 @@ from keel.plan.activations import (
 )
 from keel.plan.census import ROOT, Census
 from keel.plan.devices import DeviceSpec
+from keel.plan.generation import GenerationBytes, GenerationWork, generation_bytes
 from keel.plan.vision import (
     PROJECTOR,
     TOWER,
@@ -57,7 +61,16 @@ from keel.plan.vision import (
 from keel.precision import Precision
 from keel.quant.optim_state import adamw_state_bytes
 
-COMPONENTS = ("params", "grads", "optimizer", "activations", "logits", "buffers", "overhead")
+COMPONENTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "logits",
+    "buffers",
+    "generation",
+    "overhead",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +93,22 @@ class Workload:
     # A vision-language model: its encoder's sizes and one image's cost (None: text)
     vision: VisionShapes | None = None
     images_per_sequence: int = 1  # assumed: the plan reads no data
+    # A generating stage (grpo): each row is a prompt, trained as sequences_per_row
+    # (num_generations) completions of up to cutoff_len + max_completion_length tokens
+    generation: GenerationWork | None = None
+    # The loss runs the LM head (logits over the vocabulary); False: a score head of one
+    # output (rm), whose logits and gradient are negligible
+    lm_head: bool = True
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of one trained sequence at most: the prompt's plus a completion's."""
+        extra = self.generation.max_completion_length if self.generation else 0
+        return self.cutoff_len + extra
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch_size * self.cutoff_len * self.sequences_per_row
+        return self.micro_batch_size * self.seq_len * self.sequences_per_row
 
     @property
     def images(self) -> int:
@@ -101,6 +126,7 @@ class Breakdown:
     activations: int
     logits: int
     buffers: int
+    generation: int
     overhead: int
     total: int
 
@@ -116,6 +142,7 @@ class Option:
     per_device: Breakdown
     host_bytes: int  # host RAM of one process: loading, plus offloaded state
     fits: bool
+    generation: GenerationBytes | None = None  # a generating stage's terms (in per_device)
 
 
 def strategies_for(devices: DeviceSpec) -> tuple[Strategy, ...]:
@@ -161,7 +188,7 @@ def _saved_activations(census, shapes, devices, work, regime, checkpointing: boo
         shapes,
         regime,
         tokens=work.tokens,
-        seq=work.cutoff_len,
+        seq=work.seq_len,
         checkpointing=bool(checkpointing),
         packed=work.packing,
         attn=work.attn,
@@ -195,7 +222,43 @@ def estimate(
     params, grads, optimizer, host_state = _state(census, devices, work, strategy)
     saved = _saved_activations(census, shapes, devices, work, regime, checkpointing)
     gathered = regime.compute if mixed else census.param_itemsize
-    logits = loss_bytes(
+    logits = _logits(census, shapes, regime, work, gathered)
+    if strategy.shards:
+        always, early, late = _fsdp_step_buffers(census, shapes, devices, work, gathered)
+    else:
+        always = autocast_copy_bytes(census, shapes, regime, checkpointing=bool(checkpointing))
+        early, late = _replica_early_grads(census, shapes, work, strategy, grads), 0
+    buffers, overhead = always + late, devices.overhead_bytes
+    generation = _generation(census, shapes, devices, work, strategy, gathered)
+    peak = _moving_peak(grads, saved, logits, always=always, early=early, late=late)
+    if generation is not None:  # before training; DDP's buckets outlive zero_grad
+        peak = max(peak, generation.total + (grads if strategy.replicates else 0))
+    generated = generation.total if generation else 0
+    total = params + optimizer + overhead + peak
+    breakdown = Breakdown(
+        params, grads, optimizer, saved.peak, logits, buffers, generated, overhead, total
+    )
+    host = devices.host_baseline_bytes + _read_buffer(
+        census, work, devices.dp_size, strategy.shards
+    )
+    host += host_state + saved.host + (params if devices.kind == "cpu" else 0)
+    return Option(
+        strategy,
+        census.method,
+        checkpointing,
+        breakdown,
+        host,
+        total <= devices.usable_bytes,
+        generation,
+    )
+
+
+def _logits(census: Census, shapes: Shapes, regime: Regime, work: Workload, gathered: int) -> int:
+    """The loss's peak through the LM head (keel.plan.activations.loss_bytes); 0 for a
+    score head of one output (rm), whose logits and weight gradient are negligible."""
+    if not work.lm_head:
+        return 0
+    return loss_bytes(
         census,
         shapes,
         regime,
@@ -203,25 +266,27 @@ def estimate(
         chunk=work.loss_chunk_size,
         head_grad_itemsize=gathered,
     )
-    if strategy.shards:
-        always, early, late = _fsdp_step_buffers(census, shapes, devices, work, gathered)
-    else:
-        always = autocast_copy_bytes(census, shapes, regime, checkpointing=bool(checkpointing))
-        early, late = _replica_early_grads(census, shapes, work, strategy, grads), 0
-    buffers, overhead = always + late, devices.overhead_bytes
-    total = (
-        params
-        + optimizer
-        + overhead
-        + _moving_peak(grads, saved, logits, always=always, early=early, late=late)
-    )
-    breakdown = Breakdown(params, grads, optimizer, saved.peak, logits, buffers, overhead, total)
-    host = devices.host_baseline_bytes + _read_buffer(
-        census, work, devices.dp_size, strategy.shards
-    )
-    host += host_state + saved.host + (params if devices.kind == "cpu" else 0)
-    return Option(
-        strategy, census.method, checkpointing, breakdown, host, total <= devices.usable_bytes
+
+
+def _generation(
+    census: Census,
+    shapes: Shapes,
+    devices: DeviceSpec,
+    work: Workload,
+    strategy: Strategy,
+    gathered: int,
+) -> GenerationBytes | None:
+    """The generation phase's terms (keel.plan.generation), or None for a stage that
+    trains on its dataset's rows as they are."""
+    if work.generation is None:
+        return None
+    return generation_bytes(
+        census,
+        shapes,
+        work.generation,
+        prompt_len=work.cutoff_len,
+        itemsize=gathered,
+        sharded_over=devices.dp_size if strategy.shards else None,
     )
 
 
@@ -280,7 +345,8 @@ def _fsdp_step_buffers(
     unsharded output-layer gradient at the loss once a second chunk runs, and the
     gradient buffers of backward (see `_moving_peak`)."""
     always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, devices.dp_size)
-    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
+    # the output layer's gradient exists at the loss
+    more_chunks = work.lm_head and work.tokens > work.loss_chunk_size
     early = _head_numel(census, shapes) * gathered if more_chunks else 0  # the root's, unsharded
     return always, early, late
 
@@ -292,7 +358,8 @@ def _replica_early_grads(
     the output layer's once a second chunk runs."""
     if strategy.replicates:
         return grads
-    more_chunks = work.tokens > work.loss_chunk_size  # the output layer's gradient exists
+    # the output layer's gradient exists at the loss
+    more_chunks = work.lm_head and work.tokens > work.loss_chunk_size
     return min(_head_numel(census, shapes) * census.param_itemsize, grads) if more_chunks else 0
 
 

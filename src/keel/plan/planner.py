@@ -23,6 +23,7 @@ from keel.plan.census import (
 )
 from keel.plan.devices import DeviceSpec
 from keel.plan.estimate import Option, Workload, estimate, strategies_for
+from keel.plan.generation import GenerationWork
 from keel.plan.vision import VisionShapes
 from keel.precision import Precision
 from keel.stages.base import reference_source
@@ -99,27 +100,47 @@ def workload_of(
     checkpoint_itemsize: int,
     auto_attn: str = "sdpa",
     vision: VisionShapes | None = None,
+    longest_prompt: int | None = None,
 ) -> Workload:
     """The run's per-step work; `auto_attn` is what model.attn_implementation auto means for
     this model (sdpa or eager: flash-attn on the target machine cannot be known here, and
     sdpa's estimate is the larger). `vision`: a vision-language model's encoder and image
-    sizes (one image per sequence assumed: the plan reads no data)."""
+    sizes (one image per sequence assumed: the plan reads no data). A prompt stage (grpo)
+    generates: each row trains as num_generations sequences (keel.plan.generation), of its
+    prompt (`longest_prompt` tokens when the prepared data is known, else up to
+    data.cutoff_len) and a completion."""
     attn = cfg.model.attn_implementation
     stage = get_stage(cfg.train.stage)
     reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
+    generation = None
+    if stage.unit == "prompt":  # answered online: each prompt trains as a group of sequences
+        generation = _generation_work(stage.name, cfg.stage_settings)
+    group = generation.num_generations if generation else 1
     return Workload(
         micro_batch_size=cfg.train.micro_batch_size,
-        cutoff_len=cfg.data.cutoff_len,
+        cutoff_len=min(cfg.data.cutoff_len, longest_prompt or cfg.data.cutoff_len),
         loss_chunk_size=cfg.train.loss_chunk_size,
         packing=cfg.data.packing,
         attn=auto_attn if attn == "auto" else attn,
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         checkpoint_itemsize=checkpoint_itemsize,
-        sequences_per_row=stage.sequences_per_row,
+        sequences_per_row=stage.sequences_per_row * group,
         reference_copy=reference == "copy",
         optimizer=cfg.train.optimizer,
         vision=vision,
+        generation=generation,
+        lm_head=stage.head == "lm",
+    )
+
+
+def _generation_work(section: str, settings) -> GenerationWork:
+    """What the section of a stage that answers its prompts online (grpo) asks to generate."""
+    return GenerationWork(
+        section=section,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        batch_prompts=settings.generation_batch_prompts,
     )
 
 
@@ -140,13 +161,15 @@ def plan_run(
     devices: DeviceSpec,
     precision: Precision | None = None,
     log: Callable[[str], None] = lambda _m: None,
+    longest_prompt: int | None = None,
 ) -> Plan:
     """Every applicable option for `cfg` on `devices`, each with its per-device bytes.
 
     `model_dir` holds at least a config.json (default: cfg.model.path; a bundled model
     is read from its converted folder or its GGUF header). `precision` is the resolved
     train.precision (default: resolved_precision). Builds the model on the meta device
-    once per method; nothing is allocated or read besides config.json.
+    once per method; nothing is allocated or read besides config.json. `longest_prompt`:
+    a prompt stage's (grpo) longest prepared prompt, when the data is known.
     """
     import torch
 
@@ -166,6 +189,7 @@ def plan_run(
         checkpoint_itemsize=torch.empty((), dtype=on_disk).element_size(),
         auto_attn=base.config._attn_implementation,  # built without one: transformers' choice
         vision=_vision_shapes(arch, cfg, censuses[cfg.method.type]),
+        longest_prompt=longest_prompt,
     )
     shapes = Shapes.from_config(arch)
     options = [
@@ -292,24 +316,58 @@ def knob_changes(plan: Plan, option: Option) -> list[tuple[str, Option]]:
         ("data.cutoff_len", "cutoff_len", _halvings(work.cutoff_len, 128)),
     ]
     for key, name, values in steps:
-        tried = None
-        for value in values:
-            tried = plan.estimate(
-                option.strategy,
-                option.method,
-                option.gradient_checkpointing,
-                work=replace(work, **{name: value}),
-            )
-            if tried.fits:
-                break
+        tried = _furthest(plan, option, [(v, replace(work, **{name: v})) for v in values])
         if tried is not None:
-            found.append((f"{key} {getattr(work, name)} -> {value}", tried))
+            found.append((f"{key} {getattr(work, name)} -> {tried[0]}", tried[1]))
+    found += _generation_knobs(plan, option)
     # More devices shrink FSDP2's shards; offloaded state is in host memory already, and
     # more CPU processes on one node share the same RAM.
     single_gpu = option.strategy is Strategy.SINGLE and plan.devices.kind == "cuda"
     if option.strategy is Strategy.FSDP or single_gpu:
         found.append(more_devices(plan, option.method, option.gradient_checkpointing))
     return found
+
+
+def _generation_knobs(plan: Plan, option: Option) -> list[tuple[str, Option]]:
+    """A generating stage's own changes: fewer prompts generated at once (a smaller KV
+    cache, the same samples), then shorter completions; each as far as it must go."""
+    generation = plan.work.generation
+    if generation is None:
+        return []
+    steps = [
+        ("generation_batch_prompts", "batch_prompts", _halvings(generation.batch_prompts, 1)),
+        (
+            "max_completion_length",
+            "max_completion_length",
+            _halvings(generation.max_completion_length, 32),
+        ),
+    ]
+    found = []
+    for key, name, values in steps:
+        works = [
+            (v, replace(plan.work, generation=replace(generation, **{name: v}))) for v in values
+        ]
+        tried = _furthest(plan, option, works)
+        if tried is not None:
+            change = f"{generation.section}.{key} {getattr(generation, name)} -> {tried[0]}"
+            found.append((change, tried[1]))
+    return found
+
+
+def _furthest(
+    plan: Plan, option: Option, works: list[tuple[int, Workload]]
+) -> tuple[int, Option] | None:
+    """`option` under each (value, workload) in turn: the first that fits, else the last
+    tried (the furthest the change can go); None when there is nothing to try."""
+    tried = None
+    for value, work in works:
+        tried = (
+            value,
+            plan.estimate(option.strategy, option.method, option.gradient_checkpointing, work=work),
+        )
+        if tried[1].fits:
+            break
+    return tried
 
 
 def more_devices(plan: Plan, method: str, checkpointing: bool | str) -> tuple[str, Option]:

@@ -80,11 +80,13 @@ def checkpointing_word(value: bool | str) -> str:
 
 
 def table(plan: Plan) -> str:
-    """One line per option, sizes in GiB per device."""
-    header = ["strategy", "method", "ckpt", *COMPONENTS, "total", "host", "fits"]
+    """One line per option, sizes in GiB per device (a generation column for a stage that
+    generates)."""
+    shown = [c for c in COMPONENTS if c != "generation" or plan.work.generation is not None]
+    header = ["strategy", "method", "ckpt", *shown, "total", "host", "fits"]
     rows = [header]
     for o in plan.options:
-        sizes = [f"{getattr(o.per_device, c) / GIB:.2f}" for c in (*COMPONENTS, "total")]
+        sizes = [f"{getattr(o.per_device, c) / GIB:.2f}" for c in (*shown, "total")]
         rows.append(
             [
                 o.strategy,
@@ -119,7 +121,29 @@ def summary(plan: Plan) -> str:
         f"tokens, precision {w.precision.name}, loss chunk {w.loss_chunk_size}"
         f"{', packing' if w.packing else ''}; sizes in GiB per device (host: RAM per "
         f"process)"
-    ) + (f"\n{_vision_summary(plan)}" if w.vision is not None else "")
+    ) + "".join(f"\n{line}" for line in _extra_summary(plan))
+
+
+def _extra_summary(plan: Plan) -> list[str]:
+    """The vision-language model's lines, and what a generating stage's step does."""
+    w, lines = plan.work, []
+    if w.vision is not None:
+        lines.append(_vision_summary(plan))
+    if w.generation is not None:
+        g = w.generation
+        reference = (
+            "; full and freeze options hold a frozen reference copy (in params: beta > 0)"
+            if w.reference_copy
+            else ""
+        )
+        lines.append(
+            f"{g.section}: each step first generates, {g.batch_prompts} prompt(s) x "
+            f"{g.num_generations} completions at once (generation KV cache, logits and, under "
+            f"fsdp, the unsharded replica: the generation column), then trains "
+            f"{w.micro_batch_size} prompt(s) x {g.num_generations} completions of up to "
+            f"{w.cutoff_len} + {g.max_completion_length} tokens per micro-batch{reference}"
+        )
+    return lines
 
 
 def _vision_summary(plan: Plan) -> str:
@@ -152,7 +176,8 @@ def advice(plan: Plan) -> list[str]:
     how = " ".join(changes(plan, rec)) or "the config as it is"
     lines = [
         f"recommendation: {describe(rec)}: {gib(rec.per_device.total)} GiB per device of "
-        f"{gib(usable)} GiB usable ({how}){_host(plan, rec)}"
+        f"{gib(usable)} GiB usable ({how}){_host(plan, rec)}",
+        *_generation_lines(rec),
     ]
     if rec.strategy is Strategy.FSDP_OFFLOAD:
         # Offload trades device memory for host RAM the plan cannot see: say what else works.
@@ -177,7 +202,8 @@ def _what_would(plan: Plan, options: list[Option]) -> list[str]:
     """From the smallest of `options`: the workload and device changes, with numbers."""
     smallest = min(options, key=lambda o: o.per_device.total)
     lines = [
-        f"  from the smallest option, {describe(smallest)} ({gib(smallest.per_device.total)} GiB):"
+        f"  from the smallest option, {describe(smallest)} ({gib(smallest.per_device.total)} GiB):",
+        *_generation_lines(smallest, indent="  "),
     ]
     knobs = knob_changes(plan, smallest)
     if smallest.strategy is Strategy.FSDP_OFFLOAD:
@@ -186,6 +212,13 @@ def _what_would(plan: Plan, options: list[Option]) -> list[str]:
         verdict = "fits" if option.fits else "still does not fit"
         lines.append(f"  - {change}: {gib(option.per_device.total)} GiB per device, {verdict}")
     return lines
+
+
+def _generation_lines(option: Option, indent: str = "") -> list[str]:
+    """What `option` holds while it generates (a generating stage), one term a line."""
+    if option.generation is None:
+        return []
+    return [f"{indent}  while generating: {line}" for line in option.generation.lines()]
 
 
 def _host(plan: Plan, option: Option) -> str:
@@ -244,6 +277,8 @@ def refusal(plan: Plan, option: Option) -> str:
         f"{gib(plan.devices.usable_bytes)} GiB usable ({USABLE_FRACTION:.0%} of "
         f"{gib(plan.devices.memory_bytes)} GiB, {plan.devices.world} device(s))"
     )
+    if option.generation is not None:
+        head += f"; while generating: {', '.join(option.generation.lines())}"
     return (
         f"{head}; the smallest change that fits: {_smallest_fix(plan, option)}. Run `keel "
         f"plan` with this config for every option; set distributed.plan=warn to train anyway."

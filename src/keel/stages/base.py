@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from keel.losses import PairLosses
 
 # What one unit of a stage's data is: plain text (pt), a conversation whose assistant turns
-# are trained (sft), a prompt with a chosen and a rejected answer, or a prompt with one
-# answer labelled desirable or not (kto).
-DataUnit = Literal["text", "conversation", "pair", "sample"]
+# are trained (sft), a prompt with a chosen and a rejected answer, a prompt with one
+# answer labelled desirable or not (kto), or a prompt alone, answered online (grpo).
+DataUnit = Literal["text", "conversation", "pair", "sample", "prompt"]
 # Where a run's reference log-probs come from (see `reference_source`).
 ReferenceSource = Literal["precompute", "adapters", "copy"]
 
@@ -88,6 +88,14 @@ class ObjectiveKit(Protocol):
         """Each sequence's completion log-prob, handed to `stage.pair_loss` (pairs) or to
         KTO's loss (labelled samples), with reference log-probs if the stage uses them."""
 
+    def reward_scores(self, stage: Stage) -> Objective:
+        """A scalar score per sequence (a trainable head on the backbone's hidden state at
+        its last token), chosen against rejected with the Bradley-Terry loss (rm)."""
+
+    def policy_gradient(self, stage: Stage) -> Objective:
+        """The clipped policy-gradient loss of rollout rows (grpo): per-token log-probs at
+        the sampling temperature against the rows' advantages (and old log-probs)."""
+
 
 # Where a stage that uses a reference takes its log-probs from (its `reference` setting):
 # live (LoRA: the base with adapters off; full/freeze: a frozen copy sharded like the
@@ -134,7 +142,13 @@ class Stage:
     formats: tuple[str, ...]
     objective: Callable[[ObjectiveKit, Stage], Objective]  # called with the kit and this record
     pair_loss: PairLoss | None = None  # the loss of a pair stage's chosen/rejected scores
+    # Whether a run with these settings needs its reference (grpo: only for a KL term);
+    # None: whenever the stage uses one
+    reference_needed: Callable[[Any], bool] | None = None
     settings: type[StageSettings] | None = None
+    # What the objective puts on the backbone: the LM head (logits over the vocabulary) or
+    # a score head of one output per sequence (rm), whose logits the planner need not count
+    head: Literal["lm", "score"] = "lm"
 
     @property
     def knobs(self) -> tuple[str, ...]:
@@ -148,7 +162,8 @@ class Stage:
 
 
 def reference_source(stage: Stage, settings: Any, uses_lora: bool) -> ReferenceSource | None:
-    """Where a run's reference log-probs come from; None when the stage uses none.
+    """Where a run's reference log-probs come from; None when the stage uses none, or
+    these settings need none (`Stage.reference_needed`: grpo without a KL term).
 
     `settings` is the stage's section; a stage that uses a reference has a `reference`
     setting (auto | live | precompute). precompute: one pass with the policy before
@@ -156,6 +171,8 @@ def reference_source(stage: Stage, settings: Any, uses_lora: bool) -> ReferenceS
     switched off ("adapters"), else a frozen copy of the base ("copy").
     """
     if not stage.uses_reference:
+        return None
+    if stage.reference_needed is not None and not stage.reference_needed(settings):
         return None
     if settings.reference == "precompute":
         return "precompute"
@@ -170,3 +187,8 @@ def causal_lm_objective(kit: ObjectiveKit, _stage: Stage) -> Objective:
 def sequence_objective(kit: ObjectiveKit, stage: Stage) -> Objective:
     """The objective factory of the preference stages: sequence scores, then the stage's loss."""
     return kit.sequence_scores(stage)
+
+
+def policy_gradient_objective(kit: ObjectiveKit, stage: Stage) -> Objective:
+    """The objective factory of the online RL stages (grpo): the clipped policy gradient."""
+    return kit.policy_gradient(stage)

@@ -6,10 +6,12 @@ config section if it has settings of its own), and one line here.
 
 from __future__ import annotations
 
-from keel.stages import dpo, kto, orpo, pt, sft, simpo
+from keel.stages import dpo, grpo, kto, orpo, pt, rm, sft, simpo
 from keel.stages.base import DataUnit, Stage
 
-STAGES: dict[str, Stage] = {s.name: s for s in (m.STAGE for m in (pt, sft, dpo, orpo, simpo, kto))}
+STAGES: dict[str, Stage] = {
+    s.name: s for s in (m.STAGE for m in (pt, sft, dpo, orpo, simpo, kto, rm, grpo))
+}
 # The names the config schema accepts (TrainConfig.stage), in the registry's order.
 STAGE_NAMES: tuple[str, ...] = tuple(STAGES)
 

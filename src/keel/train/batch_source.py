@@ -9,7 +9,7 @@ implements the same protocol, and its state_dict carries what resuming it needs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -149,6 +149,9 @@ class StepBatch:
     window_tokens: int  # non-padding input tokens
     filler: dict  # the real row a filler micro-batch runs on (with weight zero)
     rows: int  # rows in the whole global batch
+    # the source's own numbers for the step's record (a rollout's rewards), the same on
+    # every rank
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class BatchSource(Protocol):

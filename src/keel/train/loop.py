@@ -46,6 +46,8 @@ class StepResult:
     # None for objectives without statistics (pt, sft)
     statistics: torch.Tensor | None = None
     window_statistic: float | None = None  # e.g. KTO's reference point, the same on every rank
+    # the batch source's numbers for the step's record (a rollout's rewards; see StepBatch)
+    source_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -42,9 +42,11 @@ from keel.stages.base import (
     reference_source,
 )
 from keel.stages.registry import get_stage
+from keel.train.grpo_objective import PolicyGradientObjective
 from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention, vision_modules
 from keel.train.preference import PreferenceObjective
 from keel.train.reference import build_reference_copy
+from keel.train.reward_objective import RewardObjective
 
 
 @dataclass
@@ -183,6 +185,7 @@ def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy
     fill_weights(
         model, build.model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor
     )
+    objective.init_new_weights(region_of=local_region, local=local_tensor)  # e.g. rm's head
 
 
 def _choose_loss_head(objective: CausalLMObjective, dist: DistContext, log) -> bool:
@@ -235,6 +238,7 @@ class _ObjectiveKit:
     chunk_size: int
     settings: StageSettings | None
     vision: VisionFamily | None = None  # a vision-language model's family
+    seed: int = 0  # train.seed: new weights (rm's score head) start from it
 
     def causal_lm(self) -> Objective:
         return CausalLMObjective(self.model, chunk_size=self.chunk_size, vision=self.vision)
@@ -248,6 +252,16 @@ class _ObjectiveKit:
             vision=self.vision,
         )
 
+    def reward_scores(self, stage: Stage) -> Objective:
+        return RewardObjective(
+            self.model, stage=stage, settings=self.settings, seed=self.seed, vision=self.vision
+        )
+
+    def policy_gradient(self, stage: Stage) -> Objective:
+        return PolicyGradientObjective(
+            self.model, settings=self.settings, chunk_size=self.chunk_size, vision=self.vision
+        )
+
 
 def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
     """The objective of the run's stage, from its factory in the stage registry."""
@@ -257,6 +271,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
         chunk_size=cfg.train.loss_chunk_size,
         settings=cfg.stage_settings,
         vision=family_of(causal_lm_of(model).config),
+        seed=cfg.train.seed,
     )
     return stage.objective(kit, stage)
 

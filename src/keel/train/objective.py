@@ -154,6 +154,11 @@ class CausalLMObjective(nn.Module):
     def set_window_statistic(self, value: float) -> None:
         raise AssertionError("next-token cross-entropy needs no window statistic")
 
+    def init_new_weights(self, *, region_of, local) -> None:
+        """Initialise the parameters this objective adds beside the model's (none here; the
+        reward model's score head), after set-up has allocated them: this process's part,
+        `region_of(param)` of the full value (None: all), written into `local(param)`."""
+
     def forward(
         self, batch: dict[str, torch.Tensor], *, probe: str | None = None
     ) -> ObjectiveOutput | dict:

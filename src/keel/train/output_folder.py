@@ -36,6 +36,7 @@ from keel.distributed.process_group import DistContext, on_main
 from keel.distributed.watchdog import DIAGNOSTICS
 from keel.errors import KeelError
 from keel.owner import Owner, parse_owner, this_process
+from keel.train.completions_log import COMPLETIONS_FILE
 from keel.train.metrics import METRICS_FILE, WANDB_RUN_ID_FILE
 
 Log = Callable[[str], None]
@@ -48,6 +49,7 @@ RUN_ENTRIES = frozenset(
     {
         CONFIG_COPY,
         METRICS_FILE,
+        COMPLETIONS_FILE,
         CHECKPOINTS,
         DIAGNOSTICS,
         "tensorboard",

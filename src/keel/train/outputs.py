@@ -13,16 +13,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from keel import __version__
 from keel.checkpoint.layout import clear_partial_checkpoints
 from keel.config import RunConfig
 from keel.distributed.full_state import gather_full_state
+from keel.distributed.parallelize import full_value, unwrap
 from keel.distributed.process_group import DistContext
 from keel.errors import KeelError
 from keel.files import fsync_tree
 from keel.models import load_for_inference, save_model_dir
 from keel.models.model_card import ModelCard, write_model_card
+from keel.models.sequence_classifier import save_sequence_classifier
 from keel.precision import Precision
+from keel.stages.registry import get_stage
 from keel.train.metrics import METRICS_FILE, RunStats, peak_rss_mb, plot_losses
 from keel.train.output_folder import (
     FINAL_SUMMARY,
@@ -52,11 +57,15 @@ def write_final_outputs(
     full_state = None
     if built.strategy.shards:
         full_state = gather_full_state(built.model, trainable_only=cfg.method.uses_lora)
+    score = _score_head(cfg, built)
     summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy.value}
     if dist.is_main:
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
+        if score is None:
+            _save_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, log)
+        else:
+            _save_reward_model(cfg, built.model, tokenizer, model_dir, tmp, full_state, score, log)
         _write_cards(cfg, tmp, out, steps, stats.final_loss)
         fsync_tree(tmp)
         record_written(out, [entry.name for entry in tmp.iterdir()])  # before they move in
@@ -87,7 +96,8 @@ def _write_cards(cfg: RunConfig, tmp: Path, out: Path, steps: int, loss: float |
     """README.md model cards for the model (or adapter) and the merged copy, if any."""
     card = ModelCard(
         base_model=cfg.model.path,
-        adapter=cfg.method.uses_lora,
+        # a reward model's folder holds the merged model, whatever the method
+        adapter=cfg.method.uses_lora and get_stage(cfg.train.stage).head != "score",
         method=cfg.method.type,
         stage=cfg.train.stage,
         datasets=tuple(d.path for d in cfg.data.datasets),
@@ -98,6 +108,31 @@ def _write_cards(cfg: RunConfig, tmp: Path, out: Path, steps: int, loss: float |
     if (tmp / "merged").is_dir():
         merged = replace(card, adapter=False, extra=(("merged", "the adapter, into its base"),))
         write_model_card(tmp / "merged", merged, shown_as=out / "merged")
+
+
+def _score_head(cfg: RunConfig, built) -> torch.Tensor | None:
+    """A reward model's trained score head [1, hidden], whole (a collective under FSDP:
+    every rank calls it); None for a stage whose objective has no score head."""
+    if get_stage(cfg.train.stage).head != "score":
+        return None
+    return full_value(unwrap(built.objective).score.weight).detach().cpu()
+
+
+def _save_reward_model(
+    cfg: RunConfig, model, tokenizer, model_dir: Path, tmp: Path, full_state, score, log
+) -> None:
+    """rm: the output folder is a *ForSequenceClassification model, the backbone (with a
+    LoRA merged into its base) and the trained head; the causal LM it is built from is
+    written first, inside `tmp`, and removed."""
+    causal_lm = tmp / "causal_lm"
+    # only an adapter merges (as validation allows merge_lora only with one): a sharded full
+    # model asked to merge would look for an adapter in its own folder
+    merging = replace(cfg, output=replace(cfg.output, merge_lora=cfg.method.uses_lora))
+    _save_model(merging, model, tokenizer, model_dir, causal_lm, full_state, log)
+    merged = causal_lm / "merged"
+    save_sequence_classifier(merged if merged.is_dir() else causal_lm, score, tokenizer, tmp)
+    shutil.rmtree(causal_lm)
+    log(f"reward model: {type(model).__name__} backbone + score head, as a sequence classifier")
 
 
 def _save_model(

@@ -20,15 +20,47 @@ reference) for DPO/KTO and beta x the mean log-prob for ORPO/SimPO.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from keel.losses import preference as losses
 from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
 from keel.models.vision.family import VisionFamily
 from keel.stages.base import ObjectiveOutput, Scored, Stage, StageSettings
 from keel.train.objective import CausalLMObjective, causal_lm_of, decoder_of, model_inputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenScoring:
+    """How `target_logps` turns a model's hidden states into log-probs."""
+
+    fast_head: bool  # output layer at target positions only, in chunks (else the HF forward)
+    chunk_size: int
+    vision: VisionFamily | None = None
+    temperature: float = 1.0  # logits divided by it first (grpo: the sampling temperature)
+
+
+def target_logps(model: nn.Module, batch: dict, how: TokenScoring, *, prefix: str = "") -> Tensor:
+    """The log-prob of each target token of `batch`'s `prefix`ed sequences under `model`
+    (an HF or PEFT causal LM), flat in row-major order of the targets: [N]."""
+    lm = causal_lm_of(model)
+    inputs = model_inputs(batch, prefix, vision=how.vision, config=lm.config)
+    targets = batch[f"{prefix}targets"]  # [B, T]
+    mask = targets != IGNORE_INDEX  # [B, T]
+    if how.fast_head:
+        hidden = decoder_of(lm, how.vision)(**inputs).last_hidden_state  # [B, T, H]
+        head = lm.get_output_embeddings()
+        return chunked_token_logps(
+            hidden[mask],
+            targets[mask],
+            head,
+            chunk_size=how.chunk_size,
+            temperature=how.temperature,
+        )  # [N]
+    logits = model(**inputs).logits  # [B, T, V]
+    return token_logps(logits[mask], targets[mask], temperature=how.temperature)  # [N]
 
 
 def score_sequences(
@@ -47,18 +79,9 @@ def score_sequences(
     their count is the length of `labels`. No attention mask and no cache, as for SFT: rows
     are right-padded and packed sequences are separated by their restarting position ids.
     """
-    lm = causal_lm_of(model)
-    inputs = model_inputs(batch, prefix, vision=vision, config=lm.config)
-    targets = batch[f"{prefix}targets"]  # [B, T]
-    mask = targets != IGNORE_INDEX  # [B, T]
-    if fast_head:
-        hidden = decoder_of(lm, vision)(**inputs).last_hidden_state  # [B, T, H]
-        logps = chunked_token_logps(
-            hidden[mask], targets[mask], lm.get_output_embeddings(), chunk_size=chunk_size
-        )  # [N]
-    else:
-        logits = model(**inputs).logits  # [B, T, V]
-        logps = token_logps(logits[mask], targets[mask])  # [N]
+    head = TokenScoring(fast_head=fast_head, chunk_size=chunk_size, vision=vision)
+    logps = target_logps(model, batch, head, prefix=prefix)  # [N]
+    mask = batch[f"{prefix}targets"] != IGNORE_INDEX  # [B, T]
     sequence = batch[f"{prefix}sequence_index"][mask]  # [N]
     count = batch["labels"].shape[0]
     sums = logps.new_zeros(count).index_add(0, sequence, logps)
@@ -67,8 +90,9 @@ def score_sequences(
 
 
 class SequenceScorer(nn.Module):
-    """A frozen reference model that scores sequences. A module of its own so that, under
-    FSDP, it is the root unit whose hooks gather the weights its forward uses."""
+    """A frozen reference model that scores sequences (or their tokens). A module of its
+    own so that, under FSDP, it is the root unit whose hooks gather the weights its forward
+    uses."""
 
     def __init__(
         self,
@@ -85,7 +109,19 @@ class SequenceScorer(nn.Module):
         self.vision = vision
 
     @torch.no_grad()
-    def forward(self, batch: dict, prefix: str = "") -> torch.Tensor:
+    def forward(
+        self, batch: dict, prefix: str = "", *, tokens_at: float | None = None
+    ) -> torch.Tensor:
+        """Each sequence's summed log-prob [S]; with `tokens_at` (a temperature), each
+        target token's log-prob at that temperature instead, flat [N] (grpo's KL term)."""
+        if tokens_at is not None:
+            how = TokenScoring(
+                fast_head=self.fast_head,
+                chunk_size=self.chunk_size,
+                vision=self.vision,
+                temperature=tokens_at,
+            )
+            return target_logps(self.model, batch, how, prefix=prefix)
         scored = score_sequences(
             self.model,
             batch,
@@ -175,7 +211,7 @@ class PreferenceObjective(CausalLMObjective):
             return batch[key]
         if self.reference is not None:
             return self.reference(batch, prefix)
-        with _adapters_off(self.model):
+        with adapters_off(self.model):
             return self._score(batch, prefix).sums
 
     @torch.no_grad()
@@ -186,7 +222,7 @@ class PreferenceObjective(CausalLMObjective):
         scorer = self.reference
         if scorer is None:
             # Without LoRA the policy itself is the reference here: nothing has trained yet.
-            off = _adapters_off if hasattr(self.model, "disable_adapter") else _unchanged
+            off = adapters_off if hasattr(self.model, "disable_adapter") else _unchanged
             with off(self.model):
                 main = self._score(batch).sums
                 kl = self._score(batch, "kl_").sums if "kl_input_ids" in batch else None
@@ -255,7 +291,7 @@ def _statistics(
 
 
 @contextlib.contextmanager
-def _adapters_off(model: nn.Module):
+def adapters_off(model: nn.Module):
     """The base model under a PEFT model: its LoRA adapters switched off for the block."""
     disable = getattr(model, "disable_adapter", None)
     if disable is None:

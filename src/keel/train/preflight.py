@@ -31,6 +31,8 @@ from keel.models.materialize import build_empty_model
 from keel.models.vision import VisionProcessing, vision_processing
 from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
+from keel.rewards import RewardFunction, load_rewards
+from keel.stages.registry import get_stage
 from keel.train.batch_source import StepPlan, default_global_batch
 from keel.train.output_folder import unwritable_reason
 
@@ -81,6 +83,8 @@ class Preflight:
     device: torch.device
     notes: list[str] = field(default_factory=list)  # settings that are ignored here
     config: RunConfig | None = None  # what was checked (for the summary's steps)
+    # an online-RL stage's (grpo) reward functions, user files imported before any model
+    rewards: list[RewardFunction] = field(default_factory=list)
 
     def summary(self) -> list[str]:
         """One line per part, for `keel validate`."""
@@ -99,6 +103,18 @@ class Preflight:
             ),
             *(f"note:      {note}" for note in self.notes),
         ]
+
+
+def _machine_checks(cfg: RunConfig, device: torch.device, log: Log):
+    """(precision, attention, problems, notes) of the settings this machine decides:
+    precision, attention and optimizer support; notes name the settings it ignores."""
+    precision, problems = _precision(cfg, device)
+    attn, found = _attention(cfg, device)
+    problems += found + _optimizer(cfg, device)
+    notes = _ignored_settings(cfg, device)
+    for note in notes:
+        log(f"note: {note}")
+    return precision, attn, problems, notes
 
 
 def preflight(
@@ -120,12 +136,7 @@ def preflight(
     (training fetches a Hub model once per node first; see keel.train.hub_fetch).
     """
     device = choose_device(0) if device is None else device
-    precision, problems = _precision(cfg, device)
-    attn, found = _attention(cfg, device)
-    problems += found + _optimizer(cfg, device)
-    notes = _ignored_settings(cfg, device)
-    for note in notes:
-        log(f"note: {note}")
+    precision, attn, problems, notes = _machine_checks(cfg, device, log)
     tokenizer = checked = vision = None
     model_dir, found = _model_dir(cfg, model_dir, log)
     problems += found
@@ -137,7 +148,8 @@ def preflight(
         if checked is not None and not found:  # a model keel builds, with its tokenizer
             vision, found = _vision(cfg, model_dir, log)
             problems += found
-    problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg)
+    rewards, found = _online_rl(cfg, base_dir, vision, device)
+    problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg) + found
     if problems:
         raise ConfigError(problems, source=source)
     data = prepare_data(
@@ -159,6 +171,7 @@ def preflight(
         device=device,
         notes=notes,
         config=cfg,
+        rewards=rewards,
     )
 
 
@@ -429,4 +442,54 @@ def _data_settings(cfg: RunConfig, tokenizer, base_dir: Path) -> list[str]:
             resolve_template(cfg.data.template, tokenizer, Path(base_dir))
         except DataError as exc:
             problems.append(str(exc))
+    return problems
+
+
+def _online_rl(
+    cfg: RunConfig, base_dir: Path, vision: VisionProcessing | None, device: torch.device
+) -> tuple[list[RewardFunction], list[str]]:
+    """A stage trained on prompts answered online (grpo): its reward functions, loaded here
+    (before any model or data), and the settings it cannot train with (data.packing is
+    refused with the config, keel.config.validate)."""
+    if get_stage(cfg.train.stage).unit != "prompt":
+        return [], []
+    stage, problems = cfg.train.stage, []
+    if vision is not None:
+        problems.append(
+            f"train.stage = {stage!r} with a vision-language model ({vision.family.name}): "
+            "keel generates rollouts from text prompts only; use a text model"
+        )
+    if cfg.data.val_size:
+        problems.append(
+            f"data.val_size = {cfg.data.val_size!r}: {stage} has no eval loss (its loss "
+            "depends on sampled completions); set data.val_size=0 and score held-out "
+            "prompts with the trained model instead (keel chat, or a reward over them)"
+        )
+    problems += _iteration_problems(cfg)
+    try:
+        rewards = load_rewards(cfg.stage_settings.rewards, base_dir, device=str(device))
+    except ConfigError as exc:
+        return [], problems + exc.problems
+    return rewards, problems
+
+
+def _iteration_problems(cfg: RunConfig) -> list[str]:
+    """num_iterations > 1: a rollout trains that many steps, so the run's length is set in
+    steps, and periodic saves fall on rollout boundaries (a resume inside a span could not
+    sample its rollout again from the weights that made it)."""
+    mu, stage = cfg.stage_settings.num_iterations, cfg.train.stage
+    if mu == 1:
+        return []
+    problems = []
+    if cfg.train.max_steps is None:
+        problems.append(
+            f"{stage}.num_iterations = {mu} needs train.max_steps: each rollout trains {mu} "
+            f"steps, so train.epochs does not say how many steps the run has"
+        )
+    if cfg.output.save_every % mu:
+        problems.append(
+            f"output.save_every = {cfg.output.save_every} is not a multiple of "
+            f"{stage}.num_iterations = {mu}: a checkpoint inside a rollout's {mu} steps "
+            f"cannot resume exactly; use a multiple of {mu}"
+        )
     return problems

@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -45,6 +46,10 @@ from keel.train.batch_source import split_for_rank
 from keel.train.loop import Trainer
 from keel.train.objective import causal_lm_of, vision_modules
 from keel.train.preference import SequenceScorer
+
+if TYPE_CHECKING:
+    from keel.config import RunConfig
+    from keel.data import PreparedData
 
 COMPLETE = "complete.json"
 
@@ -126,6 +131,22 @@ class PrecomputeJob:
     folder: Path  # <cache>/reference/<fingerprint>
     splits: dict[str, list[dict]]  # "train" / "eval" -> rows
     micro_batch_size: int
+
+    @classmethod
+    def of(
+        cls, cfg: RunConfig, data: PreparedData, model_dir: Path, precision: Precision
+    ) -> PrecomputeJob:
+        """The pass a run needs: every row of its train (and eval) split, cached under
+        model.cache_dir by what the log-probs depend on (`reference_fingerprint`)."""
+        splits = {"train": data.train}
+        if data.eval is not None:
+            splits["eval"] = data.eval
+        key = reference_fingerprint(data.fingerprint, model_dir, precision)
+        return cls(
+            folder=Path(cfg.model.cache_dir).expanduser() / "reference" / key,
+            splits={name: [split[i] for i in range(len(split))] for name, split in splits.items()},
+            micro_batch_size=cfg.train.micro_batch_size,
+        )
 
 
 def precompute_reference(

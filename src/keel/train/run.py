@@ -32,13 +32,16 @@ from keel.distributed.process_group import (
 )
 from keel.faults import fault_from_env
 from keel.precision import Precision
+from keel.stages.registry import get_stage
 from keel.train.batch_source import (
     BATCH_SOURCE,
+    BatchSource,
     DatasetBatchSource,
     StepPlan,
     default_global_batch,
     eval_rows,
 )
+from keel.train.completions_log import CompletionsLog
 from keel.train.hub_fetch import fetch_hub_model
 from keel.train.loop import StepCallback, Trainer
 from keel.train.metrics import RunStats, peak_rss_mb
@@ -56,9 +59,9 @@ from keel.train.reference import (
     PrecomputeJob,
     ReferenceLogps,
     precompute_reference,
-    reference_fingerprint,
 )
 from keel.train.resume import ResumePoint, find_resume_point
+from keel.train.rollouts import RolloutBatchSource, RolloutContext, refuse_uneven_prompts
 from keel.train.run_loop import RunEnv, TrainingLoop
 from keel.train.stops import Preemption
 from keel.train.threads import set_threads
@@ -179,7 +182,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
     schedule = _schedule(cfg, len(checked.data.train), decided.global_batch)
     trainer = _build_trainer(run, built, decided.precision, checked.tokenizer, schedule)
     references = _reference_pass(run, trainer, checked)
-    source = _dataset_source(schedule, checked.data, references, env.dist)
+    source = _batch_source(run, schedule, checked, references, trainer, decided.resume)
     checkpointer = _checkpointer(run, trainer, source)
     start_step = _resume(run, checkpointer, decided.resume, schedule)
     _prepare_output(run, decided.resume)
@@ -231,13 +234,18 @@ def _decide(run: _Run, checked: Preflight) -> _Decisions:
             dist,
             lambda: find_resume_point(cfg, run.out, identity, configured_batch, steps_for, log),
         )
-        planned = on_main(dist, lambda: plan_memory(cfg, model_dir, dist, precision, log))
+        longest = data.longest_prompt()
+        planned = on_main(
+            dist, lambda: plan_memory(cfg, model_dir, dist, precision, log, longest_prompt=longest)
+        )
+    global_batch = resume.global_batch if resume else configured_batch
+    refuse_uneven_prompts(cfg.train.stage, global_batch, dist.dp_size)
     return _Decisions(
         precision=precision,
         identity=identity,
         resume=resume,
         memory=planned,
-        global_batch=resume.global_batch if resume else configured_batch,
+        global_batch=global_batch,
     )
 
 
@@ -307,7 +315,34 @@ def _reference_pass(
         return None
     # Before the checkpoint is loaded: the policy still holds the base weights.
     with run.env.phase("reference pass", run.slow):
-        return _precompute_references(run.cfg, trainer, checked.data, checked.model_dir, run.env)
+        job = PrecomputeJob.of(run.cfg, checked.data, checked.model_dir, trainer.precision)
+        return precompute_reference(trainer, job, run.env.dist, run.env.log)
+
+
+def _batch_source(
+    run: _Run,
+    schedule: _Schedule,
+    checked: Preflight,
+    references: dict[str, ReferenceLogps] | None,
+    trainer: Trainer,
+    resume: ResumePoint | None,
+) -> BatchSource:
+    """Where each step's rows come from: for a stage trained on prompts (grpo), rollouts the
+    policy samples each step and the reward functions score; else the training split."""
+    cfg, dist = run.cfg, run.env.dist
+    if get_stage(cfg.train.stage).unit != "prompt":
+        return _dataset_source(schedule, checked.data, references, dist)
+    settings = cfg.stage_settings
+    every = settings.log_completions_every if dist.is_main else 0  # rank 0's prompts
+    context = RolloutContext(
+        trainer=trainer,
+        tokenizer=checked.tokenizer,
+        rewards=checked.rewards,
+        hang_limit=cfg.watchdog.hang_timeout_s,
+        completions=CompletionsLog.open(run.out, every, resume_step=resume.step if resume else 0),
+        fault=run.env.fault,
+    )
+    return RolloutBatchSource(schedule.plan, checked.data.train, settings, context)
 
 
 def _dataset_source(
@@ -326,7 +361,7 @@ def _dataset_source(
     )
 
 
-def _checkpointer(run: _Run, trainer: Trainer, source: DatasetBatchSource) -> Checkpointer:
+def _checkpointer(run: _Run, trainer: Trainer, source: BatchSource) -> Checkpointer:
     """The checkpointer holding the trainer's stateful parts and the batch source (saves
     into the output folder)."""
     parts = StatefulParts(
@@ -445,21 +480,6 @@ def _keep_training_template(cfg: RunConfig, tokenizer, base_dir: Path, data: Pre
         return
     template, _ = resolve_template(cfg.data.template, tokenizer, base_dir)
     tokenizer.chat_template = template.text
-
-
-def _precompute_references(
-    cfg: RunConfig, trainer: Trainer, data: PreparedData, model_dir: Path, env: RunEnv
-) -> dict[str, ReferenceLogps]:
-    splits = {"train": data.train}
-    if data.eval is not None:
-        splits["eval"] = data.eval
-    key = reference_fingerprint(data.fingerprint, model_dir, trainer.precision)
-    job = PrecomputeJob(
-        folder=Path(cfg.model.cache_dir).expanduser() / "reference" / key,
-        splits={name: [split[i] for i in range(len(split))] for name, split in splits.items()},
-        micro_batch_size=cfg.train.micro_batch_size,
-    )
-    return precompute_reference(trainer, job, env.dist, env.log)
 
 
 def _describe_scaler(scaler: torch.amp.GradScaler) -> str:

@@ -194,6 +194,7 @@ class TrainingLoop:
             "real_tokens": window.real_tokens,
             "step_seconds": round(window.seconds, 4),
             "target_tokens": result.target_tokens,
+            **_source_metrics(result, ran.seconds),
             **memory_now(),
         }
         if get_stage(self.cfg.train.stage).counted != "target_tokens":
@@ -249,7 +250,7 @@ class TrainingLoop:
         work = self.source.batch(step)
         at_step_start(self.env.fault, step + 1, self.dist.rank)
         try:
-            return self.trainer.train_step(
+            result = self.trainer.train_step(
                 work.micro_batches,
                 window_targets=work.window_targets,
                 window_tokens=work.window_tokens,
@@ -265,6 +266,8 @@ class TrainingLoop:
                 checkpoint=self.checkpointer.newest(),
                 lighter=self.env.memory_advice,
             ) from None
+        result.source_metrics = work.metrics
+        return result
 
     def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None, progress: Progress):
         if not self.eval_rows:
@@ -290,3 +293,14 @@ class TrainingLoop:
         self.checkpointer.save(
             step, {**meta, "keel_version": __version__, "world_size": self.dist.world_size}
         )
+
+
+def _source_metrics(result: StepResult, seconds: float) -> dict[str, float]:
+    """The batch source's numbers for the step (a rollout's rewards and lengths), and for a
+    source that generates, the logged step's training speed without its generation time."""
+    metrics = dict(result.source_metrics)
+    generation = metrics.get("generation_seconds")
+    if generation is not None:
+        training = max(seconds - generation, 1e-9)
+        metrics["training_tokens_per_s"] = result.real_tokens / training
+    return metrics

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
-from keel.distributed.process_group import CollectiveGuard, DistContext
+from keel.distributed.process_group import CollectiveGuard, DistContext, watchdog_store
 from keel.distributed.strategy import Strategy
-from keel.distributed.watchdog import DIAGNOSTICS, Watchdog, WatchdogSettings, watchdog_store
+from keel.distributed.watchdog import DIAGNOSTICS, Watchdog, WatchdogSettings
 from keel.errors import KeelError, OutOfMemory
 from keel.faults import Fault
 from keel.models.adapters import decoder_layers
@@ -125,10 +125,17 @@ class PlannedRun:
 
 
 def plan_memory(
-    cfg: RunConfig, model_dir: Path, dist: DistContext, precision: Precision, log
+    cfg: RunConfig,
+    model_dir: Path,
+    dist: DistContext,
+    precision: Precision,
+    log,
+    longest_prompt: int | None = None,
 ) -> PlannedRun:
     """Plan the run's memory before any weight is loaded (keel.plan): the strategy to use,
-    or a refusal (exit 2) when it does not fit and distributed.plan is enforce."""
+    or a refusal (exit 2) when it does not fit and distributed.plan is enforce.
+    `longest_prompt`: a prompt stage's longest prepared prompt (grpo's rows are that and a
+    completion, not data.cutoff_len)."""
     devices = devices_for_run(
         dist.device.type,
         world_size=dist.world_size,
@@ -136,7 +143,9 @@ def plan_memory(
         device_memory=cfg.distributed.device_memory,
     )
     try:
-        plan = plan_run(cfg, model_dir, devices=devices, precision=precision)
+        plan = plan_run(
+            cfg, model_dir, devices=devices, precision=precision, longest_prompt=longest_prompt
+        )
     except KeelError:
         raise
     except Exception as exc:  # an architecture the estimator cannot read: train anyway

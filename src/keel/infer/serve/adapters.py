@@ -21,10 +21,15 @@ class AdapterSet:
     table is replaced, never changed in place, so other threads can read it any time.
     """
 
-    def __init__(self, model, base_name: str, caps: AdapterCaps | None = None):
+    def __init__(
+        self, model, base_name: str, caps: AdapterCaps | None = None, *, per_row: bool = True
+    ):
         self.model = model
         self.base_name = base_name
         self.caps = caps or AdapterCaps()
+        # False: every row runs `model` as it is, a PEFT model with its active adapter (the
+        # policy being trained); forward passes name no adapters and none can be loaded.
+        self.per_row = per_row
         self._keys: dict[str, str] = {}  # served name -> PEFT adapter name
         self._loaded = 0
 
@@ -33,7 +38,7 @@ class AdapterSet:
         """Whether forward passes need `adapter_names` (the model is a PEFT model)."""
         from peft import PeftModel
 
-        return isinstance(self.model, PeftModel)
+        return self.per_row and isinstance(self.model, PeftModel)
 
     def names(self) -> list[str]:
         return [self.base_name, *self._keys]
@@ -52,6 +57,7 @@ class AdapterSet:
         against `caps` and its shapes against the base model (ModelError says why not)."""
         from peft import PeftModel
 
+        assert self.per_row, "a model served as it is takes no adapters"
         self._check_name(name)
         path = str(Path(path).expanduser())
         shapes = inspect_adapter(name, path, self.caps)

@@ -14,6 +14,11 @@ Each round of the scheduler (`Engine.step`):
 Finished sequences leave the batch after the step that finished them. A sequence whose
 sampling fails leaves alone, with its job failed; the others go on. Results go to each
 job's `sink` from this thread; the sink must not block.
+
+`keel serve` runs the engine on its scheduler thread, under inference_mode, streaming text.
+Training rollouts (keel.infer.batch_generate) call `step` on their own thread with
+`inference_mode=False` (no_grad: the policy's weights stay usable by autograd) and
+`stream_text=False` (only token ids, in `Done`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import sys
 import traceback
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -46,10 +51,11 @@ class _Sequence:
     index: int
     adapter: str  # PEFT adapter name, or "__base__"
     generator: torch.Generator | None
-    text: TextTracker
+    text: TextTracker | None  # None: the engine reports token ids only
     length: int  # tokens in the cache; the position of `next_token`
     next_token: int = -1  # sampled, not yet fed to the model
     generated: int = 0
+    token_ids: list[int] = field(default_factory=list)  # sampled so far
     done: bool = False
     # M-RoPE (Qwen2-VL) gives an image fewer positions than tokens: the next position is
     # `length + rope_delta` (0 for text and 1-D positions).
@@ -76,12 +82,18 @@ class Engine(SchedulerThread):
         *,
         max_batch_size: int,
         max_prefill_tokens: int = PREFILL_TOKENS_PER_STEP,
+        inference_mode: bool = True,
+        stream_text: bool = True,
     ):
         super().__init__(name="keel-scheduler")
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
+        # no_grad instead: FSDP2 allocates a sharded model's unsharded weights on first
+        # use, and ones created under inference_mode could never take part in autograd.
+        self._grad_mode = torch.inference_mode if inference_mode else torch.no_grad
+        self.stream_text = stream_text  # False: no Delta events, stop strings ignored
         model = adapters.model
         self.device = next(model.parameters()).device
         self.eos_ids = set(stop_token_ids(model, tokenizer))
@@ -119,7 +131,7 @@ class Engine(SchedulerThread):
         """One scheduler round (see the module docstring); True while work remains."""
         self._waiting.extend(self._take())
         self._end_jobs([s.job for s in self._running if s.job.cancelled], None)
-        with torch.inference_mode():
+        with self._grad_mode():
             budget = self.max_prefill_tokens
             budget -= self._prefill_chunk(budget)
             budget -= self._admit(budget)
@@ -174,7 +186,8 @@ class Engine(SchedulerThread):
             self._prefill(group, width)
         except Exception as e:  # a failed prefill fails its jobs, not the server
             traceback.print_exc(file=sys.stderr)
-            self._end_jobs([job for job, _ in group], f"generation failed: {type(e).__name__}: {e}")
+            failed = [job for job, _ in group]
+            self._end_jobs(failed, f"generation failed: {type(e).__name__}: {e}", e)
         return width * len(group)
 
     def _fits_alone(self, job: Job, budget: int) -> bool:
@@ -204,7 +217,7 @@ class Engine(SchedulerThread):
             self._join([(job, adapter)], cache, valid, logits)
         except Exception as e:  # a failed prefill fails its job, not the server
             traceback.print_exc(file=sys.stderr)
-            self._end_jobs([job], f"generation failed: {type(e).__name__}: {e}")
+            self._end_jobs([job], f"generation failed: {type(e).__name__}: {e}", e)
         return len(job.prompt_ids)
 
     def _prefill_chunk(self, budget: int) -> int:
@@ -230,7 +243,7 @@ class Engine(SchedulerThread):
         except Exception as e:  # fails this job, not the server
             traceback.print_exc(file=sys.stderr)
             self._chunked = None
-            self._end_jobs([part.job], f"generation failed: {type(e).__name__}: {e}")
+            self._end_jobs([part.job], f"generation failed: {type(e).__name__}: {e}", e)
         return len(chunk)
 
     def _prefill(self, group: list[tuple[Job, str]], width: int) -> None:
@@ -265,7 +278,7 @@ class Engine(SchedulerThread):
                 job.first_index + choice,
                 adapter,
                 make_generator(job.params, choice),
-                TextTracker(self.tokenizer, job.params.stop),
+                TextTracker(self.tokenizer, job.params.stop) if self.stream_text else None,
                 length=len(job.prompt_ids),
                 rope_delta=0 if job.images is None else job.images.rope_delta,
             )
@@ -292,7 +305,8 @@ class Engine(SchedulerThread):
             )  # [B, V]
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
-            self._end_jobs([s.job for s in rows], f"generation failed: {type(e).__name__}: {e}")
+            message = f"generation failed: {type(e).__name__}: {e}"
+            self._end_jobs([s.job for s in rows], message, e)
             return
         self._batch.stepped()
         for s in rows:
@@ -311,7 +325,7 @@ class Engine(SchedulerThread):
         """Sample each sequence's next token, send its text, and mark finished ones. A
         sequence whose sampling fails ends with its job; the others are not touched."""
         greedy = greedy_tokens(logits)  # every row; sampled rows overwrite theirs
-        failed: dict[int, tuple[Job, str]] = {}
+        failed: dict[int, tuple[Job, str, Exception]] = {}
         for row, s in enumerate(sequences):
             if s.job.cancelled:
                 s.done = True  # never fed to the model again; leaves at the next _retire
@@ -325,37 +339,54 @@ class Engine(SchedulerThread):
             except Exception as e:  # this request's numbers or text, not the batch's
                 traceback.print_exc(file=sys.stderr)
                 s.done = True
-                failed[id(s.job)] = (s.job, f"sampling failed: {type(e).__name__}: {e}")
-        for job, message in failed.values():
-            self._end_jobs([job], message)
+                failed[id(s.job)] = (s.job, f"sampling failed: {type(e).__name__}: {e}", e)
+        for job, message, error in failed.values():
+            self._end_jobs([job], message, error)
 
     def _emit(self, s: _Sequence, token: int) -> None:
         """Record `s`'s new token, send its text, and mark it done if it finished."""
         self.stats.generated_tokens += 1
         s.generated += 1
         s.next_token = token
-        reason = None
-        if token in self.eos_ids:
-            piece, reason = s.text.flush(), "stop"
+        s.token_ids.append(token)
+        if s.text is None:
+            piece, reason = "", "stop" if token in self.eos_ids else self._out_of_room(s)
         else:
-            piece, hit_stop = s.text.add(token)
-            if hit_stop:
-                reason = "stop"
-            elif s.generated >= s.job.params.max_tokens or s.length >= self.context_length:
-                piece, reason = piece + s.text.flush(), "length"
+            piece, reason = self._text_piece(s, token)
         if piece:
             s.job.sink(Delta(s.index, piece))
         if reason is not None:
             s.done = True
-            s.job.sink(Done(s.index, reason, s.generated))
+            s.job.sink(Done(s.index, reason, s.generated, tuple(s.token_ids)))
 
-    def _end_jobs(self, jobs: list[Job], message: str | None) -> None:
-        """End `jobs` now, every choice of each; tell them why unless `message` is None
-        (the client is gone). Their sequences leave the batch."""
+    def _text_piece(self, s: _Sequence, token: int) -> tuple[str, str | None]:
+        """(`s`'s new text, "stop" / "length" if `token` ends it, else None)."""
+        if token in self.eos_ids:
+            return s.text.flush(), "stop"
+        piece, hit_stop = s.text.add(token)
+        if hit_stop:
+            return piece, "stop"
+        reason = self._out_of_room(s)
+        if reason is not None:
+            piece += s.text.flush()
+        return piece, reason
+
+    def _out_of_room(self, s: _Sequence) -> str | None:
+        """ "length" once `s` has its max_tokens or fills the model's context, else None."""
+        if s.generated >= s.job.params.max_tokens or s.length >= self.context_length:
+            return "length"
+        return None
+
+    def _end_jobs(
+        self, jobs: list[Job], message: str | None, error: BaseException | None = None
+    ) -> None:
+        """End `jobs` now, every choice of each; tell them why (and what was raised, if
+        anything) unless `message` is None (the client is gone). Their sequences leave
+        the batch."""
         for job in {id(job): job for job in jobs}.values():
             job.cancelled = True
             if message is not None:
-                job.sink(Failed(message))
+                job.sink(Failed(message, error))
         for s in self._running:
             if s.job.cancelled:
                 s.done = True

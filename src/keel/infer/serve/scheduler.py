@@ -22,18 +22,22 @@ class Delta:
 
 @dataclass(frozen=True)
 class Done:
-    """Choice `index` finished: reason "stop" (end of turn or stop string) or "length"."""
+    """Choice `index` finished: reason "stop" (end of turn or stop string) or "length".
+    `token_ids`: the sampled tokens, the stop token included (keel's engine; () elsewhere)."""
 
     index: int
     reason: str
     tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Failed:
-    """The job could not be finished; `message` says why."""
+    """The job could not be finished; `message` says why, `error` is what was raised (None:
+    no exception), so a caller on the engine's thread can raise it again as it was."""
 
     message: str
+    error: BaseException | None = None
 
 
 Event = Delta | Done | Failed

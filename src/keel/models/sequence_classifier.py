@@ -1,0 +1,50 @@
+"""Write a reward model (train.stage rm) as a Hugging Face *ForSequenceClassification folder.
+
+transformers builds the family's sequence-classification class from a causal LM folder
+itself (the backbone's weights carried over under their own names, the output layer
+dropped, a `score` Linear(hidden, 1, bias=False) added); keel then puts the trained head in
+`score`. The config says `architectures: [<Family>ForSequenceClassification]`, `num_labels`
+1 and `pad_token_id` (the class reads each sequence's score at its last non-pad token), so
+`AutoModelForSequenceClassification.from_pretrained(folder)` gives keel's scores, and a grpo
+run can name the folder as a reward.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from keel.models.adapters import save_model_dir
+
+
+def save_sequence_classifier(
+    causal_lm_dir: Path, score_weight: torch.Tensor, tokenizer, out_dir: Path
+) -> None:
+    """Write `causal_lm_dir`'s backbone with `score_weight` [1, hidden] as its score head
+    to `out_dir` (model, config, tokenizer), in the causal LM's own dtype."""
+    from transformers import AutoModelForSequenceClassification
+
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with _quiet_new_head():  # the head it reports as newly initialised is replaced below
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(causal_lm_dir), num_labels=1, dtype="auto", pad_token_id=pad
+        )
+    model.config.get_text_config().pad_token_id = pad
+    with torch.no_grad():
+        model.score.weight.copy_(score_weight.detach().to("cpu", model.score.weight.dtype))
+    save_model_dir(model, tokenizer, out_dir)
+
+
+@contextmanager
+def _quiet_new_head():
+    """transformers warns that `score` is newly initialised (it is: keel fills it next)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

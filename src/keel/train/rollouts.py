@@ -1,0 +1,447 @@
+"""Online RL's batch source: each step's rows are completions the current policy samples
+for the step's prompts, scored by the reward functions (GRPO and its variants).
+
+A step's prompts are `StepPlan.window` over the prompt rows (the global batch counts
+prompts). Each data-parallel rank takes a contiguous block of them, so a prompt's group of
+completions never crosses ranks and the group advantages need no communication. Sampling is
+seeded per (train.seed, generation step, prompt row, sample), never per rank, and each unit
+of `grpo.generation_batch_prompts` prompts is generated on its own: 2 processes sample the
+completions 1 process samples. With `grpo.num_iterations` mu > 1 a rollout feeds mu
+optimizer steps, its old log-probs taken once, before the first of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from keel.errors import CheckpointError, ConfigError
+from keel.faults import Fault, after_generation_round
+from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
+from keel.losses.grpo import group_advantages, loss_unit
+from keel.rewards import RewardInputs, score_rewards, weighted_rewards
+from keel.stages.registry import get_stage
+from keel.train.batch_source import StepBatch, StepPlan
+from keel.train.completions_log import CompletionRecord
+from keel.train.rollout_generation import generation_ready
+from keel.train.rollout_metrics import RolloutTally, rollout_metrics
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from keel.infer.batch_generate import Completion
+    from keel.rewards import RewardFunction
+    from keel.stages.grpo import GrpoSettings
+    from keel.train.completions_log import CompletionsLog
+    from keel.train.loop import Trainer
+
+NO_TARGET = -100
+
+
+def sample_seed(seed: int, generation_step: int, row: int) -> int:
+    """The sampling seed of prompt row `row` at generation step `generation_step`: a stable
+    hash (never Python's salted hash(), never the rank); completion j draws from seed + j."""
+    digest = hashlib.blake2b(f"{seed}/{generation_step}/{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2  # room for + j below torch's 2**64 bound
+
+
+def rank_block(window: list[int], dp_rank: int, dp_size: int) -> list[int]:
+    """Data-parallel rank `dp_rank`'s contiguous share of the window's prompts."""
+    size = math.ceil(len(window) / dp_size)
+    return window[dp_rank * size : (dp_rank + 1) * size]
+
+
+def refuse_uneven_prompts(stage: str, global_batch: int, dp_size: int) -> None:
+    """A stage trained on prompts (grpo) gives each data-parallel process an equal,
+    contiguous block of a step's prompts, so that a group of completions lies on one process
+    and every process does the same work: refuse a global batch that does not divide."""
+    if get_stage(stage).unit != "prompt" or global_batch % dp_size == 0:
+        return
+    lower = max(dp_size, global_batch - global_batch % dp_size)
+    raise ConfigError(
+        [
+            f"train.global_batch_size = {global_batch} prompts is not a multiple of the "
+            f"{dp_size} data-parallel processes: {stage} gives each process an equal block "
+            f"of prompts; use {lower} or {lower + dp_size}"
+        ]
+    )
+
+
+def rollout_row(
+    prompt_ids: list[int], completion_ids: list[int], advantage: float, *, trained: bool
+) -> dict:
+    """A ROLLOUT row: prompt + completion, targets pre-shifted onto the completion's tokens.
+
+    A completion that is not `trained` (truncated, under mask_truncated_completions) keeps
+    its targets but has `kept` [0.0]: the objective weighs its tokens 0 and leaves them out of
+    every count. Its log-probs are still computed, so every micro-batch's loss reaches every
+    parameter the forward uses (a micro-batch of only such rows would otherwise have no
+    graph to run backward through, and DDP would wait for gradients that never come).
+    `num_targets` counts the trained target tokens (dapo's unit)."""
+    ids = [*prompt_ids, *completion_ids]
+    targets = [NO_TARGET] * len(ids)
+    targets[len(prompt_ids) - 1 : len(ids) - 1] = completion_ids
+    return {
+        "input_ids": ids,
+        "targets": targets,
+        "position_ids": list(range(len(ids))),
+        "num_targets": len(completion_ids) if trained else 0,
+        "advantages": [float(advantage)],
+        "kept": [1.0 if trained else 0.0],
+    }
+
+
+@dataclass(kw_only=True)
+class RolloutContext:
+    """What the source generates, scores and logs with (one per process)."""
+
+    trainer: Trainer  # its objective is the policy; its collate, precision and dist are used
+    tokenizer: Any
+    rewards: list[RewardFunction]
+    hang_limit: float | None  # seconds without progress in a reward call or the weight gather
+    completions: CompletionsLog | None = None  # rank 0 only
+    fault: Fault | None = None  # KEEL_FAULT's, for its generation kinds (keel.faults)
+
+
+@dataclass(kw_only=True)
+class _Rollout:
+    """One generation's rows on this process, ready for mu steps."""
+
+    generation_step: int
+    micro_batches: list[list[dict]]
+    filler: dict
+    window_targets: int
+    window_tokens: int
+    rows: int
+    metrics: dict[str, float]
+    samples: list[CompletionRecord] = field(default_factory=list)  # for completions.jsonl
+
+
+@dataclass(kw_only=True)
+class _Scored:
+    """This rank's block after generation and scoring, in prompt order (G per prompt)."""
+
+    prompts: list[int]  # prompt row indices
+    completions: list[Completion]
+    scores: torch.Tensor  # [N, F] float32, NaN: unscorable
+    rewards: torch.Tensor  # [N] weighted sum (NaN where every function abstained)
+    advantages: torch.Tensor  # [N]
+    texts: list[str]
+    seconds: float  # generation time
+
+
+class RolloutBatchSource:
+    """Rows of sampled completions for each step, on this data-parallel rank."""
+
+    def __init__(
+        self, plan: StepPlan, prompts: Dataset, settings: GrpoSettings, context: RolloutContext
+    ):
+        self.plan, self.prompts, self.settings, self.ctx = plan, prompts, settings, context
+        self.dist = context.trainer.dist
+        self._rollout: _Rollout | None = None
+
+    @property
+    def group(self) -> int:
+        return self.settings.num_generations
+
+    def batch(self, step: int) -> StepBatch:
+        """Step `step`'s rollout rows: generated at the first step of each num_iterations
+        span, reused by the others (also after a resume inside a span, generated then)."""
+        mu = self.settings.num_iterations
+        generation_step = step - step % mu
+        rollout = self._rollout
+        fresh = rollout is None or rollout.generation_step != generation_step
+        if fresh:
+            rollout = self._rollout = self._generate(generation_step, step)
+        log = self.ctx.completions
+        if log is not None and log.due(step + 1) and rollout.samples:
+            log.write([_at_step(record, step + 1) for record in rollout.samples])
+        metrics = rollout.metrics if fresh else {**rollout.metrics, "generation_seconds": 0.0}
+        return StepBatch(
+            micro_batches=rollout.micro_batches,
+            window_targets=rollout.window_targets,
+            window_tokens=rollout.window_tokens,
+            filler=rollout.filler,
+            rows=rollout.rows,
+            metrics=metrics,
+        )
+
+    def epoch_of(self, step: int) -> float:
+        return self.plan.epoch_of(step / self.settings.num_iterations)
+
+    def _generate(self, generation_step: int, step: int) -> _Rollout:
+        window = self.plan.window(generation_step // self.settings.num_iterations)
+        block = rank_block(window, self.dist.dp_rank, self.dist.dp_size)
+        scored = self._score(block, self._sample(block, generation_step), step)
+        if self.settings.scale_rewards == "batch":  # the std of the whole window's rewards
+            scored.advantages = self._batch_scaled(scored.rewards, len(window))
+        rows = [
+            rollout_row(
+                self.prompts[scored.prompts[i // self.group]]["input_ids"],
+                completion.token_ids,
+                scored.advantages[i].item(),
+                trained=self._trained(completion),
+            )
+            for i, completion in enumerate(scored.completions)
+        ]
+        micro = self._micro_batches(rows, len(window))
+        filler = rows[0] if rows else self._filler_row(window[0])
+        if self.settings.num_iterations > 1:
+            self._add_old_logps(micro, filler)
+        tally = RolloutTally.of(scored, rows, self.group, self.ctx.rewards)
+        totals = tally.all_reduced(self.dist)
+        # the loss's unit over the whole window: completions, or (dapo) completion tokens
+        completions = len(window) * self.group
+        per_token = loss_unit(self.settings.loss_type) == "completion_tokens"
+        return _Rollout(
+            generation_step=generation_step,
+            micro_batches=micro,
+            filler=filler,
+            window_targets=round(totals.target_tokens) if per_token else completions,
+            window_tokens=round(totals.real_tokens),
+            rows=completions,
+            metrics=rollout_metrics(totals, [f.short for f in self.ctx.rewards]),
+            samples=self._samples(scored) if self.ctx.completions is not None else [],
+        )
+
+    def _trained(self, completion: Completion) -> bool:
+        return not (
+            self.settings.mask_truncated_completions and completion.finish_reason == "length"
+        )
+
+    def _sample(self, block: list[int], generation_step: int) -> tuple[list[Completion], float]:
+        """G completions per prompt of `block`, generated in units of generation_batch_prompts
+        prompts. Every rank enters the weight gather (FSDP2's collectives), even with no
+        prompts; generation itself is local."""
+        settings, trainer = self.settings, self.ctx.trainer
+        sampling = Sampling(
+            max_tokens=settings.max_completion_length,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+        )
+        unit = settings.generation_batch_prompts
+        progress = trainer.progress
+        completions: list[Completion] = []
+        began = time.perf_counter()
+        with generation_ready(
+            trainer.objective, dist=self.dist, progress=progress, gather_limit=self.ctx.hang_limit
+        ) as model:
+            for first in range(0, len(block), unit):
+                requests = [
+                    GroupRequest(
+                        prompt_ids=list(self.prompts[row]["input_ids"]),
+                        n=self.group,
+                        seed=sample_seed(self.plan.seed, generation_step, row),
+                    )
+                    for row in block[first : first + unit]
+                ]
+                groups = generate_groups(
+                    model,
+                    self.ctx.tokenizer,
+                    requests,
+                    sampling,
+                    max_batch_size=len(requests) * self.group,
+                    on_round=self._generation_round,
+                )
+                completions += [c for group in groups for c in group]
+        return completions, time.perf_counter() - began
+
+    def _generation_round(self) -> None:
+        """After each engine round: progress (slow generation is not a hang), then any
+        generation fault due (so a hung rank's last mark names the generation)."""
+        progress = self.ctx.trainer.progress
+        progress.mark("generation round")
+        after_generation_round(self.ctx.fault, progress.step, self.dist.rank)
+
+    def _score(
+        self, block: list[int], sampled: tuple[list[Completion], float], step: int
+    ) -> _Scored:
+        """Every reward function over this rank's completions (each call a watched phase),
+        their weighted sum and the group advantages."""
+        completions, seconds = sampled
+        texts = [
+            self.ctx.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions
+        ]
+        count = len(self.ctx.rewards)
+        if not completions:
+            empty = torch.zeros(0)
+            return _Scored(
+                prompts=block, completions=[], scores=torch.zeros(0, count), rewards=empty,
+                advantages=empty, texts=[], seconds=seconds,
+            )  # fmt: skip
+        scores = score_rewards(
+            self.ctx.rewards, self._inputs(block, completions, texts, step), watch=self._watch
+        )
+        rewards = weighted_rewards(scores, self.settings.reward_weights)  # [N]
+        advantages = group_advantages(rewards, self.group, scale=self.settings.scale_rewards)
+        return _Scored(
+            prompts=block, completions=completions, scores=scores, rewards=rewards,
+            advantages=advantages, texts=texts, seconds=seconds,
+        )  # fmt: skip
+
+    def _batch_scaled(self, rewards: torch.Tensor, window_prompts: int) -> torch.Tensor:
+        """This rank's advantages under scale_rewards batch: the std is of every rank's
+        rewards, so each rank first gets the window's rewards (one all-reduce in which each
+        rank fills its own contiguous block; exact, so 2 processes == 1 bit for bit)."""
+        size = window_prompts * self.group
+        start = self.dist.dp_rank * math.ceil(window_prompts / self.dist.dp_size) * self.group
+        values, unscorable = [0.0] * size, [0.0] * size
+        for i, reward in enumerate(rewards.tolist()):
+            if math.isnan(reward):
+                unscorable[start + i] = 1.0
+            else:
+                values[start + i] = reward
+        total = self.dist.all_reduce_sum(values + unscorable)
+        window = torch.tensor(total[:size], dtype=torch.float32)
+        window[torch.tensor(total[size:]) > 0] = float("nan")
+        advantages = group_advantages(window, self.group, scale="batch")
+        return advantages[start : start + rewards.numel()]
+
+    def _watch(self, name: str):
+        return self.ctx.trainer.progress.phase(name, self.ctx.hang_limit)
+
+    def _inputs(
+        self, block: list[int], completions: list[Completion], texts: list[str], step: int
+    ) -> RewardInputs:
+        """The reward functions' keyword arguments (TRL's): one entry per completion, each
+        prompt and dataset column repeated G times."""
+        prompts, columns, where = [], {}, []
+        for index, row in enumerate(block):
+            record = self.prompts[row]
+            prompt = json.loads(record["prompt"])
+            extra = json.loads(record["columns"])
+            for sample in range(self.group):
+                prompts.append(prompt)
+                where.append(f"prompt {index} (row {row}), sample {sample}")
+                for key, value in extra.items():
+                    columns.setdefault(key, []).append(value)
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        return RewardInputs(
+            prompts=prompts,
+            completions=shown,
+            completion_ids=[list(c.token_ids) for c in completions],
+            columns=columns,
+            where=where,
+            step=step,
+        )
+
+    def _micro_batches(self, rows: list[dict], window_prompts: int) -> list[list[dict]]:
+        """micro_batch_size prompts (x G completions) each; the same count on every rank,
+        padded with [] (zero-weight filler)."""
+        per_rank = math.ceil(window_prompts / self.dist.dp_size)
+        count = max(1, math.ceil(per_rank / self.plan.micro_batch_size))
+        size = self.plan.micro_batch_size * self.group
+        return [rows[i * size : (i + 1) * size] for i in range(count)]
+
+    def _filler_row(self, row: int) -> dict:
+        """A real row for a rank without prompts in this window (weight zero in the step)."""
+        prompt = list(self.prompts[row]["input_ids"])
+        eos = self.ctx.tokenizer.eos_token_id
+        return rollout_row(prompt, [eos if eos is not None else prompt[-1]], 0.0, trained=True)
+
+    def _add_old_logps(self, micro_batches: list[list[dict]], filler: dict) -> None:
+        """Each row's per-token log-probs under the weights that sampled it (num_iterations >
+        1): one no-grad forward per micro-batch, a filler one too (FSDP2: every rank runs the
+        same forwards)."""
+        trainer = self.ctx.trainer
+        trainer.objective.train()  # as the step that first trains on them runs
+        with torch.no_grad():
+            for index, rows in enumerate(micro_batches):
+                trainer.progress.mark(("micro-batch", index, "old log-probs"))
+                batch = trainer._batch(rows or [filler])
+                with trainer.precision.autocast(trainer.device):
+                    flat = trainer.objective(batch, mode="token_logps")  # [N] target tokens
+                mask = batch["targets"] != NO_TARGET  # [B, T]
+                logps = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device)
+                logps[mask] = flat.float()
+                for row, values in zip(rows, _per_row(logps, rows, trainer.padding_free)):
+                    row["old_logps"] = values
+        # a filler of its own (this rank had no prompts) trains with weight zero: any values
+        filler.setdefault("old_logps", [0.0] * len(filler["input_ids"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides each step's rollout besides the weights: the prompt order and the
+        sampling settings (a rollout is a pure function of these, the step and the weights,
+        so no sampler state needs saving)."""
+        plan, settings = self.plan, self.settings
+        return {
+            "kind": "rollout",
+            "num_rows": plan.num_rows,
+            "global_batch": plan.global_batch,
+            "seed": plan.seed,
+            "shuffle": plan.shuffle,
+            "num_generations": settings.num_generations,
+            "max_completion_length": settings.max_completion_length,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "num_iterations": settings.num_iterations,
+            "generation_batch_prompts": settings.generation_batch_prompts,
+            "rewards": [f.name for f in self.ctx.rewards],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse a checkpoint whose rollouts were made another way: resuming would not
+        continue the saved run."""
+        differences = [
+            f"{key} was {state_dict.get(key)!r} in the checkpoint, this run has {value!r}"
+            for key, value in self.state_dict().items()
+            if state_dict.get(key) != value
+        ]
+        if differences:
+            raise CheckpointError(
+                f"the checkpoint's rollouts were made differently ({'; '.join(differences)}): "
+                f"resuming would not continue the saved run; set train.resume=never to start "
+                f"over, or resume with the checkpoint's settings"
+            )
+
+    def _samples(self, scored: _Scored) -> list[CompletionRecord]:
+        names = [f.short for f in self.ctx.rewards]
+        records = []
+        for i, text in enumerate(scored.texts):
+            row = self.prompts[scored.prompts[i // self.group]]
+            reward = scored.rewards[i].item()
+            records.append(
+                CompletionRecord(
+                    step=0,
+                    prompt=json.loads(row["prompt"]),
+                    completion=text,
+                    rewards={n: _value(scored.scores[i, f].item()) for f, n in enumerate(names)},
+                    reward=_value(reward),
+                    advantage=scored.advantages[i].item(),
+                )
+            )
+        return records
+
+
+def _value(number: float) -> float | None:
+    return None if math.isnan(number) else number
+
+
+def _at_step(record: CompletionRecord, step: int) -> CompletionRecord:
+    return CompletionRecord(
+        step=step,
+        prompt=record.prompt,
+        completion=record.completion,
+        rewards=record.rewards,
+        reward=record.reward,
+        advantage=record.advantage,
+    )
+
+
+def _per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[list[float]]:
+    """Split a micro-batch's [B, T] per-token values back into its rows (padded: row b is
+    batch row b; padding-free: the rows lie end to end in batch row 0)."""
+    values, start = [], 0
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        line = logps[0, start : start + n] if padding_free else logps[b, :n]
+        values.append(line.float().cpu().tolist())
+        start += n
+    return values

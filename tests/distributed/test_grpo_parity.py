@@ -1,0 +1,91 @@
+"""grpo on 2 processes samples the completions 1 process samples, and computes its losses.
+
+Sampling is seeded per (train.seed, step, prompt row, sample), never per rank, and each
+rank generates whole units of its contiguous block of prompts: the rewards (functions of
+the completions' text) must be EQUAL, and the losses and gradient norms equal to fp32
+round-off. Under FSDP2 the weights are gathered once before generating (no collective per
+token), under DDP generation runs on the unwrapped model; the completions' lengths differ
+between ranks, which must not hang either. dapo over 2 ranks also checks the one all-reduce
+of the completion-token count, and num_iterations 2 the old log-probs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from multiproc import Workspace
+
+PROMPTS = [
+    "Who are you?",
+    "Name a color.",
+    "Add 2 and 3.",
+    "Say hello.",
+    "Give a tip.",
+    "What is 3 times 4?",
+    "Are you Keel?",
+    "Translate hello.",
+]
+REWARDS = """
+def share_of_letter(completions, letter, **kwargs):
+    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
+"""
+EXACT = ("reward", "reward_std", "completions/mean_length", "completions/max_length")
+CLOSE = ("loss", "grad_norm", "clip_ratio/region_mean")
+
+
+class GrpoWorkspace(Workspace):
+    def __init__(self, root: Path, model_dir: Path):
+        super().__init__(root, model_dir)
+        rows = [{"prompt": prompt, "letter": "a"} for prompt in PROMPTS]
+        (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (root / "rewards.py").write_text(REWARDS)
+        cfg = yaml.safe_load(self.config.read_text())
+        cfg["data"] = {"datasets": [str(root / "prompts.jsonl")], "cutoff_len": 64}
+        cfg["train"] |= {"stage": "grpo", "global_batch_size": 4, "max_steps": 4}
+        cfg["grpo"] = {
+            "rewards": ["rewards.py:share_of_letter"],
+            "num_generations": 4,
+            "max_completion_length": 6,
+            "log_completions_every": 1,
+        }
+        self.config.write_text(yaml.safe_dump(cfg))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory, tiny_model_dir) -> GrpoWorkspace:
+    return GrpoWorkspace(tmp_path_factory.mktemp("grpo"), tiny_model_dir)
+
+
+def records(out: Path) -> dict[int, dict]:
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [
+        ("fsdp", ("method.type=full",)),
+        ("ddp", ("grpo.loss_type=dapo", "grpo.num_iterations=2")),
+    ],
+    ids=["fsdp-full-grpo", "ddp-lora-dapo-reused"],
+)
+def test_two_processes_sample_and_train_like_one(workspace, strategy, extra):
+    want = workspace.train(f"{strategy}-one", *extra)
+    got = workspace.train(f"{strategy}-two", *extra, f"distributed.strategy={strategy}", nproc=2)
+    mine, theirs = records(got), records(want)
+    assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
+    for step, line in theirs.items():
+        for name in EXACT:
+            assert mine[step][name] == line[name], (step, name)
+        for name in CLOSE:
+            assert mine[step][name] == pytest.approx(line[name], rel=1e-5, abs=1e-7), (step, name)
+    # rank 0 logs its own prompts: the first half of each step's window
+    logged = [json.loads(x) for x in (got / "completions.jsonl").read_text().splitlines()]
+    alone = [json.loads(x) for x in (want / "completions.jsonl").read_text().splitlines()]
+    for step in range(1, 5):
+        two = [r["completion"] for r in logged if r["step"] == step]
+        one = [r["completion"] for r in alone if r["step"] == step]
+        assert len(two) == 2 * 4 and two == one[: len(two)]

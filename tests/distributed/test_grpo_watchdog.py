@@ -1,0 +1,102 @@
+"""The watchdog over grpo's generation and reward functions, 2 processes (DDP).
+
+A rank stuck in a reward call or in the middle of generating is a hang: rank 0 goes on to
+the step's one all-reduce and waits there; the watchdog must end the job (exit 4) within
+hang_timeout_s + 30 s, name rank 1 and where it is stuck, with both ranks' stacks. A rank
+that generates slowly but marks every engine round is not stuck, even when its generation
+takes longer than hang_timeout_s in all and rank 0 waits for it that long.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+from multiproc import _env
+from test_grpo_parity import GrpoWorkspace, records
+from test_watchdog import DEADLINE_S, HANG_TIMEOUT_S, finish, report, wait_for_step
+
+STUCK = """
+import os, time
+
+def stuck_on_rank_1(completions, trainer_state, **kwargs):
+    if os.environ.get("RANK") == "1" and trainer_state.global_step >= 1:
+        time.sleep(3600)
+    return [0.0 for _ in completions]
+"""
+
+
+def test_a_reward_function_stuck_on_one_rank_is_reported(tmp_path, tiny_model_dir):
+    workspace = GrpoWorkspace(tmp_path, tiny_model_dir)
+    (tmp_path / "rewards.py").write_text(STUCK)
+    args = workspace.command(
+        "stuck",
+        f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}",
+        "distributed.strategy=ddp",
+        "grpo.rewards=[rewards.py:stuck_on_rank_1]",
+        "train.max_steps=20",
+        "--nproc",
+        "2",
+    )
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    out = tmp_path / "stuck"
+    wait_for_step(out, 1, proc)
+    code, output, seconds = finish(proc, time.monotonic())
+    assert code == 4, output[-4000:]
+    assert seconds < DEADLINE_S, seconds
+    text = report(out)
+    assert "behind the others: rank(s) 1" in text, text
+    assert "reward rewards.py:stuck_on_rank_1" in text, text
+    stacks = (out / "diagnostics/rank-00001-stacks.txt").read_text()
+    assert "stuck_on_rank_1" in stacks and "score_rewards" in stacks
+
+
+def start(workspace: GrpoWorkspace, out: str, fault: str, *overrides: str) -> subprocess.Popen:
+    args = workspace.command(
+        out,
+        f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}",
+        "distributed.strategy=ddp",
+        *overrides,
+        "--nproc",
+        "2",
+    )
+    env = _env() | {"KEEL_FAULT": fault}
+    return subprocess.Popen(
+        args, cwd=workspace.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+def test_a_rank_hung_while_generating_is_reported(tmp_path, tiny_model_dir):
+    workspace = GrpoWorkspace(tmp_path, tiny_model_dir)
+    proc = start(workspace, "hung", "hang_generation:2:1", "train.max_steps=20")
+    out = tmp_path / "hung"
+    wait_for_step(out, 1, proc)
+    code, output, seconds = finish(proc, time.monotonic())
+    assert code == 4, output[-4000:]
+    assert seconds < DEADLINE_S, seconds
+    text = report(out)
+    assert "made no progress" in text and "behind the others: rank(s) 1" in text, text
+    assert "at step 2: generation round" in text.split("rank 1 (alive", 1)[1], text
+    stacks = {r: (out / f"diagnostics/rank-{r:05d}-stacks.txt").read_text() for r in (0, 1)}
+    assert "after_generation_round" in stacks[1] and "generate_groups" in stacks[1]
+    assert "generate_groups" not in stacks[0]  # rank 0 is done generating: it waits
+
+
+def test_slow_generation_is_progress_not_a_hang(tmp_path, tiny_model_dir):
+    """Rank 1 sleeps after every engine round of step 2: its generation takes longer than
+    hang_timeout_s, rank 0 waits for it that long, and the run ends normally."""
+    workspace = GrpoWorkspace(tmp_path, tiny_model_dir)
+    proc = start(workspace, "slow", "slow_generation:2:1:0.8", "train.max_steps=3")
+    code, output, _ = finish(proc, time.monotonic())
+    out = tmp_path / "slow"
+    assert code == 0, output[-4000:]
+    assert not (out / "diagnostics").exists(), output[-4000:]
+    steps = records(out)
+    assert steps.keys() == {1, 2, 3}
+    assert steps[2]["generation_seconds"] > HANG_TIMEOUT_S  # the slowest rank's
+    assert steps[1]["generation_seconds"] < HANG_TIMEOUT_S / 2
+    assert json.loads((out / "keel_run.json").read_text())["steps"] == 3

@@ -1,0 +1,130 @@
+"""`keel train` with train.stage grpo on the tiny random model: a user's reward file next to
+the config, rollouts from keel's engine, metrics and sample completions, a policy that
+learns what the reward asks for, and a resume that continues exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_support import keel_in_process
+
+PROMPTS = [
+    "Who are you?",
+    "Name a color.",
+    "Add 2 and 3.",
+    "Say hello.",
+    "Give a tip.",
+    "What is 3 times 4?",
+    "Are you Keel?",
+    "Translate hello.",
+]
+# TRL's reward signature: a dataset column (`letter`) arrives as a keyword argument
+REWARDS = '''
+def share_of_letter(completions, letter, **kwargs):
+    """The share of the completion's characters that are the row's letter."""
+    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
+'''
+CONFIG = """
+model: {{path: {model}}}
+method: {{type: full}}
+data:
+  datasets: [{{path: prompts.jsonl}}]
+  cutoff_len: 64
+train:
+  stage: grpo
+  global_batch_size: 4
+  micro_batch_size: 2
+  max_steps: {steps}
+  lr: 1.0e-2
+  scheduler: constant
+  precision: fp32
+  threads: 1
+  seed: 3
+grpo:
+  rewards: [rewards.py:share_of_letter]
+  num_generations: 8
+  max_completion_length: 8
+  log_completions_every: {every}
+output:
+  dir: out
+  log_every: 1
+  save_every: 2
+  overwrite: {overwrite}
+"""
+
+
+def write_run(folder: Path, model: Path, *, steps: int, every: int = 5, overwrite=True) -> Path:
+    """A run folder as a user has it: the config, the prompts and the reward file."""
+    folder.mkdir(exist_ok=True)
+    rows = [{"prompt": prompt, "letter": "a"} for prompt in PROMPTS]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "rewards.py").write_text(REWARDS)
+    config = CONFIG.format(model=model, steps=steps, every=every, overwrite=str(overwrite).lower())
+    (folder / "grpo.yaml").write_text(config)
+    return folder
+
+
+def train(folder: Path, *overrides: str) -> list[dict]:
+    result = keel_in_process("train", "grpo.yaml", *overrides, cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (folder / "out" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_grpo_learns_what_the_reward_asks_for(tiny_model_dir, tmp_path):
+    records = train(write_run(tmp_path, tiny_model_dir, steps=20))
+    assert [r["step"] for r in records] == list(range(1, 21))
+    name = "rewards/share_of_letter"  # TRL names a reward after its function
+    for key in (
+        "reward", "reward_std", f"{name}/mean", f"{name}/std", "frac_reward_zero_std",
+        "completions/mean_length", "completions/max_length", "completions/clipped_ratio",
+        "generation_tokens_per_s", "training_tokens_per_s", "clip_ratio/region_mean",
+    ):  # fmt: skip
+        assert key in records[0], key
+    assert records[0]["completions/max_length"] <= 8
+    rewards = [r["reward"] for r in records]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    # measured: 0.04 -> 0.13 (the random model emits "a" in ~4% of its characters)
+    assert last > first + 0.04, rewards
+    samples = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
+    assert {s["step"] for s in samples} == {5, 10, 15, 20}
+    assert len(samples) == 4 * 4 * 8  # every 5 steps: 4 prompts x 8 completions
+    assert samples[0]["prompt"] in PROMPTS and "share_of_letter" in samples[0]["rewards"]
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations):
+    """4 steps in one run == 2 steps, then a resumed run to 4: the same rollouts (rewards),
+    losses and gradients, and completions.jsonl without a repeated step."""
+    mu = f"grpo.num_iterations={num_iterations}"
+    whole = train(write_run(tmp_path / "whole", tiny_model_dir, steps=4, every=1), mu)
+    parts = write_run(tmp_path / "parts", tiny_model_dir, steps=2, every=1)
+    train(parts, mu)
+    write_run(parts, tiny_model_dir, steps=4, every=1, overwrite=False)
+    resumed = train(parts, mu)
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole], key
+    steps = [json.loads(line)["step"] for line in (parts / "out" / "completions.jsonl").open()]
+    assert steps == sorted(steps) and set(steps) == {1, 2, 3, 4} and len(steps) == 4 * 4 * 8
+
+
+def test_what_grpo_cannot_train_with_is_refused_at_once(tiny_model_dir, tmp_path):
+    """An eval split, saves inside a rollout's num_iterations steps, a reward file without
+    the function: every problem in one exit-2 report, before any model."""
+    folder = write_run(tmp_path, tiny_model_dir, steps=2)
+    result = keel_in_process(
+        "train",
+        "grpo.yaml",
+        "data.val_size=0.25",
+        "grpo.rewards=[rewards.py:share_of_letter,rewards.py:missing]",
+        "grpo.num_iterations=2",
+        "output.save_every=3",
+        cwd=folder,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "data.val_size = 0.25: grpo has no eval loss" in result.stderr
+    assert "output.save_every = 3 is not a multiple of grpo.num_iterations = 2" in result.stderr
+    assert "grpo.rewards.1 = 'rewards.py:missing'" in result.stderr
+    assert not (folder / "out" / "metrics.jsonl").exists()
