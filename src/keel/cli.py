@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn
 
+from keel.cli_convert import add_convert, run_convert, show_translation
 from keel.cli_serve import add_serve, parse_size, run_serve
 from keel.console import quiet_libraries, say
 from keel.errors import KeelError
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(sub)
     _add_export(sub)
     add_serve(sub)
+    add_convert(sub)
     return parser
 
 
@@ -200,7 +202,9 @@ def _train(args) -> int:
     if args.force:  # an override, so the workers get it too
         args.overrides = [*args.overrides, "distributed.plan=warn"]
     # Loaded in the launcher too, so a bad config fails once, before any worker starts.
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(
+        args.config, args.overrides, on_translation=show_translation(args.config, say)
+    )
     if must_launch:
         passed = [f for f, on in (("--debug", args.debug), ("--verbose", args.verbose)) if on]
         worker_args = [*passed, "train", args.config, *args.overrides]
@@ -216,7 +220,9 @@ def _validate(args) -> int:
     from keel.config import load_config
     from keel.train.preflight import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(
+        args.config, args.overrides, on_translation=show_translation(args.config, print)
+    )
     checked = preflight(cfg, base_dir=Path.cwd(), source=args.config)
     for line in checked.summary():
         print(line)
@@ -302,6 +308,7 @@ COMMANDS = {
     "doctor": _doctor,
     "export": _export,
     "serve": run_serve,
+    "convert": run_convert,
 }
 
 

@@ -16,6 +16,7 @@ EXPECTED = {
         "--force",
     },
     "validate": {"config", "overrides"},
+    "convert": {"config", "--out"},
     "chat": {
         "--model",
         "--adapter",

@@ -358,7 +358,6 @@ def test_sharegpt_is_refused_for_pretraining(registry, prepare):
 @pytest.mark.parametrize(
     ("name", "reason"),
     [
-        ("glaive_toolcall_en_demo", "tool-calling data"),
         ("mllm_demo", "multimodal.*images"),
         ("mllm_audio_demo", "multimodal.*audios"),
         ("mllm_video_demo", "multimodal.*videos"),

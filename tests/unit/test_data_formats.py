@@ -168,7 +168,7 @@ def test_detect_format_uses_column_overrides_and_explains_failure():
                 ]
             },
             "sharegpt",
-            "tool-calling data is not supported",
+            "tool-calling data trains with train.stage sft only",
         ),
         ({"instruction": "x", "output": "y", "videos": ["a.mp4"]}, "alpaca", "multimodal"),
         (

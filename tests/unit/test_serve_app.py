@@ -117,7 +117,7 @@ def test_api_key_is_required(server):
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
         ({"logprobs": True}, "logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"stream": "maybe"}, "stream"),
         ({"messages": [{"role": "user", "content": "fox " * 600}]}, "messages"),  # context 512
     ],

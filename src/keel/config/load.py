@@ -8,8 +8,9 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -17,27 +18,36 @@ from keel.config.schema import DatasetConfig, RunConfig, TrainConfig
 from keel.errors import ConfigError
 from keel.stages.registry import STAGES, spoken, stage_sections
 
+if TYPE_CHECKING:
+    from keel.config.dialects import Translation
+
 
 def load_config(
-    path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None
+    path: str | Path | None,
+    overrides: list[str] = (),
+    *,
+    base: dict | None = None,
+    on_translation: Callable[[Translation], None] | None = None,
 ) -> RunConfig:
     """Read a YAML file (or start from `base`), apply `key.sub=value` overrides, check it all.
 
+    A LLaMA-Factory or Axolotl file is translated to keel's config first (the overrides name
+    keel's keys); `on_translation` receives that Translation (`keel train` prints its report).
     Raises ConfigError listing every problem, each with its key, value, location and fix.
     """
-    lines: dict[str, int] = {}
     source = str(path) if path is not None else "config"
     raw: dict = copy.deepcopy(base or {})  # overrides must not change the caller's dict
     problems: list[str] = []
+    where = _Locator(source, {})
     if path is not None:
-        raw, lines, problems = _read_yaml(Path(path))
+        raw, where.lines, problems = _read_yaml(Path(path))
+        raw = _from_dialect(raw, Path(path), where, problems, on_translation)
     for item in overrides:
         problem = apply_override(raw, item)
         if problem:
             problems.append(problem)
             continue
-        lines[item.split("=", 1)[0].strip()] = -1  # -1: came from the command line
-    where = _Locator(source, lines)
+        where.lines[item.split("=", 1)[0].strip()] = -1  # -1: came from the command line
     if isinstance(raw, dict) and "preference" in raw:
         problems.append(_preference_moved(raw, where))
     cfg = _build(RunConfig, raw, "", problems, where)
@@ -155,11 +165,47 @@ def _set_child(node, part: str, value) -> bool:
     return True
 
 
+def _from_dialect(raw: dict, path: Path, where: _Locator, problems: list[str], on_translation):
+    """A LLaMA-Factory or Axolotl config as keel's (a keel config as it is): each refused key
+    to `problems`, and `where` told which of their keys each keel key came from."""
+    from keel.config.dialects import detect_dialect, translate
+
+    if detect_dialect(raw) is None:
+        return raw
+    translation = translate(raw, path)
+    if on_translation is not None:
+        on_translation(translation)
+    problems.extend(f"{where(fate.key)} is refused: {fate.why}" for fate in translation.refused())
+    where.came_from(translation.fates)
+    return copy.deepcopy(translation.config)  # the overrides must not change the report's
+
+
 class _Locator:
-    """Turns a key path into 'key (file:line)' for messages."""
+    """Turns a key path into 'key (file:line)' for messages; a key translated from another
+    framework's config names theirs: 'train.lr (learning_rate, file:line)'."""
 
     def __init__(self, source: str, lines: dict[str, int]):
         self.source, self.lines = source, lines
+        self.theirs: dict[str, str] = {}  # keel key -> the key of theirs it came from
+
+    def came_from(self, fates) -> None:
+        """Locate each keel key a translation wrote at the key of theirs it came from."""
+        for fate in fates:
+            line = self._line_of_theirs(fate.key)
+            if fate.fate != "mapped" or line is None:
+                continue
+            for target in fate.target.replace(",", " ").split():
+                self.lines.setdefault(target, line)
+                self.theirs[target] = fate.key
+
+    def _line_of_theirs(self, key: str) -> int | None:
+        """The line of `key`, else of the nearest key above it (a key inside the JSON file
+        their `deepspeed: ds.json` names is at that line)."""
+        parts = key.split(".")
+        for end in range(len(parts), 0, -1):
+            if ".".join(parts[:end]) in self.lines:
+                return self.lines[".".join(parts[:end])]
+        return None
 
     def __call__(self, key: str) -> str:
         # a section set only through keys below it (an override a.b=c) is where they are
@@ -169,6 +215,8 @@ class _Locator:
             return key
         if line < 0:
             return f"{key} (command line)"
+        if key in self.theirs:
+            return f"{key} ({self.theirs[key]}, {self.source}:{line})"
         return f"{key} ({self.source}:{line})"
 
 

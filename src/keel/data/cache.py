@@ -27,7 +27,9 @@ from keel.data.report import DataReport
 from keel.data.sources import Source
 from keel.data.template import ChatTemplate
 
-DATA_FORMAT_VERSION = 3  # bump when the layout or meaning of prepared rows changes
+# bump when the layout or meaning of prepared rows changes (4: tool-calling rows are read,
+# where 3 rejected them, so a cache of skipped rows must not be reused)
+DATA_FORMAT_VERSION = 4
 _HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
 IMAGE_MANIFEST = "images.json"
 

@@ -27,8 +27,12 @@ converter.py, processor/pretrain.py):
   stays a column for the reward functions; a sharegpt conversation must end with the user's
   turn); ranking and kto_tag entries are refused, as for SFT.
 
-keel reads local files only, so hub entries are refused with the reason; so are
-tool-calling entries and entries with videos or audios. An `images` column holds each row's
+- Tool calling (`columns.tools`, function_call and observation messages, as
+  glaive_toolcall_en_demo): trains with train.stage sft, rendered with the chat template's
+  tools (keel.data.tools).
+
+keel reads local files only, so hub entries are refused with the reason; so are entries
+with videos or audios. An `images` column holds each row's
 image paths, relative to data.dataset_dir (LLaMA-Factory's media_dir default).
 """
 
@@ -168,12 +172,6 @@ def _refuse_unsupported(entry: dict, where: str) -> None:
         raise DataError(
             f"{where} is multimodal (columns.{media[0]}: '{columns[media[0]]}'); keel trains "
             f"on text and images only: use an entry without {'/'.join(media)} columns"
-        )
-    if columns.get("tools"):
-        raise DataError(
-            f"{where} is tool-calling data (columns.tools: '{columns['tools']}'); keel does "
-            f"not train tool calls yet: remove columns.tools to train on its other rows "
-            f"(messages with function-call or observation roles are still refused)"
         )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keel.data.formats import FormatSpec, RowError, row_to_example
+from keel.data.formats import Example, FormatSpec, RowError
 from keel.data.template import (
     ChatTemplate,
     TemplateMismatch,
@@ -24,6 +24,7 @@ from keel.data.template import (
     render,
     shift_targets,
 )
+from keel.data.tools import check_tool_template, read_example
 from keel.data.vision import encode_with_images, image_columns, refuse_images, vision_features
 from keel.stages.registry import get_stage
 
@@ -94,10 +95,12 @@ class RowEncoder:
         s = self.settings
         images = None
         try:
-            example = row_to_example(row, s.spec)
+            example = read_example(row, s.spec)
             if s.vision is None:
                 refuse_images(example)
-                ids, mask = self._tokens(example.content)
+                ids, mask = self._tokens(example)
+            elif example.tools or _has_tool_turns(example):
+                raise RowError("tool-calling rows are trained with text models only")
             else:
                 ids, mask, images = encode_with_images(self.tokenizer, s, example)
         except RowError as e:
@@ -136,14 +139,22 @@ class RowEncoder:
             out |= image_columns(s.vision, [(ids, images)]) | {"image_files": list(images.files)}
         return out
 
-    def _tokens(self, example: list[dict] | str) -> tuple[list[int], list[bool]]:
-        s = self.settings
-        if isinstance(example, str):
-            return encode_pt(self.tokenizer, example)
+    def _tokens(self, example: Example) -> tuple[list[int], list[bool]]:
+        s, content = self.settings, example.content
+        if isinstance(content, str):
+            return encode_pt(self.tokenizer, content)
+        if example.tools or _has_tool_turns(example):
+            check_tool_template(s.template)  # a DataError: the run's template, not the row
         if get_stage(s.stage).unit == "text":  # a conversation pretrained on as plain text
-            text = render(self.tokenizer, s.template, example)
+            text = render(self.tokenizer, s.template, content, tools=example.tools)
             return encode_pt(self.tokenizer, text, special_tokens=False)
-        return encode_sft(self.tokenizer, s.template, example)
+        return encode_sft(self.tokenizer, s.template, content, tools=example.tools)
+
+
+def _has_tool_turns(example: Example) -> bool:
+    return not isinstance(example.content, str) and any(
+        m["role"] == "tool" or m.get("tool_calls") for m in example.content
+    )
 
 
 def encode_dataset(ds, encoder: RowEncoder, num_proc: int, fingerprint: str):

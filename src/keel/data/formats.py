@@ -30,6 +30,9 @@ an OpenAI `{"type": "image_url", "image_url": {"url": ...}}` part is a placehold
 carries its own reference. `Example.images` holds the references in placeholder order;
 keel.data.vision turns them into image tokens. Videos and audios are refused.
 
+Tools: `row_to_example` refuses tool definitions and tool turns; for sft and pt,
+keel.data.tools reads them (`read_example`). The preference and prompt stages refuse them.
+
 Problems with a row raise `RowError`; the pipeline turns them into report rejections.
 """
 
@@ -106,6 +109,7 @@ class Example:
 
     content: list[dict] | str
     images: tuple = ()
+    tools: tuple = ()  # tool definitions for the template's `tools=` (keel.data.tools)
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,8 @@ def column_images(row: dict, columns: dict) -> list:
 
 
 def refuse_unsupported(row: dict, columns: dict) -> None:
-    """Refuse rows with videos, audios or tool definitions (RowError)."""
+    """Refuse rows with videos, audios or tool definitions (RowError); sft reads tool
+    definitions through keel.data.tools, which lets this pass without them."""
     for key in _UNSUPPORTED_MEDIA:
         col = columns.get(key)
         if col and row.get(col):
@@ -242,7 +247,8 @@ def refuse_unsupported(row: dict, columns: dict) -> None:
     col = columns.get("tools")
     if col and row.get(col) not in (None, "", "[]", []):
         raise RowError(
-            f"has tool definitions (column '{col}'); tool-calling data is not supported yet"
+            f"has tool definitions (column '{col}'); tool-calling data trains with "
+            f"train.stage sft only"
         )
 
 
@@ -345,7 +351,7 @@ def parse_message(m, i: int, col: str, t: dict, inline: list | None = None) -> d
     if role in tool_roles or m.get("tool_calls"):
         raise RowError(
             f"message {i} of '{col}' is a tool/function-call turn (role '{role}'); "
-            f"tool-calling data is not supported yet"
+            f"tool-calling data trains with train.stage sft only"
         )
     if role not in roles:
         hint = ""

@@ -66,33 +66,48 @@ def resolve_template(setting: str, tokenizer, base_dir: Path) -> tuple[ChatTempl
 
 
 def render(
-    tokenizer, template: ChatTemplate, messages: list[dict], generation: bool = False
+    tokenizer,
+    template: ChatTemplate,
+    messages: list[dict],
+    generation: bool = False,
+    tools: tuple = (),
 ) -> str:
-    """The conversation as text. Template errors (e.g. raise_exception) are row problems."""
+    """The conversation as text (with the tool definitions `tools`, if any, as the template
+    shows them). Template errors (e.g. raise_exception) are row problems."""
     try:
         return tokenizer.apply_chat_template(
             messages,
             chat_template=template.text,
             tokenize=False,
             add_generation_prompt=generation,
+            tools=list(tools) or None,
         )
     except TemplateError as e:
         raise RowError(f"the chat template refused this conversation: {e}") from None
 
 
 def assistant_spans(
-    tokenizer, template: ChatTemplate, messages: list[dict], last_only: bool = False
+    tokenizer,
+    template: ChatTemplate,
+    messages: list[dict],
+    last_only: bool = False,
+    tools: tuple = (),
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of every assistant turn (of the
-    last message only, which must then be an assistant turn, with `last_only`)."""
-    full = render(tokenizer, template, messages)
+    """The rendered conversation and the character span of every assistant turn, answers
+    and tool calls alike (of the last message only, which must then be an assistant turn,
+    with `last_only`); `tools`: the tool definitions every render is given."""
+    full = render(tokenizer, template, messages, tools=tools)
     eos = tokenizer.eos_token or ""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (last_only and i != len(messages) - 1):
             continue
-        before = render(tokenizer, template, messages[:i], generation=True)
-        upto = full if i == len(messages) - 1 else render(tokenizer, template, messages[: i + 1])
+        before = render(tokenizer, template, messages[:i], generation=True, tools=tools)
+        upto = (
+            full
+            if i == len(messages) - 1
+            else render(tokenizer, template, messages[: i + 1], tools=tools)
+        )
         if not (full.startswith(before) and full.startswith(upto) and len(before) <= len(upto)):
             raise TemplateMismatch(
                 f"rendering the conversation up to assistant message {i + 1} is not a prefix of "
@@ -124,11 +139,16 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
 
 
 def encode_sft(
-    tokenizer, template: ChatTemplate, messages: list[dict], last_only: bool = False
+    tokenizer,
+    template: ChatTemplate,
+    messages: list[dict],
+    last_only: bool = False,
+    tools: tuple = (),
 ) -> tuple[list[int], list[bool]]:
-    """Token ids of the rendered conversation and which of them are assistant tokens (of
-    the last message only, with `last_only`: a preference completion)."""
-    full, spans = assistant_spans(tokenizer, template, messages, last_only)
+    """Token ids of the rendered conversation (with the tool definitions `tools`) and which
+    of them are assistant tokens (of the last message only, with `last_only`: a preference
+    completion)."""
+    full, spans = assistant_spans(tokenizer, template, messages, last_only, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     return list(enc["input_ids"]), token_mask(enc["offset_mapping"], spans)
 

@@ -28,6 +28,7 @@ from keel.infer.serve.chat_images import (
     image_refs,
 )
 from keel.infer.serve.limits import (
+    CHAT_TOOL_FIELDS,
     ApiError,
     ServeLimits,
     Slots,
@@ -36,6 +37,7 @@ from keel.infer.serve.limits import (
     sampling_params,
 )
 from keel.infer.serve.protocol import ChatRequest, CompletionRequest, Reply, parse
+from keel.infer.serve.tool_calls import tool_parsing
 
 
 @dataclass(kw_only=True)
@@ -194,23 +196,30 @@ async def _complete(request: Request, state: ServeState, *, chat: bool):
     """Both completion routes: check the request, then answer it whole or streamed."""
     _authorize(request, state)
     body = await _json_body(request, state.body_bytes)
-    refuse_unsupported(body)
+    refuse_unsupported(body, accepted=CHAT_TOOL_FIELDS if chat else ())
     req = parse(ChatRequest if chat else CompletionRequest, body)
     model = _served_model(req.model, state)
     job = {"model": model, "n": req.n}
+    tools = None
     if chat:
+        tools = tool_parsing(req, getattr(state.tokenizer, "chat_template", None))
         images = image_refs(req.messages, state)
         if images or has_placeholder(req.messages, state):
+            if tools is not None:
+                raise ApiError(400, "keel serve takes tools or images, not both", param="tools")
             prompt = await asyncio.to_thread(chat_prompt_with_images, state, req.messages, images)
             prompts, job["images"] = [prompt.input_ids], prompt
         else:
-            prompts = [_encode_chat(state.tokenizer, req.messages)]
+            offered = [t.model_dump(exclude_none=True) for t in req.tools] if tools else None
+            prompts = [_encode_chat(state.tokenizer, req.messages, offered)]
     else:
         prompts = _encode_prompts(state.tokenizer, req.prompt, state.limits.max_prompts)
-    return await _answer(request, state, req, prompts, job=job, chat=chat)
+    reply = Reply(chat=chat, model=model, tools=tools)
+    return await _answer(request, state, req, prompts, job=job, reply=reply)
 
 
-async def _answer(request: Request, state: ServeState, req, prompts, *, job: dict, chat: bool):
+async def _answer(request: Request, state: ServeState, req, prompts, *, job: dict, reply: Reply):
+    chat = reply.chat
     prompt_field = "messages" if chat else "prompt"
     if min(len(ids) for ids in prompts) == 0:
         raise ApiError(400, "the prompt is empty", param=prompt_field)
@@ -223,7 +232,6 @@ async def _answer(request: Request, state: ServeState, req, prompts, *, job: dic
     )
     state.slots.acquire()
     run = streams.Run(state.engine, prompts, params, state.slots.release, **job)
-    reply = Reply(chat=chat, model=job["model"])
     run.start()
     if req.stream:
         events = streams.stream(run, reply, include_usage=req.include_usage)
@@ -323,13 +331,16 @@ def _string_field(body: dict, key: str) -> str:
     return value
 
 
-def _encode_chat(tokenizer, messages) -> list[int]:
+def _encode_chat(tokenizer, messages, tools: list[dict] | None) -> list[int]:
+    """The conversation as the chat template renders it, with the offered tools (None:
+    rendered as without tools, as for a request that offered none)."""
     from jinja2 import TemplateError
 
     turns = chat_turns(tokenizer, messages)
+    with_tools = {"tools": tools} if tools else {}
     try:
         encoded = tokenizer.apply_chat_template(
-            turns, add_generation_prompt=True, tokenize=True, return_dict=True
+            turns, add_generation_prompt=True, tokenize=True, return_dict=True, **with_tools
         )
     except (TemplateError, ValueError, TypeError) as e:
         raise ApiError(

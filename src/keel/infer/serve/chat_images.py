@@ -19,10 +19,22 @@ def chat_turns(tokenizer, messages) -> list[dict]:
             "this model's tokenizer has no chat template; use /v1/completions",
             param="messages",
         )
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        for m in messages
-    ]
+    return [_turn(m) for m in messages]
+
+
+def _turn(message) -> dict:
+    """One message as a template takes it; tool fields only where the message has them."""
+    role = "system" if message.role == "developer" else message.role
+    turn = {"role": role, "content": message.text()}
+    if message.tool_calls:
+        turn["tool_calls"] = [call.turn() for call in message.tool_calls]
+    # Only tool turns carry these on: a `name` on other messages was always ignored, and
+    # handing it to templates now would change how existing requests render.
+    if message.role == "tool":
+        for key in ("tool_call_id", "name"):
+            if getattr(message, key) is not None:
+                turn[key] = getattr(message, key)
+    return turn
 
 
 def image_refs(messages, state) -> list[ImageRef]:

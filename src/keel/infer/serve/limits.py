@@ -117,10 +117,15 @@ def model_not_found(name: str, served: list[str]) -> ApiError:
     )
 
 
-def refuse_unsupported(body: dict) -> None:
-    """400 for the first parameter set that keel serve does not implement."""
+# Chat requests may offer tools (checked by tool_calls.tool_parsing); text completions may not.
+CHAT_TOOL_FIELDS = ("tools", "tool_choice")
+
+
+def refuse_unsupported(body: dict, accepted: tuple[str, ...] = ()) -> None:
+    """400 for the first parameter set that keel serve does not implement (`accepted`:
+    fields this route implements after all)."""
     for key, neutral in _NEUTRAL.items():
-        if key in body and body[key] not in neutral:
+        if key in body and key not in accepted and body[key] not in neutral:
             raise ApiError(400, f"{key} is not supported by keel serve; leave it out", param=key)
 
 

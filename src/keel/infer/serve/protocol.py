@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
@@ -9,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from keel.infer.serve.limits import ApiError
+from keel.infer.serve.tool_calls import ToolCall, ToolParsing, split_reply
 from keel.models.vision.family import PLACEHOLDER
 
 # Strict: a number is a number (not "5" or true), a flag a JSON boolean; unknown fields are
@@ -83,11 +85,48 @@ class ImagePart(BaseModel):
 Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value or "{}")
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be the JSON text of an object")
+        return value
+
+
+class AssistantToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+
+    model_config = _STRICT
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def turn(self) -> dict:
+        """As chat templates take it: arguments as a mapping (they render it with tojson)."""
+        call = {"type": "function", "function": {"name": self.function.name}}
+        call["function"]["arguments"] = json.loads(self.function.arguments or "{}")
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class Message(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Part] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns: the call this output answers
+    name: str | None = None
 
     def text(self) -> str:
         """The content as text; each image part becomes the `<image>` placeholder."""
@@ -108,8 +147,47 @@ class Message(BaseModel):
         ]
 
 
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema, handed to the chat template as is
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Body):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_fields_in_place(cls, messages: list[Message]) -> list[Message]:
+        for i, m in enumerate(messages):
+            if m.tool_calls and m.role != "assistant":
+                raise ValueError(f"message {i}: only assistant messages carry tool_calls")
+        return messages
 
 
 class CompletionRequest(_Body):
@@ -133,9 +211,10 @@ def new_id(prefix: str) -> str:
 class Reply:
     """Builds the objects of one response: chat or text completion, whole or streamed."""
 
-    def __init__(self, *, chat: bool, model: str):
+    def __init__(self, *, chat: bool, model: str, tools: ToolParsing | None = None):
         self.chat = chat
         self.model = model
+        self.tools = tools  # a chat request that offered tools: replies are read for calls
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
 
@@ -152,11 +231,29 @@ class Reply:
         for index, (text, reason) in enumerate(zip(texts, reasons)):
             choice = {"index": index, "finish_reason": reason, "logprobs": None}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = self._message(text)
+                if choice["message"].get("tool_calls") and reason == "stop":
+                    choice["finish_reason"] = "tool_calls"
             else:
                 choice["text"] = text
             choices.append(choice)
         return {**self._object(chunk=False), "choices": choices, "usage": usage}
+
+    def _message(self, text: str) -> dict:
+        if self.tools is None:
+            return {"role": "assistant", "content": text}
+        content, calls = split_reply(text, self.tools)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.openai() for call in calls]
+        return message
+
+    def tool_call_chunk(self, index: int, call: ToolCall, position: int) -> dict:
+        """A stream chunk carrying one whole tool call, the `position`-th of its choice."""
+        chunk = self.chunk(index)
+        delta = {"index": position, **call.openai()}
+        chunk["choices"][0]["delta"] = {"tool_calls": [delta]}
+        return chunk
 
     def chunk(self, index: int, *, text: str | None = None, reason: str | None = None) -> dict:
         """One stream chunk: new text of choice `index`, or its finish reason."""

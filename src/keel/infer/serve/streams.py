@@ -10,6 +10,7 @@ from keel.infer.serve.limits import ApiError
 from keel.infer.serve.protocol import Reply, usage
 from keel.infer.serve.sampling import SamplingParams
 from keel.infer.serve.scheduler import Delta, Done, Event, Failed, Job
+from keel.infer.serve.tool_calls import ToolCall, ToolCallReader
 
 # How often a non-streamed request checks whether its client is still there.
 DISCONNECT_POLL_SECONDS = 0.5
@@ -110,9 +111,13 @@ async def stream(run: Run, reply: Reply, *, include_usage: bool) -> AsyncIterato
     if reply.chat:
         for index in range(run.choices):
             yield _data(reply.role_chunk(index))
+    readers = ToolStreams(reply, run.choices) if reply.tools is not None else None
     try:
         async for event in run.events():
-            if isinstance(event, Delta):
+            if readers is not None:
+                for chunk in readers.chunks(event):
+                    yield _data(chunk)
+            elif isinstance(event, Delta):
                 yield _data(reply.chunk(event.index, text=event.text))
             elif isinstance(event, Done):
                 yield _data(reply.chunk(event.index, reason=event.reason))
@@ -126,3 +131,34 @@ async def stream(run: Run, reply: Reply, *, include_usage: bool) -> AsyncIterato
 
 def _data(obj: dict) -> dict:
     return {"data": json.dumps(obj, ensure_ascii=False)}
+
+
+class ToolStreams:
+    """The stream chunks of a request that offered tools: each choice's text goes through
+    a ToolCallReader, so text that may be a call is held until it is decided, and each
+    call goes out whole as a tool_calls delta."""
+
+    def __init__(self, reply: Reply, choices: int):
+        self.reply = reply
+        self.readers = [ToolCallReader(reply.tools) for _ in range(choices)]
+
+    def chunks(self, event: Event) -> list[dict]:
+        reader = self.readers[event.index]
+        if isinstance(event, Delta):
+            return self._pieces(event.index, reader.feed(event.text))
+        if isinstance(event, Done):
+            out = self._pieces(event.index, reader.finish())
+            reason = reader.finish_reason(event.reason)
+            return [*out, self.reply.chunk(event.index, reason=reason)]
+        return []
+
+    def _pieces(self, index: int, pieces) -> list[dict]:
+        out, reader = [], self.readers[index]
+        calls_before = reader.calls - sum(isinstance(p, ToolCall) for p in pieces)
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                out.append(self.reply.tool_call_chunk(index, piece, calls_before))
+                calls_before += 1
+            else:
+                out.append(self.reply.chunk(index, text=piece))
+        return out

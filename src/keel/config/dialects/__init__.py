@@ -1,0 +1,60 @@
+"""Other frameworks' configs as they are: recognise the dialect, translate it to a keel
+config, and say what became of every key (mapped, ignored and why, refused and why).
+
+Each dialect module has one entry point, `translate_<dialect>(raw, source) -> Translation`;
+`source` is their YAML file, for the relative paths it names (a DeepSpeed JSON).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from keel.config.dialects.report import (
+    Dialect,
+    KeyFate,
+    Translation,
+    refusal_problems,
+    render_report,
+)
+
+# A keel config is a mapping of these sections; neither dialect has a key of these names
+# holding a mapping, so a config with one is keel's own.
+KEEL_SECTIONS = ("model", "method", "data", "train", "output")
+
+
+def detect_dialect(raw: dict) -> Dialect | None:
+    """llamafactory, axolotl, or None for a keel config (or anything else)."""
+    if not isinstance(raw, dict):
+        return None
+    if any(isinstance(raw.get(section), dict) for section in KEEL_SECTIONS):
+        return None
+    if "model_name_or_path" in raw or ("stage" in raw and "finetuning_type" in raw):
+        return "llamafactory"
+    if "base_model" in raw:
+        return "axolotl"
+    return None
+
+
+def translate(raw: dict, source: Path) -> Translation:
+    """Their config `raw`, read from `source`, as a keel Translation."""
+    dialect = detect_dialect(raw)
+    if dialect == "llamafactory":
+        from keel.config.dialects.llamafactory import translate_llamafactory
+
+        return translate_llamafactory(raw, Path(source))
+    if dialect == "axolotl":
+        from keel.config.dialects.axolotl import translate_axolotl
+
+        return translate_axolotl(raw, Path(source))
+    raise AssertionError(f"{source} is not a LLaMA-Factory or Axolotl config")
+
+
+__all__ = [
+    "KEEL_SECTIONS",
+    "KeyFate",
+    "Translation",
+    "detect_dialect",
+    "refusal_problems",
+    "render_report",
+    "translate",
+]

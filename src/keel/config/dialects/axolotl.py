@@ -1,0 +1,494 @@
+"""Axolotl configs as keel configs: each of their keys mapped, ignored (why) or refused (why).
+
+Key names and defaults follow Axolotl's config schema (src/axolotl/utils/schemas). Keys
+left out where Axolotl's default differs from keel's are written out and named in the
+Translation's notes (no adapter: full fine-tuning; no output_dir: ./model-out).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from keel.config.dialects.axolotl_data import Build, dataset_stage, translate_datasets
+from keel.config.dialects.axolotl_trl import translate_stage_key
+from keel.config.dialects.deepspeed import read_deepspeed
+from keel.config.dialects.report import KeyFate, Translation
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
+DIRECT = {
+    "base_model": "model.path",
+    "revision_of_model": "model.revision",
+    "trust_remote_code": "model.trust_remote_code",
+    "lora_r": "method.lora.r",
+    "lora_alpha": "method.lora.alpha",
+    "lora_dropout": "method.lora.dropout",
+    "sequence_len": "data.cutoff_len",
+    "val_set_size": "data.val_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "num_epochs": "train.epochs",
+    "max_steps": "train.max_steps",
+    "learning_rate": "train.lr",
+    "warmup_ratio": "train.warmup_ratio",
+    "warmup_steps": "train.warmup_steps",
+    "weight_decay": "train.weight_decay",
+    "max_grad_norm": "train.max_grad_norm",
+    "adam_epsilon": "train.adam_eps",
+    "seed": "train.seed",
+    "output_dir": "output.dir",
+    "logging_steps": "output.log_every",
+    "save_total_limit": "output.keep_last",
+    "wandb_project": "output.wandb.project",
+    "wandb_entity": "output.wandb.entity",
+    "wandb_name": "output.wandb.name",
+    "wandb_mode": "output.wandb.mode",
+    "resume_from_checkpoint": "train.resume",
+}
+_PER_EPOCH = "keel counts in steps; a count per epoch needs the dataset's size before it is read"
+IGNORED = {
+    "dataset_prepared_path": "keel tokenizes the datasets when the run starts (and caches "
+    "them itself); there is no prepared-dataset folder",
+    "skip_prepare_dataset": "keel tokenizes the datasets when the run starts",
+    "strict": "keel always checks every key",
+    "model_type": "keel loads the architecture that the model's config.json names",
+    "tokenizer_type": "keel loads the model's own tokenizer (AutoTokenizer)",
+    "hub_model_id": "keel does not upload; the model is written to output.dir",
+    "hub_strategy": "keel does not upload; the model is written to output.dir",
+    "wandb_watch": "keel does not log gradients or parameters to W&B",
+    "wandb_log_model": "keel does not upload checkpoints to W&B; they stay in output.dir",
+    "eval_sample_packing": "keel has no separate packing setting for evaluation",
+    "evals_per_epoch": f"{_PER_EPOCH}; keel evaluates at the end (train.eval_every: steps)",
+    "saves_per_epoch": f"{_PER_EPOCH}; keel saves at the end (output.save_every: steps)",
+    "tf32": "keel leaves TF32 matmuls to PyTorch's default",
+    "gradient_checkpointing_kwargs": "keel's activation checkpointing is non-reentrant and "
+    "takes no options",
+    "loss_watchdog_threshold": "keel stops a run whose loss is not finite (exit 6); it has no "
+    "loss-threshold stop",
+    "loss_watchdog_patience": "keel stops a run whose loss is not finite (exit 6)",
+    "remove_unused_columns": "keel reads only the columns its data format names",
+    "pad_to_sequence_len": "keel never pads rows to data.cutoff_len (train.padding_free lays "
+    "a micro-batch's samples end to end)",
+    "group_by_length": "keel's data order is a function of train.seed alone",
+    "save_first_step": "keel saves every output.save_every steps and at the end",
+    "ddp_timeout": "keel's watchdog reports hangs in seconds (watchdog.hang_timeout_s)",
+    "dataloader_num_workers": "keel's data loading has no worker processes to set",
+    "dataloader_pin_memory": "keel's data loading has no such setting",
+    "dataloader_prefetch_factor": "keel's data loading has no such setting",
+    "vllm": "keel generates GRPO completions with its own engine in the training process",
+}
+_OPTIMIZERS = {
+    "adamw_torch": ("adamw", ""),
+    "adamw_torch_fused": ("adamw", "keel's AdamW (fp32 moments)"),
+    "adamw_hf": ("adamw", ""),
+    "adamw": ("adamw", ""),
+    "adamw_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments, not bitsandbytes'"),
+    "adamw_bnb_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments, not bitsandbytes'"),
+    "paged_adamw_8bit": (
+        "adamw_8bit",
+        "torchao's 8-bit moments; keel does not page optimizer state to the host",
+    ),
+    "adamw_torch_4bit": ("adamw_4bit", "torchao's 4-bit moments"),
+}
+_SCHEDULERS = {
+    "cosine": "cosine",
+    "linear": "linear",
+    "constant": "constant",
+    "constant_with_warmup": "constant",
+}
+_ATTENTION = {
+    "flash_attention_2": (
+        "auto",
+        "keel's auto takes flash_attention_2 on a CUDA GPU with flash-attn installed, else sdpa",
+    ),
+    "flash_attention": (
+        "auto",
+        "keel's auto takes flash_attention_2 on a CUDA GPU with flash-attn installed, else sdpa",
+    ),
+    "sdpa": ("sdpa", ""),
+    "sdp_attention": ("sdpa", ""),
+    "eager": ("eager", ""),
+    "eager_attention": ("eager", ""),
+}
+
+
+def translate_axolotl(raw: dict, source: Path) -> Translation:
+    """`raw` (an Axolotl YAML, read from `source`) as a keel Translation; every key of
+    theirs, at any depth, has a fate."""
+    build = Build(source=Path(source), stage=_stage(raw))
+    build.set("train.stage", build.stage)
+    for key, value in raw.items():
+        _one_key(build, str(key), value, raw)
+    _defaults(build, raw)
+    return Translation(dialect="axolotl", config=build.config, fates=build.fates, notes=build.notes)
+
+
+def _stage(raw: dict) -> str:
+    rl = raw.get("rl")
+    if rl in ("dpo", "ipo", "orpo", "simpo", "kto", "grpo"):
+        return "dpo" if rl == "ipo" else rl
+    if raw.get("reward_model"):
+        return "rm"
+    return dataset_stage(raw.get("datasets")) or "sft"
+
+
+def _one_key(build: Build, key: str, value, raw: dict) -> None:
+    handler = _HANDLERS.get(key)
+    if handler is not None:
+        handler(build, key, value, raw)
+    elif translate_stage_key(build, key, value):
+        return
+    elif value is None:
+        build.ignored(key, "empty: Axolotl's default")
+    elif key in DIRECT:
+        build.mapped(
+            key,
+            DIRECT[key],
+            _number(value)
+            if isinstance(value, str) and key not in ("base_model", "output_dir", "wandb_name")
+            else value,
+        )
+    elif key in IGNORED:
+        build.ignored(key, IGNORED[key])
+    else:
+        build.refused(key, "an Axolotl key keel has no counterpart for; remove it")
+
+
+def _number(value: str):
+    return float(value) if _NUMBER.match(value.strip()) else value
+
+
+def _adapter(build: Build, key: str, value, raw: dict) -> None:
+    if value in ("lora", "qlora"):
+        build.mapped(key, "method.type", value)
+    elif value is None:
+        build.mapped(key, "method.type", "full", "no adapter: every weight trains")
+    else:
+        build.refused(key, f"adapter {value!r}: keel's adapters are lora and qlora")
+
+
+def _load_in_4bit(build: Build, key: str, value, raw: dict) -> None:
+    if not value:
+        build.ignored(key, "false: the base is not quantised")
+    elif raw.get("adapter") == "qlora":
+        build.mapped(key, "method.qlora.quant", "nf4", "4-bit NF4 base weights (QLoRA)")
+    else:
+        build.refused(key, "a 4-bit base trains only with adapter: qlora")
+
+
+def _load_in_8bit(build: Build, key: str, value, raw: dict) -> None:
+    if not value:
+        build.ignored(key, "false: the base is not quantised")
+    elif raw.get("adapter") == "lora":
+        build.ignored(
+            key,
+            "keel has no 8-bit base; LoRA trains on the base in "
+            "train.precision (more memory: `keel plan` shows it; adapter: qlora "
+            "quantises the base to 4 bits)",
+        )
+    else:
+        build.refused(key, "keel has no 8-bit base weights; use adapter: qlora (4-bit)")
+
+
+def _targets(build: Build, key: str, value, raw: dict) -> None:
+    if key == "lora_target_linear":
+        if value:
+            build.mapped(key, "method.lora.targets", "all-linear")
+        else:
+            build.ignored(key, "false: lora_target_modules names the targets")
+    elif raw.get("lora_target_linear"):
+        build.ignored(key, "lora_target_linear: true already targets every linear layer")
+    elif value is None:
+        build.ignored(key, "empty: Axolotl's default")
+    else:
+        build.mapped(key, "method.lora.targets", value)
+
+
+def _lora_model_dir(build: Build, key: str, value, raw: dict) -> None:
+    if value is None:
+        build.ignored(key, "empty: new adapters are trained")
+    else:
+        build.refused(
+            key, "keel trains new adapters; starting from a saved adapter folder is not supported"
+        )
+
+
+def _optimizer(build: Build, key: str, value, raw: dict) -> None:
+    if value in _OPTIMIZERS:
+        name, why = _OPTIMIZERS[value]
+        build.mapped(key, "train.optimizer", name, why)
+    else:
+        build.refused(
+            key,
+            f"keel's optimizers are AdamW in 32, 8 or 4 bits ({value!r} is "
+            f"not one); use optimizer: adamw_torch or adamw_8bit",
+        )
+
+
+def _scheduler(build: Build, key: str, value, raw: dict) -> None:
+    if value in _SCHEDULERS:
+        why = "warmup, then constant" if value == "constant_with_warmup" else ""
+        build.mapped(key, "train.scheduler", _SCHEDULERS[value], why)
+    else:
+        build.refused(key, f"keel's schedules are {', '.join(sorted(set(_SCHEDULERS)))}")
+
+
+def _precision(build: Build, key: str, value, raw: dict) -> None:
+    """bf16 and fp16 together decide train.precision (bf16 first, as in Axolotl)."""
+    bf16, fp16 = raw.get("bf16"), raw.get("fp16")
+    if key == "fp16" and bf16 not in (None, False):
+        if value:
+            build.refused(key, "bf16 and fp16 are both set; keep one")
+        else:
+            build.ignored(key, "false: bf16 decides the precision")
+        return
+    if key == "fp16":
+        build.mapped(key, "train.precision", "fp16" if value else "fp32")
+    elif value == "auto":
+        build.mapped(key, "train.precision", "auto", "bf16 where the device supports it")
+    elif value:
+        build.mapped(key, "train.precision", "bf16")
+    elif fp16:
+        build.ignored(key, "false: fp16 decides the precision")
+    else:
+        build.mapped(key, "train.precision", "fp32", "neither bf16 nor fp16")
+
+
+def _checkpointing(build: Build, key: str, value, raw: dict) -> None:
+    if value in (True, False, "offload"):
+        build.mapped(key, "train.gradient_checkpointing", value)
+    else:
+        build.refused(key, f"{value!r}: keel's choices are true, false and offload")
+
+
+def _attention(build: Build, key: str, value, raw: dict) -> None:
+    name = value if key == "attn_implementation" else key
+    if key != "attn_implementation" and not value:
+        build.ignored(key, "false: another attention setting (or keel's auto) decides")
+    elif name in _ATTENTION:
+        target, why = _ATTENTION[name]
+        build.mapped(key, "model.attn_implementation", target, why)
+    else:
+        build.refused(
+            key, f"{name!r}: keel's attention choices are auto, sdpa, eager and flash_attention_2"
+        )
+
+
+def _packing(build: Build, key: str, value, raw: dict) -> None:
+    if value and build.stage == "grpo":
+        build.ignored(key, "grpo trains on generated completions; prompt rows are never packed")
+    else:
+        build.mapped(key, "data.packing", bool(value))
+
+
+def _betas(build: Build, key: str, value, raw: dict) -> None:
+    betas = [_number(str(raw.get("adam_beta1", 0.9))), _number(str(raw.get("adam_beta2", 0.999)))]
+    build.mapped(key, "train.adam_betas", betas)
+
+
+def _steps(build: Build, key: str, value, raw: dict) -> None:
+    target = "output.save_every" if key == "save_steps" else "train.eval_every"
+    if value is None:
+        build.ignored(key, "empty: Axolotl's default")
+    elif isinstance(value, int):
+        build.mapped(key, target, value)
+    else:
+        build.refused(key, f"{value!r}: keel counts {target} in whole steps")
+
+
+def _loggers(build: Build, key: str, value, raw: dict) -> None:
+    if not value:
+        build.ignored(key, "false: not this logger")
+        return
+    logger = "tensorboard" if key == "use_tensorboard" else "wandb"
+    _add_logger(build, logger)
+    build.fates.append(KeyFate(key, "mapped", "output.loggers", f"jsonl and {logger}"))
+
+
+def _wandb(build: Build, key: str, value, raw: dict) -> None:
+    """A W&B project turns W&B logging on in Axolotl (use_wandb is implied)."""
+    if value is None:
+        build.ignored(key, "empty: no W&B logging")
+        return
+    build.mapped(key, DIRECT[key], value, "and wandb joins output.loggers")
+    _add_logger(build, "wandb")
+
+
+def _add_logger(build: Build, logger: str) -> None:
+    loggers = build.config.setdefault("output", {}).setdefault("loggers", ["jsonl"])
+    if logger not in loggers:
+        loggers.append(logger)
+
+
+def _auto_resume(build: Build, key: str, value, raw: dict) -> None:
+    if value:
+        build.mapped(key, "train.resume", "auto", "the newest complete checkpoint in output.dir")
+    else:
+        build.ignored(key, "false: resume_from_checkpoint decides")
+
+
+def _chat_template(build: Build, key: str, value, raw: dict) -> None:
+    if value in (None, "tokenizer_default"):
+        build.mapped(key, "data.template", "auto", "the tokenizer's own chat template")
+    elif value == "chatml":
+        build.mapped(key, "data.template", "chatml")
+    elif value in _FAMILY_TEMPLATES:
+        why = (
+            f"Axolotl's {value} is the {_FAMILY_TEMPLATES[value]} chat format; keel uses "
+            f"the tokenizer's own template, which is that format for a "
+            f"{_FAMILY_TEMPLATES[value]} tokenizer"
+        )
+        build.mapped(key, "data.template", "auto", why)
+    else:
+        build.refused(
+            key,
+            f"{value!r}: keel's templates are the tokenizer's own (auto), "
+            f"chatml, or a .jinja file (data.template)",
+        )
+
+
+_FAMILY_TEMPLATES = {
+    "llama3": "Llama 3 Instruct",
+    "llama3_2_vision": "Llama 3.2 Vision",
+    "llama4": "Llama 4",
+    "qwen_25": "Qwen2.5",
+    "qwen3": "Qwen3",
+    "mistral_v1": "Mistral",
+    "mistral_v2v3": "Mistral",
+    "mistral_v3_tekken": "Mistral",
+    "gemma": "Gemma",
+    "gemma3": "Gemma 3",
+    "phi_3": "Phi-3",
+    "phi_35": "Phi-3.5",
+    "cohere": "Command-R",
+    "deepseek_v2": "DeepSeek-V2",
+}
+
+
+def _special_tokens(build: Build, key: str, value, raw: dict) -> None:
+    if not value:
+        build.ignored(key, "empty: the tokenizer's own tokens")
+        return
+    whys = {
+        "pad_token": "keel pads with the tokenizer's pad token (else its eos); padding never "
+        "enters the loss",
+        "eos_token": "keel ends each turn with the chat template's own end token",
+    }
+    for name in value:
+        if name in whys:
+            build.ignored(f"{key}.{name}", whys[name])
+        else:
+            build.refused(f"{key}.{name}", "keel does not change the tokenizer's special tokens")
+
+
+def _fsdp(build: Build, key: str, value, raw: dict) -> None:
+    options = [value] if isinstance(value, str) else (value or [])
+    if "full_shard" in options or "shard_grad_op" in options:
+        build.mapped(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
+        if "shard_grad_op" in options:
+            build.set("distributed.fsdp.reshard_after_forward", False)
+    elif not options:
+        build.ignored(key, "empty: no FSDP")
+    else:
+        build.refused(key, f"{value!r}: keel's FSDP is full_shard (or shard_grad_op)")
+
+
+_FSDP_IGNORED = {
+    "version": "keel's FSDP is FSDP2",
+    "state_dict_type": "keel writes the final model as a Hugging Face folder and its "
+    "checkpoints in its own layout",
+    "transformer_layer_cls_to_wrap": "keel shards each decoder layer",
+    "auto_wrap_policy": "keel shards each decoder layer",
+    "limit_all_gathers": "an FSDP1 setting; FSDP2 has no such knob",
+    "sync_module_states": "keel loads the same weights on every process",
+    "use_orig_params": "an FSDP1 setting; FSDP2 keeps the original parameters",
+    "cpu_ram_efficient_loading": "keel loads the weights on the meta device, then shards them",
+    "backward_prefetch": "FSDP2 prefetches on its own",
+    "forward_prefetch": "FSDP2 prefetches on its own",
+}
+
+
+def _fsdp_config(build: Build, key: str, value, raw: dict) -> None:
+    if not isinstance(value, dict):
+        build.ignored(key, "empty") if value is None else build.refused(key, "must be a mapping")
+        return
+    if not raw.get("fsdp"):
+        build.set("distributed.strategy", "fsdp")  # Axolotl's newer configs use fsdp_config alone
+    for name, item in value.items():
+        short, dotted = name.removeprefix("fsdp_"), f"{key}.{name}"
+        if short == "offload_params":
+            build.mapped(dotted, "distributed.fsdp.cpu_offload", bool(item))
+        elif short == "reshard_after_forward":
+            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", bool(item))
+        elif short == "activation_checkpointing":
+            build.mapped(dotted, "train.gradient_checkpointing", bool(item))
+        elif short == "sharding_strategy" and item in ("FULL_SHARD", 1):
+            build.mapped(dotted, "distributed.strategy", "fsdp")
+        elif short == "sharding_strategy" and item in ("SHARD_GRAD_OP", 2):
+            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", False)
+        elif short in _FSDP_IGNORED:
+            build.ignored(dotted, _FSDP_IGNORED[short])
+        else:
+            build.refused(dotted, "an FSDP setting keel has no counterpart for; remove it")
+
+
+def _deepspeed(build: Build, key: str, value, raw: dict) -> None:
+    if value is None:
+        build.ignored(key, "empty: no DeepSpeed")
+        return
+    settings, fates = read_deepspeed(value, build.source, key)
+    for dotted, setting in settings.items():
+        build.set(dotted, setting)
+    if settings:
+        build.fates.append(KeyFate(key, "mapped", ", ".join(settings), "read the JSON"))
+    build.fates.extend(fates)
+
+
+def _datasets(build: Build, key: str, value, raw: dict) -> None:
+    translate_datasets(build, value)
+
+
+def _defaults(build: Build, raw: dict) -> None:
+    """Axolotl's defaults where they differ from keel's, written out and noted."""
+    if "adapter" not in raw:
+        build.set("method.type", "full")
+        build.notes.append("method.type = full (no adapter: Axolotl trains every weight)")
+    if raw.get("output_dir") is None:
+        build.set("output.dir", "./model-out")
+        build.notes.append("output.dir = ./model-out (Axolotl's default output_dir)")
+    if "datasets" not in raw:
+        build.set("data.datasets", [])  # keel reports the empty list with its fix
+
+
+_HANDLERS = {
+    "adapter": _adapter,
+    "load_in_4bit": _load_in_4bit,
+    "load_in_8bit": _load_in_8bit,
+    "lora_target_linear": _targets,
+    "lora_target_modules": _targets,
+    "lora_model_dir": _lora_model_dir,
+    "optimizer": _optimizer,
+    "lr_scheduler": _scheduler,
+    "bf16": _precision,
+    "fp16": _precision,
+    "gradient_checkpointing": _checkpointing,
+    "attn_implementation": _attention,
+    "flash_attention": _attention,
+    "sdp_attention": _attention,
+    "eager_attention": _attention,
+    "sample_packing": _packing,
+    "adam_beta1": _betas,
+    "adam_beta2": _betas,
+    "save_steps": _steps,
+    "eval_steps": _steps,
+    "use_wandb": _loggers,
+    "use_tensorboard": _loggers,
+    "wandb_project": _wandb,
+    "auto_resume_from_checkpoints": _auto_resume,
+    "chat_template": _chat_template,
+    "special_tokens": _special_tokens,
+    "fsdp": _fsdp,
+    "fsdp_config": _fsdp_config,
+    "deepspeed": _deepspeed,
+    "datasets": _datasets,
+}

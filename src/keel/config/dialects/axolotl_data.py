@@ -1,0 +1,251 @@
+"""Axolotl's `datasets:` entries as keel's data.datasets, and the builder both Axolotl modules
+write through. Each dataset key gets a fate named `datasets.<index>.<key>`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keel.config.dialects.report import KeyFate
+
+PAIR_STAGES = ("dpo", "orpo", "simpo", "rm")
+
+
+@dataclass
+class Build:
+    """The keel config being written and the fate of every Axolotl key so far."""
+
+    source: Path
+    stage: str
+    config: dict = field(default_factory=dict)
+    fates: list[KeyFate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, dotted: str, value) -> None:
+        """Set a keel key given dotted (`train.lr`) in the nested config."""
+        *sections, last = dotted.split(".")
+        node = self.config
+        for name in sections:
+            node = node.setdefault(name, {})
+        node[last] = value
+
+    def mapped(self, key: str, target: str, value, why: str = "") -> None:
+        self.set(target, value)
+        self.fates.append(KeyFate(key, "mapped", target, why))
+
+    def ignored(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "ignored", why=why))
+
+    def refused(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "refused", why=why))
+
+
+_ALPACA_WHY = (
+    "keel renders instruction/input/output through data.template (the chat template), "
+    "not Axolotl's fixed 'Below is an instruction...' prompt text"
+)
+_CHAT_WHY = "OpenAI-style messages rendered through data.template"
+_KTO_WHY = (
+    "TRL's prompt/completion/label rows; Axolotl's '{t}' applies its own template, keel "
+    "applies data.template"
+)
+_INTEL_WHY = "question/chosen/rejected/system rows: TRL's preference format with prompt=question"
+_FILE_TYPES = ("json", "jsonl", "csv", "parquet", "arrow", "text")
+_ROLE_TAGS = {
+    "system": "system_tag",
+    "user": "user_tag",
+    "assistant": "assistant_tag",
+    "tool": "observation_tag",
+}
+_COLUMNS = {
+    "field_messages": "messages",
+    "field_chosen": "chosen",
+    "field_rejected": "rejected",
+    "field_system": "system",
+    "field_instruction": "prompt",
+    "field_input": "query",
+    "field_output": "response",
+    "field": "prompt",
+}
+_PROPERTY_TAGS = {"role": "role_tag", "content": "content_tag"}
+_LEGACY_TAGS = {"message_field_role": "role_tag", "message_field_content": "content_tag"}
+
+
+def dataset_stage(datasets) -> str | None:
+    """pt when every dataset is `type: completion` (raw text), else None (the rl key or
+    sft decides)."""
+    if not isinstance(datasets, list) or not datasets:
+        return None
+    kinds = [entry.get("type") if isinstance(entry, dict) else None for entry in datasets]
+    return "pt" if all(kind == "completion" for kind in kinds) else None
+
+
+def translate_datasets(build: Build, value) -> None:
+    """`datasets:` -> data.datasets, one keel dataset per entry."""
+    if not isinstance(value, list) or not value:
+        build.refused("datasets", f"{value!r} must be a list of datasets (path:, type:)")
+        return
+    out = []
+    for index, entry in enumerate(value):
+        prefix = f"datasets.{index}"
+        if isinstance(entry, str):
+            build.fates.append(KeyFate(prefix, "mapped", f"data.datasets.{index}.path"))
+            out.append({"path": entry})
+        elif isinstance(entry, dict):
+            out.append(_dataset(build, prefix, index, entry))
+        else:
+            build.refused(prefix, f"{entry!r} must be a mapping with path: and type:")
+    build.set("data.datasets", out)
+
+
+def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
+    ds: dict = {}
+    target = f"data.datasets.{index}"
+    for key, value in entry.items():
+        name = f"{prefix}.{key}"
+        if key == "path":
+            ds["path"] = value
+            build.fates.append(KeyFate(name, "mapped", f"{target}.path"))
+        elif key == "type":
+            _type(build, name, value, ds, target)
+        elif key in ("split", "revision"):
+            ds[key] = value
+            build.fates.append(KeyFate(name, "mapped", f"{target}.{key}"))
+        elif key in _COLUMNS:
+            ds.setdefault("columns", {})[_COLUMNS[key]] = value
+            build.fates.append(KeyFate(name, "mapped", f"{target}.columns.{_COLUMNS[key]}"))
+        else:
+            _other_key(build, name, key, value, ds, target)
+    return ds
+
+
+def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) -> None:
+    if value is None:
+        build.ignored(name, "empty: Axolotl's default")
+    elif key == "ds_type":
+        _ds_type(build, name, value)
+    elif key == "data_files":
+        _data_files(build, name, value, ds, target)
+    elif key in _LEGACY_TAGS:
+        ds.setdefault("tags", {})[_LEGACY_TAGS[key]] = value
+        build.fates.append(KeyFate(name, "mapped", f"{target}.tags.{_LEGACY_TAGS[key]}"))
+    elif key == "message_property_mappings" and isinstance(value, dict):
+        _tags(build, name, value, _PROPERTY_TAGS, ds, target)
+    elif key == "roles" and isinstance(value, dict):
+        _roles(build, name, value, ds, target)
+    elif key == "roles_to_train":
+        _roles_to_train(build, name, value)
+    elif key == "train_on_eos":
+        _train_on_eos(build, name, value)
+    elif key == "name":
+        build.refused(
+            name,
+            "keel reads a Hub dataset's default configuration; a named "
+            "subset is not supported: save that subset to a file and give its path",
+        )
+    else:
+        build.refused(name, "an Axolotl dataset key keel has no counterpart for; remove it")
+
+
+def _type(build: Build, name: str, kind, ds: dict, target: str) -> None:
+    fmt, columns, why = _format_of(kind, build.stage)
+    if fmt is None:
+        build.refused(name, why)
+        return
+    ds["format"] = fmt
+    if columns:
+        ds.setdefault("columns", {}).update(columns)
+    build.fates.append(KeyFate(name, "mapped", f"{target}.format", why))
+
+
+def _format_of(kind, stage: str) -> tuple[str | None, dict, str]:
+    """(keel format or None when refused, default columns, why) for Axolotl's `type`."""
+    if kind == "alpaca":
+        return "alpaca", {}, _ALPACA_WHY
+    if kind == "completion":
+        return "text", {}, "raw text, every token trained: keel's text format (train.stage pt)"
+    if kind == "sharegpt":
+        return "sharegpt", {}, "conversations with from/value (human/gpt)"
+    if kind in ("chat_template", "chat_template.default"):
+        why = _CHAT_WHY + (
+            ", chosen/rejected as one assistant message each" if stage in PAIR_STAGES else ""
+        )
+        return "messages", {}, why
+    if isinstance(kind, str) and kind.endswith(".ultra") and stage == "kto":
+        return "kto", {}, _KTO_WHY.format(t=kind)
+    if kind in ("chatml.intel", "llama3.intel") and stage in PAIR_STAGES:
+        return "preference", {"prompt": "question"}, _INTEL_WHY
+    if kind == "chat_template.argilla":
+        return (
+            None,
+            {},
+            (
+                "its rows repeat the prompt inside chosen and rejected beside a prompt column; "
+                "keel's preference format would read the prompt twice. Drop the prompt column "
+                "and use type: chat_template.default with field_chosen/field_rejected"
+            ),
+        )
+    return (
+        None,
+        {},
+        (
+            f"the prompt strategy {kind!r} is Axolotl code keel does not run; use type: "
+            f"alpaca, chat_template, sharegpt or completion (or convert the rows)"
+        ),
+    )
+
+
+def _ds_type(build: Build, name: str, value) -> None:
+    if value in _FILE_TYPES:
+        build.ignored(name, "keel reads the file type from the file's extension")
+    else:
+        build.refused(name, f"{value!r} is not a file type keel reads ({', '.join(_FILE_TYPES)})")
+
+
+def _data_files(build: Build, name: str, value, ds: dict, target: str) -> None:
+    files = [value] if isinstance(value, str) else value
+    if isinstance(files, list) and len(files) == 1 and isinstance(files[0], str):
+        ds["path"] = files[0]
+        why = "keel reads that one file (it replaces path)"
+        build.fates.append(KeyFate(name, "mapped", f"{target}.path", why))
+        return
+    build.refused(name, "keel reads one file per dataset; list each file as its own dataset")
+
+
+def _tags(build: Build, name: str, value: dict, names: dict, ds: dict, target: str) -> None:
+    for prop, column in value.items():
+        key = f"{name}.{prop}"
+        if prop in names:
+            ds.setdefault("tags", {})[names[prop]] = column
+            build.fates.append(KeyFate(key, "mapped", f"{target}.tags.{names[prop]}"))
+        else:
+            build.refused(key, "keel's messages read role and content only")
+
+
+def _roles(build: Build, name: str, value: dict, ds: dict, target: str) -> None:
+    for role, aliases in value.items():
+        key = f"{name}.{role}"
+        aliases = [aliases] if isinstance(aliases, str) else aliases
+        if role not in _ROLE_TAGS:
+            build.refused(key, f"keel's roles are {', '.join(_ROLE_TAGS)}")
+        elif not isinstance(aliases, list) or len(aliases) != 1:
+            build.refused(key, "keel's messages name one value per role; rewrite the rows")
+        else:
+            ds.setdefault("tags", {})[_ROLE_TAGS[role]] = aliases[0]
+            build.fates.append(KeyFate(key, "mapped", f"{target}.tags.{_ROLE_TAGS[role]}"))
+
+
+def _roles_to_train(build: Build, name: str, value) -> None:
+    if value in (["assistant"], ["gpt"], "assistant"):
+        build.ignored(name, "keel trains on the assistant turns, as this asks")
+    else:
+        build.refused(name, "keel trains on assistant turns only")
+
+
+def _train_on_eos(build: Build, name: str, value) -> None:
+    if value == "turn":
+        build.ignored(
+            name, "Axolotl's default: each trained turn's end token is a target, as in keel"
+        )
+    else:
+        build.refused(name, "keel trains the end token of every assistant turn (turn)")

@@ -1,0 +1,137 @@
+"""A DeepSpeed JSON as keel's distributed settings: ZeRO-3 shards everything (FSDP2),
+ZeRO-2/1/0 keep a full replica per process (DDP); CPU offload of ZeRO-3 is FSDP2's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from keel.config.dialects.report import KeyFate
+
+_AUTO = "auto: the trainer fills it from the YAML's own keys, which keel maps"
+_TUNING = "DeepSpeed's communication tuning; keel's DDP and FSDP2 choose their own buckets"
+_IGNORED = {
+    "train_batch_size": _AUTO,
+    "train_micro_batch_size_per_gpu": _AUTO,
+    "gradient_accumulation_steps": _AUTO,
+    "zero_allow_untested_optimizer": "keel builds its own optimizer (train.optimizer)",
+    "bf16": "precision comes from the YAML's bf16/fp16 keys (train.precision)",
+    "fp16": "precision comes from the YAML's bf16/fp16 keys (train.precision); keel's fp16 "
+    "uses dynamic loss scaling",
+    "zero_optimization.allgather_partitions": _TUNING,
+    "zero_optimization.allgather_bucket_size": _TUNING,
+    "zero_optimization.overlap_comm": _TUNING,
+    "zero_optimization.reduce_scatter": _TUNING,
+    "zero_optimization.reduce_bucket_size": _TUNING,
+    "zero_optimization.contiguous_gradients": _TUNING,
+    "zero_optimization.round_robin_gradients": _TUNING,
+    "zero_optimization.sub_group_size": _TUNING,
+    "zero_optimization.stage3_prefetch_bucket_size": _TUNING,
+    "zero_optimization.stage3_param_persistence_threshold": _TUNING,
+    "zero_optimization.stage3_max_live_parameters": _TUNING,
+    "zero_optimization.stage3_max_reuse_distance": _TUNING,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "keel always saves the "
+    "full model in Hugging Face format",
+}
+
+
+def read_deepspeed(value, source: Path, key: str) -> tuple[dict, list[KeyFate]]:
+    """(keel settings as {dotted keel key: value}, the fate of `key` and of every key in the
+    JSON, dotted under `key`). `value` is their path (relative to the working directory, as
+    the HF Trainer reads it, else to the folder of `source`) or the JSON as a mapping."""
+    config, problem = _load(value, source)
+    if problem:
+        return {}, [KeyFate(key, "refused", why=problem)]
+    settings: dict = {}
+    fates = [_zero_stage(config, settings, key)]
+    for name, item in _flatten(config):
+        if name in ("zero_optimization.stage", "zero_optimization"):
+            continue
+        fates.append(_one_key(name, item, config, settings, key))
+    return settings, fates
+
+
+def _load(value, source: Path) -> tuple[dict, str]:
+    if isinstance(value, dict):
+        return value, ""
+    if not isinstance(value, str):
+        return {}, f"{value!r} must be the path to a DeepSpeed JSON file"
+    tried = [Path(value)] if Path(value).is_absolute() else [Path(value), source.parent / value]
+    found = next((path for path in tried if path.is_file()), None)
+    if found is None:
+        where = " or ".join(str(path) for path in tried)
+        return {}, f"the DeepSpeed config {value} is not at {where}"
+    try:
+        loaded = json.loads(found.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, f"{found} is not a readable JSON file ({exc})"
+    if not isinstance(loaded, dict):
+        return {}, f"{found} must hold a JSON object"
+    return loaded, ""
+
+
+def _zero_stage(config: dict, settings: dict, key: str) -> KeyFate:
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else None
+    name = f"{key}.zero_optimization.stage"
+    if stage == 3:
+        settings["distributed.strategy"] = "fsdp"
+        why = "ZeRO-3 shards parameters, gradients and optimizer state: FSDP2 does the same"
+        return KeyFate(name, "mapped", "distributed.strategy", why)
+    if stage in (0, 1, 2):
+        settings["distributed.strategy"] = "ddp"
+        why = (
+            f"ZeRO-{stage} keeps a full copy of the weights on every process, as DDP does "
+            "(keel's DDP does not shard the optimizer state; `keel plan` shows the memory)"
+        )
+        return KeyFate(name, "mapped", "distributed.strategy", why)
+    return KeyFate(name, "refused", why=f"ZeRO stage {stage!r} is not 0, 1, 2 or 3")
+
+
+def _one_key(name: str, item, config: dict, settings: dict, key: str) -> KeyFate:
+    dotted = f"{key}.{name}"
+    if name in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
+        return _offload(dotted, item, config, settings)
+    if name == "gradient_clipping":
+        if item == "auto":
+            return KeyFate(dotted, "ignored", why=_AUTO)
+        settings["train.max_grad_norm"] = item
+        return KeyFate(dotted, "mapped", "train.max_grad_norm")
+    top = name.split(".")[0]
+    why = _IGNORED.get(name) or _IGNORED.get(top)
+    if why:
+        return KeyFate(dotted, "ignored", why=why)
+    return KeyFate(
+        dotted,
+        "refused",
+        why="a DeepSpeed setting keel has no counterpart for; remove it from the JSON",
+    )
+
+
+def _offload(dotted: str, item, config: dict, settings: dict) -> KeyFate:
+    device = item.get("device", "none") if isinstance(item, dict) else "none"
+    if device == "none":
+        return KeyFate(dotted, "ignored", why="device none: nothing is offloaded")
+    if device != "cpu":
+        return KeyFate(dotted, "refused", why=f"offload to {device}: keel offloads to CPU only")
+    if config.get("zero_optimization", {}).get("stage") == 3:
+        settings["distributed.fsdp.cpu_offload"] = True
+        why = "FSDP2's CPU offload keeps parameters, gradients and optimizer state in CPU memory"
+        return KeyFate(dotted, "mapped", "distributed.fsdp.cpu_offload", why)
+    why = (
+        "keel's DDP keeps the optimizer on the device; CPU offload needs ZeRO-3 "
+        "(distributed.strategy fsdp with distributed.fsdp.cpu_offload)"
+    )
+    return KeyFate(dotted, "ignored", why=why)
+
+
+def _flatten(config: dict, prefix: str = ""):
+    """(dotted name, value) of every leaf, except that offload blocks and the bf16/fp16
+    blocks count as one key each."""
+    for name, value in config.items():
+        dotted = f"{prefix}{name}"
+        whole = dotted in ("bf16", "fp16") or dotted.startswith("zero_optimization.offload_")
+        if isinstance(value, dict) and value and not whole:
+            yield from _flatten(value, dotted + ".")
+        else:
+            yield dotted, value

@@ -1,0 +1,310 @@
+"""The rules for LLaMA-Factory's model, method and simple one-to-one keys (meanings from its
+hparams dataclasses and the Hugging Face training arguments it extends): map the key to keel
+keys, ignore it saying why, or refuse it saying why. `Build` holds what they write."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keel.config.dialects.report import KeyFate
+from keel.config.dialects.templates import template_fate
+
+
+@dataclass(kw_only=True)
+class Build:
+    """The keel config being written and the fate of each of their keys."""
+
+    raw: dict
+    source: Path
+    config: dict = field(default_factory=dict)
+    fates: list[KeyFate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, dotted: str, value) -> None:
+        *sections, name = dotted.split(".")
+        node = self.config
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+
+    def put(self, key: str, target: str, value, why: str = "") -> None:
+        self.set(target, value)
+        self.mapped(key, target, why)
+
+    def mapped(self, key: str, target: str, why: str = "") -> None:
+        self.fates.append(KeyFate(key, "mapped", target, why))
+
+    def ignored(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "ignored", why=why))
+
+    def refused(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "refused", why=why))
+
+    def default(self, key: str, target: str, value, meaning: str) -> None:
+        """Their default for `key` (left out) where keel's differs: write theirs."""
+        if key not in self.raw:
+            self.set(target, value)
+            self.notes.append(f"{target} = {value}: {meaning}")
+
+    @property
+    def stage(self) -> str | None:
+        """keel's stage for their stage (+ pref_loss), None where keel has none."""
+        stage = self.raw.get("stage", "sft")
+        if stage == "dpo":
+            return {"orpo": "orpo", "simpo": "simpo"}.get(self.raw.get("pref_loss"), "dpo")
+        return stage if stage in ("pt", "sft", "rm", "kto") else None
+
+
+Rule = Callable[[Build, str, object], None]
+
+_DIRECT = {
+    "model_name_or_path": "model.path",
+    "trust_remote_code": "model.trust_remote_code",
+    "model_revision": "model.revision",
+    "image_max_pixels": "model.vision.image_max_pixels",
+    "image_min_pixels": "model.vision.image_min_pixels",
+    "freeze_vision_tower": "model.vision.freeze_tower",
+    "freeze_multi_modal_projector": "model.vision.freeze_projector",
+    "lora_rank": "method.lora.r",
+    "lora_dropout": "method.lora.dropout",
+    "cutoff_len": "data.cutoff_len",
+    "val_size": "data.val_size",
+    "preprocessing_num_workers": "data.num_proc",
+    "output_dir": "output.dir",
+    "overwrite_output_dir": "output.overwrite",
+    "logging_steps": "output.log_every",
+    "save_steps": "output.save_every",
+    "save_total_limit": "output.keep_last",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "learning_rate": "train.lr",
+    "num_train_epochs": "train.epochs",
+    "warmup_ratio": "train.warmup_ratio",
+    "warmup_steps": "train.warmup_steps",
+    "weight_decay": "train.weight_decay",
+    "max_grad_norm": "train.max_grad_norm",
+    "seed": "train.seed",
+    "adam_epsilon": "train.adam_eps",
+    "eval_steps": "train.eval_every",
+}
+
+_IGNORED = {
+    "plot_loss": "keel writes the loss to metrics.jsonl in output.dir every output.log_every "
+    "steps; plot it from there",
+    "dataloader_num_workers": "keel tokenizes before training and builds batches in the "
+    "training process; there are no loader workers",
+    "ddp_timeout": "keel's watchdog reports a hang after watchdog.hang_timeout_s seconds "
+    "(120 by default) and distributed.timeout_s fails a stuck collective, so a timeout of "
+    "days is not needed",
+    "save_only_model": "keel's checkpoints always hold the optimizer and data state, so a "
+    "resumed run continues exactly; the final model is saved in Hugging Face format",
+    "per_device_eval_batch_size": "keel evaluates with train.micro_batch_size",
+    "overwrite_cache": "keel keeps no LLaMA-Factory dataset cache to overwrite",
+    "tokenized_path": "keel tokenizes the datasets as part of the run; it neither writes nor "
+    "reads a tokenized copy",
+    "video_max_pixels": "keel's vision-language data holds images only",
+    "video_min_pixels": "keel's vision-language data holds images only",
+    "double_quantization": "keel's NF4 base (torchao) quantises the block scales as well",
+    "compute_accuracy": "keel's evaluation reports the loss",
+    "ddp_find_unused_parameters": "keel's DDP wraps only the weights that train",
+    "enable_liger_kernel": "keel computes the output layer and cross-entropy in chunks itself "
+    "(train.loss_chunk_size)",
+    "use_unsloth": "keel uses its own training step; Unsloth's patches are not applied",
+}
+
+# Feature switches keel has no counterpart for: off is keel's behaviour, on is refused.
+_SWITCHES = {
+    "use_dora": "DoRA adapters are not available; use LoRA",
+    "use_rslora": "rank-stabilised LoRA scaling is not available; keel scales by alpha / r",
+    "pissa_init": "PiSSA initialisation is not available",
+    "use_galore": "GaLore is not available",
+    "use_badam": "BAdam is not available",
+    "use_apollo": "APOLLO is not available",
+    "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw or adamw_8bit",
+    "use_muon": "Muon is not available",
+    "use_llama_pro": "LLaMA Pro block expansion is not available",
+    "train_on_prompt": "keel trains on the responses only (the prompt is masked)",
+    "mask_history": "keel trains on every assistant turn, not only the last one",
+    "streaming": "keel reads the datasets whole (data.max_samples limits them)",
+    "freeze_language_model": "keel trains the language model",
+    "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
+    "use_dft_loss": "the DFT loss is not available",
+    "use_asft_loss": "the ASFT loss is not available",
+    "use_eaft_loss": "the EAFT loss is not available",
+}
+
+
+def _direct(build: Build, key: str, value) -> None:
+    if value is None:
+        build.ignored(key, "null: keel's default")
+    elif key == "freeze_trainable_layers" and isinstance(value, int) and value < 0:
+        build.refused(key, f"{value}: keel trains the last N layers, not the first")
+    elif key == "save_steps" and isinstance(value, float) and value < 1:
+        build.refused(key, f"{value}: a fraction of the run; keel saves every N steps")
+    else:
+        build.put(key, _DIRECT.get(key, "method.freeze.trainable_layers"), value)
+
+
+def _switch(build: Build, key: str, value) -> None:
+    if key == "do_predict" or value:
+        build.refused(key, _SWITCHES[key]) if value else build.ignored(key, "false")
+    else:
+        build.ignored(key, f"false: {_SWITCHES[key]}")
+
+
+def _stage(build: Build, key: str, value) -> None:
+    stage = build.stage
+    if stage is None:
+        why = "keel's stages are pt, sft, rm, dpo, orpo, simpo, kto and grpo"
+        if value == "ppo":
+            why = "PPO is not available; keel's online RL stage is grpo (train.stage grpo)"
+        build.refused(key, why)
+        return
+    build.put(key, "train.stage", stage)
+
+
+def _pref_loss(build: Build, key: str, value) -> None:
+    if value in ("orpo", "simpo"):
+        build.mapped(key, "train.stage", f"keel's {value} stage")
+    elif value in ("sigmoid", "hinge", "ipo") and build.stage == "dpo":
+        build.put(key, "dpo.loss_type", value)
+    elif value in ("sigmoid", "hinge", "ipo"):
+        build.ignored(key, f"read by stage dpo only (this is {build.stage})")
+    else:
+        build.refused(
+            key, f"{value}: keel's preference losses are sigmoid, hinge, ipo, orpo, simpo"
+        )
+
+
+_STAGE_KEYS = {  # their key -> (stages that read it, keel key under the stage's section)
+    "pref_beta": (("dpo", "orpo", "simpo", "kto"), "beta"),
+    "dpo_label_smoothing": (("dpo", "simpo"), "label_smoothing"),
+    "simpo_gamma": (("simpo",), "gamma"),
+    "kto_chosen_weight": (("kto",), "desirable_weight"),
+    "kto_rejected_weight": (("kto",), "undesirable_weight"),
+}
+
+
+def _stage_setting(build: Build, key: str, value) -> None:
+    stages, name = _STAGE_KEYS[key]
+    if build.stage in stages:
+        build.put(key, f"{build.stage}.{name}", value)
+    else:
+        build.ignored(key, f"read by stage {' and '.join(stages)} only (this is {build.stage})")
+
+
+def _pref_ftx(build: Build, key: str, value) -> None:
+    if not value:
+        build.ignored(key, "0: no SFT term, as keel's dpo")
+    else:
+        why = "an SFT term beside the preference loss is not available (orpo has one built in)"
+        build.refused(key, why)
+
+
+def _finetuning_type(build: Build, key: str, value) -> None:
+    if value not in ("lora", "full", "freeze"):
+        build.refused(key, f"{value}: keel's methods are lora, qlora, full and freeze")
+    elif value == "lora" and build.raw.get("quantization_bit") == 4:
+        build.put(key, "method.type", "qlora", "LoRA on a 4-bit base (quantization_bit: 4)")
+    else:
+        build.put(key, "method.type", value)
+
+
+def _quantization(build: Build, key: str, value) -> None:
+    lora = build.raw.get("finetuning_type", "lora") == "lora"
+    if key == "quantization_bit":
+        if value is None:
+            build.ignored(key, "null: no quantisation")
+        elif value == 4 and lora:
+            build.mapped(key, "method.type", "qlora: an NF4 base under LoRA")
+        else:
+            build.refused(key, f"{value}: keel quantises the base to 4 bits (NF4) under LoRA only")
+    elif key == "quantization_method":
+        if value == "bnb":
+            why = "NF4 as bitsandbytes stores it, through torchao (quant_backend bnb: itself)"
+            build.put(key, "method.qlora.quant", "nf4", why)
+        else:
+            build.refused(key, f"{value}: keel's 4-bit base is NF4 (bitsandbytes or torchao)")
+    elif value == "nf4":
+        build.put(key, "method.qlora.quant", "nf4")
+    else:
+        build.refused(key, f"{value}: keel's 4-bit base is NF4 only")
+
+
+def _lora_alpha(build: Build, key: str, value) -> None:
+    if value is None:
+        build.ignored(key, "null: 2 x lora_rank, written by the defaults below")
+    else:
+        build.put(key, "method.lora.alpha", value)
+
+
+def _lora_target(build: Build, key: str, value) -> None:
+    names = [name.strip() for name in str(value).split(",") if name.strip()]
+    if names == ["all"]:
+        build.put(key, "method.lora.targets", "all-linear", "all: every linear layer")
+    else:
+        build.put(key, "method.lora.targets", names)
+
+
+def _freeze_modules(build: Build, key: str, value) -> None:
+    names = [name.strip() for name in str(value or "").split(",") if name.strip()]
+    if key == "freeze_extra_modules":
+        if names:
+            build.put(key, "method.freeze.trainable_modules", names)
+        else:
+            build.ignored(key, "empty")
+    elif names == ["all"]:
+        build.ignored(key, "all: keel trains every module of the trainable layers")
+    else:
+        build.refused(key, "keel trains whole layers; only `all` can be honoured")
+
+
+def _additional_target(build: Build, key: str, value) -> None:
+    if value:
+        build.refused(key, "LoRA with fully trained extra modules is not available")
+    else:
+        build.ignored(key, "empty")
+
+
+def _flash_attn(build: Build, key: str, value) -> None:
+    choices = {"auto": "auto", "sdpa": "sdpa", "fa2": "flash_attention_2", "disabled": "eager"}
+    if value in choices:
+        build.put(key, "model.attn_implementation", choices[value])
+    else:
+        build.refused(key, f"{value}: keel has auto, sdpa, fa2 (flash_attention_2), disabled")
+
+
+def _template(build: Build, key: str, value) -> None:
+    fate, template = template_fate(key, value)
+    if template is not None:
+        build.set("data.template", template)
+    build.fates.append(fate)
+
+
+def _ignore(build: Build, key: str, _value) -> None:
+    build.ignored(key, _IGNORED[key])
+
+
+KEY_RULES: dict[str, Rule] = {
+    **{key: _direct for key in _DIRECT},
+    "freeze_trainable_layers": _direct,
+    **{key: _switch for key in _SWITCHES},
+    **{key: _stage_setting for key in _STAGE_KEYS},
+    **{key: _ignore for key in _IGNORED},
+    "stage": _stage,
+    "pref_loss": _pref_loss,
+    "pref_ftx": _pref_ftx,
+    "finetuning_type": _finetuning_type,
+    "quantization_bit": _quantization,
+    "quantization_method": _quantization,
+    "quantization_type": _quantization,
+    "lora_alpha": _lora_alpha,
+    "lora_target": _lora_target,
+    "freeze_trainable_modules": _freeze_modules,
+    "freeze_extra_modules": _freeze_modules,
+    "additional_target": _additional_target,
+    "flash_attn": _flash_attn,
+    "template": _template,
+}

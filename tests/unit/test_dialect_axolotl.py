@@ -1,0 +1,259 @@
+"""Axolotl configs as keel configs: the whole mapping of one shipped example (golden), every
+fixture (copies of Axolotl's own examples) translated with no refusal and accepted by
+keel's loader, and the keys whose fate depends on their value."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.config import load_config
+from keel.config.dialects import detect_dialect, translate
+from keel.config.dialects.axolotl import translate_axolotl
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "dialects" / "axolotl"
+CONFIGS = sorted(p for p in FIXTURES.iterdir() if p.suffix in (".yml", ".yaml"))
+
+
+def _read(path: Path, tmp_path: Path) -> dict:
+    """The fixture with its placeholders filled: a bundled model and a local data file."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("{}\n")
+    text = path.read_text().replace("{model}", "bundled:smollm2-135m-instruct")
+    return yaml.safe_load(text.replace("{data}", str(data)))
+
+
+def _fates(raw: dict, source: Path = FIXTURES / "x.yml") -> dict:
+    return {f.key: f for f in translate_axolotl(raw, source).fates}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_each_fixture_translates_without_refusal_and_loads(path, tmp_path):
+    raw = _read(path, tmp_path)
+    assert detect_dialect(raw) == "axolotl"
+    translation = translate(raw, path)
+    assert translation.refused() == []
+    assert {f.key.split(".")[0] for f in translation.fates} == set(map(str, raw))
+    cfg = load_config(None, base=translation.config)
+    assert cfg.model.path == "bundled:smollm2-135m-instruct"
+
+
+GOLDEN_FATES = [
+    ("base_model", "mapped", "model.path"),
+    ("datasets.0.path", "mapped", "data.datasets.0.path"),
+    ("datasets.0.type", "mapped", "data.datasets.0.format"),
+    ("val_set_size", "mapped", "data.val_size"),
+    ("output_dir", "mapped", "output.dir"),
+    ("adapter", "mapped", "method.type"),
+    ("lora_model_dir", "ignored", ""),
+    ("sequence_len", "mapped", "data.cutoff_len"),
+    ("sample_packing", "mapped", "data.packing"),
+    ("eval_sample_packing", "ignored", ""),
+    ("lora_r", "mapped", "method.lora.r"),
+    ("lora_alpha", "mapped", "method.lora.alpha"),
+    ("lora_dropout", "mapped", "method.lora.dropout"),
+    ("lora_target_modules", "mapped", "method.lora.targets"),
+    ("wandb_project", "ignored", ""),
+    ("wandb_entity", "ignored", ""),
+    ("wandb_watch", "ignored", ""),
+    ("wandb_name", "ignored", ""),
+    ("wandb_log_model", "ignored", ""),
+    ("gradient_accumulation_steps", "mapped", "train.grad_accum"),
+    ("micro_batch_size", "mapped", "train.micro_batch_size"),
+    ("num_epochs", "mapped", "train.epochs"),
+    ("optimizer", "mapped", "train.optimizer"),
+    ("lr_scheduler", "mapped", "train.scheduler"),
+    ("learning_rate", "mapped", "train.lr"),
+    ("bf16", "mapped", "train.precision"),
+    ("tf32", "ignored", ""),
+    ("gradient_checkpointing", "mapped", "train.gradient_checkpointing"),
+    ("resume_from_checkpoint", "ignored", ""),
+    ("logging_steps", "mapped", "output.log_every"),
+    ("attn_implementation", "mapped", "model.attn_implementation"),
+    ("loss_watchdog_threshold", "ignored", ""),
+    ("loss_watchdog_patience", "ignored", ""),
+    ("warmup_ratio", "mapped", "train.warmup_ratio"),
+    ("evals_per_epoch", "ignored", ""),
+    ("saves_per_epoch", "ignored", ""),
+    ("weight_decay", "mapped", "train.weight_decay"),
+    ("special_tokens.pad_token", "ignored", ""),
+]
+GOLDEN_CONFIG = {
+    "train": {
+        "stage": "sft",
+        "grad_accum": 2,
+        "micro_batch_size": 2,
+        "epochs": 1,
+        "optimizer": "adamw_8bit",
+        "scheduler": "cosine",
+        "lr": 0.0002,
+        "precision": "auto",
+        "gradient_checkpointing": True,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.0,
+    },
+    "model": {"path": "{model}", "attn_implementation": "auto"},
+    "data": {
+        "datasets": [{"path": "{data}", "format": "alpaca"}],
+        "val_size": 0.1,
+        "cutoff_len": 2048,
+        "packing": True,
+    },
+    "output": {"dir": "./outputs/lora-out", "log_every": 1},
+    "method": {
+        "type": "lora",
+        "lora": {
+            "r": 16,
+            "alpha": 32,
+            "dropout": 0.05,
+            "targets": [
+                "gate_proj",
+                "down_proj",
+                "up_proj",
+                "q_proj",
+                "v_proj",
+                "k_proj",
+                "o_proj",
+            ],
+        },
+    },
+}
+
+
+def test_golden_mapping_of_llama3_lora_1b():
+    path = FIXTURES / "llama-3-lora-1b.yml"
+    translation = translate_axolotl(yaml.safe_load(path.read_text()), path)
+    assert [(f.key, f.fate, f.target) for f in translation.fates] == GOLDEN_FATES
+    assert all(f.why for f in translation.fates if f.fate != "mapped")
+    assert translation.config == GOLDEN_CONFIG
+    assert translation.notes == []
+
+
+def test_no_adapter_is_full_fine_tuning_noted():
+    translation = translate_axolotl({"base_model": "m", "datasets": [{"path": "d"}]}, FIXTURES)
+    assert translation.config["method"] == {"type": "full"}
+    assert translation.config["output"]["dir"] == "./model-out"
+    assert any("method.type = full" in note for note in translation.notes)
+
+
+def test_unknown_and_unsupported_keys_are_refused():
+    raw = {
+        "base_model": "m",
+        "datasets": [{"path": "d", "type": "chat_template.argilla"}, {"path": "e", "type": {}}],
+        "made_up_key": 1,
+        "optimizer": "lion_8bit",
+        "lr_scheduler": "rex",
+        "load_in_4bit": True,
+        "special_tokens": {"bos_token": "<s>"},
+    }
+    refused = {f.key for f in translate_axolotl(raw, FIXTURES).refused()}
+    assert refused == {
+        "datasets.0.type",
+        "datasets.1.type",
+        "made_up_key",
+        "optimizer",
+        "lr_scheduler",
+        "load_in_4bit",
+        "special_tokens.bos_token",
+    }
+
+
+def test_chat_template_dataset_keys_become_columns_and_tags():
+    raw = {
+        "base_model": "m",
+        "rl": "dpo",
+        "rl_beta": 0.2,
+        "datasets": [
+            {
+                "path": "d",
+                "type": "chat_template.default",
+                "field_messages": "conversation",
+                "field_chosen": "good",
+                "message_property_mappings": {"role": "from", "content": "value"},
+                "roles": {"user": ["human"], "assistant": ["gpt"]},
+            }
+        ],
+    }
+    t = translate_axolotl(raw, FIXTURES)
+    assert t.refused() == []
+    assert t.config["data"]["datasets"] == [
+        {
+            "path": "d",
+            "format": "messages",
+            "columns": {"messages": "conversation", "chosen": "good"},
+            "tags": {
+                "role_tag": "from",
+                "content_tag": "value",
+                "user_tag": "human",
+                "assistant_tag": "gpt",
+            },
+        }
+    ]
+    assert t.config["train"]["stage"] == "dpo" and t.config["dpo"] == {"beta": 0.2}
+
+
+def test_precision_from_bf16_and_fp16():
+    def precision(**keys):
+        t = translate_axolotl({"base_model": "m", **keys}, FIXTURES)
+        return t.config["train"].get("precision"), [f.key for f in t.refused()]
+
+    assert precision(bf16="auto") == ("auto", [])
+    assert precision(bf16=True, fp16=False) == ("bf16", [])
+    assert precision(bf16=False, fp16=True) == ("fp16", [])
+    assert precision(bf16=False, fp16=False) == ("fp32", [])
+    assert precision(bf16=True, fp16=True) == ("bf16", ["fp16"])
+
+
+def test_grpo_trl_section_and_reward_functions(tmp_path):
+    (tmp_path / "rewards.py").write_text("def accuracy_reward(completions, **kw): ...\n")
+    raw = {
+        "base_model": "m",
+        "rl": "grpo",
+        "sample_packing": True,
+        "datasets": [{"path": "d", "type": "chat_template"}],
+        "trl": {
+            "beta": 0.04,
+            "num_generations": 4,
+            "max_completion_length": 64,
+            "reward_funcs": ["rewards.accuracy_reward", "keel.rewards.format"],
+            "reward_weights": [1.0, 0.5],
+            "use_vllm": True,
+        },
+    }
+    t = translate_axolotl(raw, tmp_path / "config.yml")
+    assert t.refused() == []
+    assert t.config["grpo"] == {
+        "beta": 0.04,
+        "num_generations": 4,
+        "max_completion_length": 64,
+        "rewards": ["rewards.py:accuracy_reward", "keel.rewards:format"],
+        "reward_weights": [1.0, 0.5],
+    }
+    assert "packing" not in t.config["data"]
+    assert _fates(raw, tmp_path / "config.yml")["trl.use_vllm"].fate == "ignored"
+
+
+def test_fsdp_and_deepspeed_become_distributed_settings(tmp_path):
+    fsdp = translate_axolotl(
+        {
+            "base_model": "m",
+            "fsdp": ["full_shard", "auto_wrap"],
+            "fsdp_config": {"fsdp_offload_params": True, "fsdp_version": 2},
+        },
+        FIXTURES,
+    )
+    assert fsdp.config["distributed"] == {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}
+    ds = tmp_path / "zero3.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    zero3 = translate_axolotl({"base_model": "m", "deepspeed": str(ds)}, FIXTURES)
+    assert zero3.config["distributed"] == {"strategy": "fsdp"}
+    assert zero3.refused() == []
+
+
+def test_learning_rate_written_as_yaml_text_is_a_number():
+    raw = yaml.safe_load("base_model: m\nlearning_rate: 2e-5\n")
+    assert raw["learning_rate"] == "2e-5"  # YAML 1.1: no dot, so text
+    assert translate_axolotl(raw, FIXTURES).config["train"]["lr"] == 2e-5

@@ -1,0 +1,225 @@
+"""LLaMA-Factory configs as they ship: every key gets a fate, and the translation is a keel
+config that keel's own loader accepts (training them is tests/e2e/test_dialects_cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from keel.config import load_config
+from keel.config.dialects import KeyFate, detect_dialect, refusal_problems, translate
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests/fixtures/dialects/llamafactory"
+FIXTURE_FILES = sorted(FIXTURES.glob("*.yaml"))
+
+
+def _their_config(name: str, tmp_path: Path) -> tuple[dict, Path]:
+    """The fixture with its placeholders filled, and where it was written."""
+    text = (FIXTURES / name).read_text(encoding="utf-8")
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    text = text.replace("{model}", "bundled:smollm2-135m-instruct").replace("{data}", str(data))
+    path = FIXTURES / name  # their relative paths (the DeepSpeed JSON) sit next to it
+    return yaml.safe_load(text.replace("{dataset}", "alpaca_mini,chat_mini")), path
+
+
+def test_fixtures_are_their_examples():
+    assert len(FIXTURE_FILES) == 7
+    assert (FIXTURES / "examples/deepspeed/ds_z3_config.json").is_file()
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.stem)
+def test_each_fixture_translates_and_keel_loads_it(path: Path, tmp_path: Path):
+    raw, source = _their_config(path.name, tmp_path)
+    assert detect_dialect(raw) == "llamafactory"
+    translation = translate(raw, source)
+    assert translation.refused() == []
+    assert {fate.key for fate in translation.fates} >= {str(key) for key in raw}
+    written = tmp_path / "keel.yaml"
+    written.write_text(yaml.safe_dump(translation.config), encoding="utf-8")
+    cfg = load_config(written)
+    assert cfg.model.path == "bundled:smollm2-135m-instruct"
+    assert [d.path for d in cfg.data.datasets] == ["alpaca_mini", "chat_mini"]
+    report = translation.report()
+    for fate in translation.fates:
+        assert fate.key in report
+
+
+def test_golden_mapping_of_the_lora_dpo_example(tmp_path: Path):
+    raw, source = _their_config("qwen3_lora_dpo.yaml", tmp_path)
+    raw["pref_loss"] = "simpo"  # their comment offers it: dpo + simpo is keel's simpo stage
+    translation = translate(raw, source)
+    fates = {fate.key: fate for fate in translation.fates}
+    mapped = {key: f.target for key, f in fates.items() if f.fate == "mapped"}
+    assert mapped == {
+        "model_name_or_path": "model.path",
+        "trust_remote_code": "model.trust_remote_code",
+        "stage": "train.stage",
+        "finetuning_type": "method.type",
+        "lora_rank": "method.lora.r",
+        "lora_target": "method.lora.targets",
+        "pref_beta": "simpo.beta",
+        "pref_loss": "train.stage",
+        "dataset": "data.datasets",
+        "dataset_dir": "data.dataset_dir",
+        "template": "data.template",
+        "cutoff_len": "data.cutoff_len",
+        "max_samples": "data.datasets.*.max_samples",
+        "preprocessing_num_workers": "data.num_proc",
+        "output_dir": "output.dir",
+        "logging_steps": "output.log_every",
+        "save_steps": "output.save_every",
+        "overwrite_output_dir": "output.overwrite",
+        "report_to": "output.loggers",
+        "per_device_train_batch_size": "train.micro_batch_size",
+        "gradient_accumulation_steps": "train.grad_accum",
+        "learning_rate": "train.lr",
+        "num_train_epochs": "train.epochs",
+        "lr_scheduler_type": "train.scheduler",
+        "warmup_ratio": "train.warmup_ratio",
+        "bf16": "train.precision",
+        "resume_from_checkpoint": "train.resume",
+    }
+    ignored = {key for key, f in fates.items() if f.fate == "ignored"}
+    assert ignored == {
+        "do_train",
+        "dataloader_num_workers",
+        "plot_loss",
+        "save_only_model",
+        "ddp_timeout",
+    }
+    assert "watchdog.hang_timeout_s" in fates["ddp_timeout"].why
+    assert translation.refused() == []
+    data = tmp_path / "data"
+    assert translation.config == {
+        "model": {"path": "bundled:smollm2-135m-instruct", "trust_remote_code": True},
+        "train": {
+            "stage": "simpo",
+            "micro_batch_size": 1,
+            "grad_accum": 8,
+            "lr": 5.0e-6,
+            "epochs": 3.0,
+            "scheduler": "cosine",
+            "warmup_ratio": 0.1,
+            "precision": "bf16",
+            "resume": "auto",
+            "gradient_checkpointing": True,
+        },
+        "method": {
+            "type": "lora",
+            "lora": {"r": 8, "targets": "all-linear", "alpha": 16, "dropout": 0.0},
+        },
+        "simpo": {"beta": 0.1},
+        "data": {
+            "dataset_dir": str(data),
+            "template": "auto",
+            "cutoff_len": 2048,
+            "num_proc": 16,
+            "datasets": [
+                {"path": "alpaca_mini", "max_samples": 1000},
+                {"path": "chat_mini", "max_samples": 1000},
+            ],
+        },
+        "output": {
+            "dir": "saves/qwen3-4b/lora/dpo",
+            "log_every": 10,
+            "save_every": 500,
+            "overwrite": True,
+            "loggers": ["jsonl"],
+        },
+    }
+    assert translation.notes == [
+        "method.lora.alpha = 16: 2 x lora_rank, their default",
+        "method.lora.dropout = 0.0: lora_dropout's default",
+        "train.gradient_checkpointing = True: on unless disabled",
+    ]
+
+
+def test_deepspeed_zero3_becomes_fsdp_and_qlora_the_4bit_base(tmp_path: Path):
+    raw, source = _their_config("qwen3_full_sft.yaml", tmp_path)
+    config = translate(raw, source).config
+    assert config["distributed"] == {"strategy": "fsdp"}
+    assert config["method"] == {"type": "full"}
+    raw, source = _their_config("qwen3_lora_sft_otfq.yaml", tmp_path)
+    config = translate(raw, source).config
+    assert config["method"]["type"] == "qlora"
+    assert config["method"]["qlora"] == {"quant": "nf4"}
+
+
+@pytest.mark.parametrize(
+    ("stage", "pref_loss", "keel_stage"),
+    [("pt", None, "pt"), ("rm", None, "rm"), ("kto", None, "kto"), ("dpo", "orpo", "orpo")],
+)
+def test_stages(stage, pref_loss, keel_stage, tmp_path: Path):
+    raw, source = _their_config("qwen3_lora_sft.yaml", tmp_path)
+    raw.update(stage=stage, pref_beta=0.2)
+    if pref_loss:
+        raw["pref_loss"] = pref_loss
+    translation = translate(raw, source)
+    assert translation.config["train"]["stage"] == keel_stage
+    beta = {f.key: f for f in translation.fates}["pref_beta"]
+    if keel_stage in ("kto", "orpo"):
+        assert translation.config[keel_stage] == {"beta": 0.2}
+    else:
+        assert beta.fate == "ignored" and keel_stage not in translation.config
+    assert translation.config["data"].get("packing") is (True if stage == "pt" else None)
+
+
+def test_offload_and_zero2(tmp_path: Path):
+    zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+    raw = {"model_name_or_path": "m", "deepspeed": {"zero_optimization": zero}}
+    config = translate(raw, tmp_path / "x.yaml").config
+    assert config["distributed"] == {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}
+    raw["deepspeed"] = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.config["distributed"] == {"strategy": "ddp"}
+    assert [f.key for f in translation.refused()] == ["deepspeed.optimizer.type"]
+
+
+def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
+    raw = {
+        "model_name_or_path": "m",
+        "stage": "ppo",
+        "quantization_bit": 8,
+        "template": "alpaca",
+        "lr_scheduler_type": "polynomial",
+        "use_dora": True,
+        "report_to": "mlflow",
+        "deepspeed": "missing.json",
+        "not_a_key": 1,
+    }
+    translation = translate(raw, tmp_path / "their.yaml")
+    refused = {f.key: f.why for f in translation.refused()}
+    assert set(refused) == set(raw) - {"model_name_or_path"}
+    assert "grpo" in refused["stage"]
+    assert "generic prompt format" in refused["template"]
+    problems = refusal_problems(translation)
+    assert len(problems) == len(refused)
+    assert all("(LLaMA-Factory) is refused: " in problem for problem in problems)
+
+
+def test_templates():
+    fate = translate({"model_name_or_path": "m", "template": "chatml"}, Path("x.yaml"))
+    assert fate.config["data"]["template"] == "chatml"
+    fate = translate({"model_name_or_path": "m", "template": "llama3"}, Path("x.yaml"))
+    assert fate.config["data"]["template"] == "auto"
+    assert "llama3" in fate.fates[-1].why
+
+
+def test_keyfate_needs_a_why_for_ignored_and_refused():
+    with pytest.raises(AssertionError):
+        KeyFate("x", "ignored")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_keel_examples_are_no_dialect(path: Path):
+    assert detect_dialect(yaml.safe_load(path.read_text(encoding="utf-8"))) is None
+
+
+def test_detect_dialect():
+    assert detect_dialect({"stage": "sft", "finetuning_type": "lora"}) == "llamafactory"
+    assert detect_dialect({"base_model": "m", "adapter": "lora"}) == "axolotl"
+    assert detect_dialect({"model": {"path": "m"}, "model_name_or_path": "x"}) is None
