@@ -113,3 +113,20 @@ def test_convert_refuses_a_keel_config_and_refused_keys(tmp_path, capsys):
     assert "no_such_llamafactory_key" in shown.err
     assert "refused (1):" in shown.out, "the mapping report comes first"
     assert not out.exists()
+
+
+def test_a_refused_key_in_the_deepspeed_json_is_located_at_the_line_naming_it(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}, "made_up": 1}')
+    path = _theirs(tmp_path, extra=f"deepspeed: {tmp_path / 'ds.json'}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"deepspeed.made_up ({path}:15) is refused: ")
+
+
+def test_a_refused_key_their_file_leaves_out_names_the_file(tmp_path):
+    path = _write(tmp_path, THEIRS.format(out=tmp_path, lr=1e-4).replace("do_train: true\n", ""))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"do_train ({path}) is refused: left out, so false")

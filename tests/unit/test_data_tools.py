@@ -16,8 +16,18 @@ from keel.data.formats import RowError, make_spec
 from keel.data.tools import read_example
 from keel.errors import DataError
 
-# Qwen2.5-Instruct's chat template, as TRL ships it (trl is a dev dependency)
+# Qwen2.5-Instruct's and Llama-3.1-Instruct's chat templates, as TRL ships them (trl is a
+# dev dependency)
 QWEN_TEMPLATE = resources.files("trl").joinpath("chat_templates/qwen2_5.jinja")
+LLAMA_TEMPLATE = resources.files("trl").joinpath("chat_templates/llama3_1.jinja")
+LLAMA_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|python_tag|>",
+]
 EOS = "<|im_end|>"
 
 WEATHER = {
@@ -98,6 +108,17 @@ def qwen_tokenizer():
     return tokenizer
 
 
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    """The tiny tokenizer with Llama-3.1-Instruct's special tokens and chat template: the
+    tools in the first user turn, a call as a JSON reply, a tool's output as an ipython turn."""
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": LLAMA_SPECIALS})
+    tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tokenizer.chat_template = LLAMA_TEMPLATE.read_text()
+    return tokenizer
+
+
 @pytest.fixture
 def prepare(tmp_path):
     """prepare(tokenizer, rows or dataset_info name) -> [(input_ids, targets)] of sft."""
@@ -151,6 +172,20 @@ def test_tool_rows_render_as_the_template_does_and_train_calls_and_answers(
     runs = trained_runs(qwen_tokenizer, ids, targets)
     assert runs == TRAINED
     assert not any("sunny, 21 C" in run or "<tools>" in run for run in runs)
+
+
+@pytest.mark.parametrize("row", [SHAREGPT, OPENAI, TRL], ids=["sharegpt", "openai", "trl"])
+def test_llama31_tool_rows_render_as_the_template_does(llama_tokenizer, prepare, row):
+    [(ids, targets)] = prepare(llama_tokenizer, [row])
+    text = llama_tokenizer.apply_chat_template(REFERENCE, tools=TOOLS, tokenize=False)
+    assert "Environment: ipython" in text and '"description": "The weather in a city"' in text
+    assert "<|start_header_id|>ipython<|end_header_id|>" in text  # the tool's output
+    assert ids == llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert trained_runs(llama_tokenizer, ids, targets) == [
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+        "It is sunny in Paris.<|eot_id|>",
+        "You are welcome.<|eot_id|>",
+    ]
 
 
 def test_pretraining_on_tool_conversations_renders_the_tools(qwen_tokenizer, prepare):

@@ -171,6 +171,7 @@ def test_chat_template_dataset_keys_become_columns_and_tags():
                 "path": "d",
                 "type": "chat_template.default",
                 "field_messages": "conversation",
+                "field_tools": "functions",
                 "field_chosen": "good",
                 "message_property_mappings": {"role": "from", "content": "value"},
                 "roles": {"user": ["human"], "assistant": ["gpt"]},
@@ -183,7 +184,7 @@ def test_chat_template_dataset_keys_become_columns_and_tags():
         {
             "path": "d",
             "format": "messages",
-            "columns": {"messages": "conversation", "chosen": "good"},
+            "columns": {"messages": "conversation", "tools": "functions", "chosen": "good"},
             "tags": {
                 "role_tag": "from",
                 "content_tag": "value",
@@ -257,3 +258,151 @@ def test_learning_rate_written_as_yaml_text_is_a_number():
     raw = yaml.safe_load("base_model: m\nlearning_rate: 2e-5\n")
     assert raw["learning_rate"] == "2e-5"  # YAML 1.1: no dot, so text
     assert translate_axolotl(raw, FIXTURES).config["train"]["lr"] == 2e-5
+
+
+def test_typos_and_unknown_nested_keys_are_refused_naming_the_likely_key():
+    raw = {
+        "base_model": "m",
+        "lora_rr": 8,
+        "learnig_rate": 2e-4,
+        "wandb_projet": None,  # empty: changes nothing, but the typo is still named
+        "datasets": [{"path": "d", "type": "chat_template", "field_mesages": "conv"}],
+        "fsdp_config": {"fsdp_offload_param": True, "nested": {"deeper": 1}},
+    }
+    fates = _fates(raw)
+    refused = {key: f.why for key, f in fates.items() if f.fate == "refused"}
+    assert set(refused) == {
+        "lora_rr",
+        "learnig_rate",
+        "datasets.0.field_mesages",
+        "fsdp_config.fsdp_offload_param",
+        "fsdp_config.nested",
+    }
+    assert refused["lora_rr"].endswith("did you mean `lora_r`?")
+    assert refused["learnig_rate"].endswith("did you mean `learning_rate`?")
+    assert refused["datasets.0.field_mesages"].endswith("did you mean `field_messages`?")
+    assert refused["fsdp_config.fsdp_offload_param"].endswith("did you mean `offload_params`?")
+    assert fates["wandb_projet"].fate == "ignored"
+    assert "did you mean `wandb_project`?" in fates["wandb_projet"].why
+
+
+def test_empty_values_are_their_defaults_not_refusals():
+    raw = {
+        "base_model": "m",
+        "optimizer": None,
+        "gradient_checkpointing": None,
+        "lr_scheduler": None,
+    }
+    t = translate_axolotl(raw, FIXTURES)
+    assert t.refused() == []
+    assert "optimizer" not in t.config["train"] and "scheduler" not in t.config["train"]
+
+
+def test_axolotl_defaults_that_differ_from_keels_are_written():
+    t = translate_axolotl({"base_model": "m", "adapter": "lora", "datasets": ["d"]}, FIXTURES)
+    assert t.config["data"]["cutoff_len"] == 512
+    assert t.config["method"]["lora"]["dropout"] == 0.0
+    assert "data.cutoff_len = 512 (Axolotl's default sequence_len)" in t.notes
+
+
+@pytest.mark.parametrize(
+    ("keys", "fates"),
+    [
+        ({"train_on_inputs": False}, {"train_on_inputs": "ignored"}),
+        ({"train_on_inputs": True}, {"train_on_inputs": "refused"}),
+        ({"save_strategy": "steps", "save_steps": 10}, {"save_strategy": "ignored"}),
+        ({"save_strategy": "epoch"}, {"save_strategy": "refused"}),
+        ({"fsdp_version": 2}, {"fsdp_version": "ignored"}),
+        ({"eot_tokens": ["<end_of_turn>"]}, {"eot_tokens": "ignored"}),
+        ({"processor_type": "AutoProcessor"}, {"processor_type": "ignored"}),
+        (
+            {
+                "plugins": [
+                    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin",
+                    "axolotl.integrations.liger.LigerPlugin",
+                    "axolotl.integrations.diffusion.DiffusionPlugin",
+                ],
+                "liger_rms_norm": True,
+                "liger_use_token_scaling": True,
+                "lora_mlp_kernel": True,
+            },
+            {
+                "plugins.0": "ignored",
+                "plugins.1": "ignored",
+                "plugins.2": "refused",
+                "liger_rms_norm": "ignored",
+                "liger_use_token_scaling": "refused",
+                "lora_mlp_kernel": "ignored",
+            },
+        ),
+        ({"chat_template": "qwen3_5"}, {"chat_template": "mapped"}),
+        ({"chat_template": "tokenizer_default_fallback_chatml"}, {"chat_template": "mapped"}),
+        ({"chat_template": "metharme"}, {"chat_template": "refused"}),
+    ],
+)
+def test_keys_of_their_other_examples(keys, fates):
+    found = _fates({"base_model": "m", **keys})
+    assert {key: found[key].fate for key in fates} == fates
+
+
+def test_their_8bit_optimizers_and_activation_offloading():
+    raw = {
+        "base_model": "m",
+        "optimizer": "adamw_torch_8bit",
+        "gradient_checkpointing": True,
+        "activation_offloading": True,
+    }
+    train = translate_axolotl(raw, FIXTURES).config["train"]
+    assert train["optimizer"] == "adamw_8bit"
+    assert train["gradient_checkpointing"] == "offload"
+    raw.update(optimizer="paged_adamw_32bit", activation_offloading="disk")
+    t = translate_axolotl(raw, FIXTURES)
+    assert t.config["train"]["optimizer"] == "adamw"
+    assert [f.key for f in t.refused()] == ["activation_offloading"]
+
+
+def test_simpo_refuses_trl_cpo_default_sft_term_unless_cpo_alpha_is_zero():
+    raw = {"base_model": "m", "rl": "simpo", "rl_beta": 2.0, "simpo_gamma": 0.5}
+    t = translate_axolotl(raw, FIXTURES)
+    [refused] = t.refused()
+    assert refused.key == "cpo_alpha" and "set cpo_alpha: 0" in refused.why
+    t = translate_axolotl({**raw, "cpo_alpha": 0}, FIXTURES)
+    assert t.refused() == [] and t.config["simpo"] == {"beta": 2.0, "gamma": 0.5}
+    assert [f.key for f in translate_axolotl({**raw, "cpo_alpha": None}, FIXTURES).refused()] == [
+        "cpo_alpha"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("keys", "stage", "beta", "ignored"),
+    [
+        ({"rl": "orpo", "rl_beta": 0.2}, "orpo", 0.2, []),
+        ({"rl": "orpo", "orpo_alpha": 0.3}, "orpo", 0.3, []),
+        ({"rl": "orpo", "rl_beta": 0.2, "orpo_alpha": 0.3}, "orpo", 0.2, ["orpo_alpha"]),
+        ({"rl": "dpo", "rl_beta": 0.2, "trl": {"beta": 0.4}}, "dpo", 0.4, ["rl_beta"]),
+    ],
+)
+def test_the_beta_comes_from_trl_beta_then_rl_beta_then_orpo_alpha(keys, stage, beta, ignored):
+    t = translate_axolotl({"base_model": "m", **keys}, FIXTURES)
+    assert t.refused() == [] and t.config[stage] == {"beta": beta}
+    assert [f.key for f in t.fates if f.fate == "ignored"] == ignored
+
+
+def test_sharegpt_named_messages_read_human_and_gpt_as_axolotl_does_by_default():
+    dataset = {
+        "path": "d",
+        "type": "chat_template",
+        "field_messages": "conversations",
+        "message_property_mappings": {"role": "from", "content": "value"},
+    }
+    t = translate_axolotl({"base_model": "m", "datasets": [dataset]}, FIXTURES)
+    assert t.config["data"]["datasets"][0]["tags"] == {
+        "role_tag": "from",
+        "content_tag": "value",
+        "user_tag": "human",
+        "assistant_tag": "gpt",
+    }
+    assert any(note.startswith("data.datasets.0.tags: user_tag human") for note in t.notes)
+    openai_named = {"path": "d", "type": "chat_template"}
+    t = translate_axolotl({"base_model": "m", "datasets": [openai_named]}, FIXTURES)
+    assert "tags" not in t.config["data"]["datasets"][0]

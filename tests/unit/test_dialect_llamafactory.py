@@ -170,7 +170,7 @@ def test_stages(stage, pref_loss, keel_stage, tmp_path: Path):
 
 def test_offload_and_zero2(tmp_path: Path):
     zero = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
-    raw = {"model_name_or_path": "m", "deepspeed": {"zero_optimization": zero}}
+    raw = {"model_name_or_path": "m", "do_train": True, "deepspeed": {"zero_optimization": zero}}
     config = translate(raw, tmp_path / "x.yaml").config
     assert config["distributed"] == {"strategy": "fsdp", "fsdp": {"cpu_offload": True}}
     raw["deepspeed"] = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}
@@ -182,6 +182,7 @@ def test_offload_and_zero2(tmp_path: Path):
 def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
     raw = {
         "model_name_or_path": "m",
+        "do_train": True,
         "stage": "ppo",
         "quantization_bit": 8,
         "template": "alpaca",
@@ -193,7 +194,7 @@ def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
     }
     translation = translate(raw, tmp_path / "their.yaml")
     refused = {f.key: f.why for f in translation.refused()}
-    assert set(refused) == set(raw) - {"model_name_or_path"}
+    assert set(refused) == set(raw) - {"model_name_or_path", "do_train"}
     assert "grpo" in refused["stage"]
     assert "generic prompt format" in refused["template"]
     problems = refusal_problems(translation)
@@ -201,12 +202,69 @@ def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
     assert all("(LLaMA-Factory) is refused: " in problem for problem in problems)
 
 
+def test_a_typo_is_refused_naming_the_key_it_resembles(tmp_path: Path):
+    raw = {"model_name_or_path": "m", "do_train": True, "lora_rnak": 8, "learning_rat": 1e-4}
+    zero = {"stage": 3, "offlod_param": {"device": "cpu"}}
+    raw["deepspeed"] = {"zero_optimization": zero, "made_up": 1}
+    refused = {f.key: f.why for f in translate(raw, tmp_path / "x.yaml").refused()}
+    assert refused["lora_rnak"].endswith("did you mean `lora_rank`?")
+    assert refused["learning_rat"].endswith("did you mean `learning_rate`?")
+    offload = refused["deepspeed.zero_optimization.offlod_param.device"]
+    assert offload.endswith("did you mean `zero_optimization.offload_param`?")
+    assert refused["deepspeed.made_up"].endswith("remove it from the JSON")
+
+
+def test_without_do_train_their_run_trains_nothing_so_keel_refuses(tmp_path: Path):
+    translation = translate({"model_name_or_path": "m"}, tmp_path / "x.yaml")
+    (refused,) = translation.refused()
+    assert refused.key == "do_train" and "add `do_train: true`" in refused.why
+    assert translation.config["output"]["dir"] == "trainer_output"  # HF's default output_dir
+    assert "output.dir = trainer_output: HF's default" in translation.notes
+
+
+# Keys of the DeepSpeed files they ship beyond the ZeRO-3 fixture's (Axolotl's
+# deepspeed_configs/, LLaMA-Factory's examples/deepspeed/): diagnostics, compile, ZeRO-3
+# knobs without their stage3_ prefix, the CPU optimizer switch
+SHIPPED_DEEPSPEED = {
+    "zero1": {
+        "zero_optimization": {"stage": 1, "overlap_comm": True},
+        "compile": {"disable": False, "backend": "inductor"},
+        "wall_clock_breakdown": False,
+    },
+    "zero3_bf16_cpuoffload_all": {
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "max_live_parameters": 0,
+            "max_reuse_distance": 0,
+            "gather_16bit_weights_on_model_save": True,
+        },
+    },
+    "ds_z3_fp8_config": {
+        "zero_optimization": {"stage": 3},
+        "steps_per_print": 10,
+        "comms_config": {"verbose": False},
+        "monitor_config": {"enabled": True, "csv_monitor": {"enabled": True}},
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_DEEPSPEED))
+def test_the_deepspeed_files_they_ship_read_without_refusal(name, tmp_path: Path):
+    raw = {"model_name_or_path": "m", "do_train": True, "deepspeed": SHIPPED_DEEPSPEED[name]}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.refused() == []
+    strategy = "ddp" if name == "zero1" else "fsdp"
+    assert translation.config["distributed"]["strategy"] == strategy
+
+
 def test_templates():
     fate = translate({"model_name_or_path": "m", "template": "chatml"}, Path("x.yaml"))
     assert fate.config["data"]["template"] == "chatml"
     fate = translate({"model_name_or_path": "m", "template": "llama3"}, Path("x.yaml"))
     assert fate.config["data"]["template"] == "auto"
-    assert "llama3" in fate.fates[-1].why
+    assert "llama3" in {f.key: f for f in fate.fates}["template"].why
 
 
 def test_keyfate_needs_a_why_for_ignored_and_refused():

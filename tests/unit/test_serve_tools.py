@@ -172,12 +172,10 @@ class ScriptedEngine:
             job.sink(Done(index, "stop", len(self.script)))
 
 
-@pytest.fixture(scope="module")
-def served():
+def serve(tokenizer):
+    """The real app over a ScriptedEngine: {client, engine, tokenizer, url} while it runs."""
     from keel.infer.serve.app import ServeState
 
-    tokenizer = build_tiny_tokenizer()
-    tokenizer.chat_template = template("qwen2_5")
     engine = ScriptedEngine()
     state = ServeState(
         engine=engine, tokenizer=tokenizer, limits=ServeLimits(), default_model=MODEL
@@ -185,6 +183,24 @@ def served():
     with BackgroundServer(state) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         yield {"client": client, "engine": engine, "tokenizer": tokenizer, "url": url}
+
+
+@pytest.fixture(scope="module")
+def served():
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = template("qwen2_5")
+    yield from serve(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def served_llama():
+    """Llama-3.1-Instruct's template: a call is the whole reply, JSON with "parameters"."""
+    tokenizer = build_tiny_tokenizer()
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": [*specials, "<|python_tag|>"]})
+    tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tokenizer.chat_template = template("llama3_1")
+    yield from serve(tokenizer)
 
 
 def ask(served, script: str, **body):
@@ -265,6 +281,46 @@ def test_tool_choice_none_renders_without_tools_and_reads_no_calls(served):
     assert served["engine"].prompts[-1] == list(without)
     ask(served, "Hi", tools=[WEATHER], tool_choice="auto")
     assert b"get_weather" in served["tokenizer"].decode(served["engine"].prompts[-1]).encode()
+
+
+def test_a_llama31_json_reply_comes_back_as_tool_calls_whole_and_streamed(served_llama):
+    reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    choice = ask(served_llama, reply, tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    chunks = list(ask(served_llama, reply, tools=[WEATHER], stream=True))
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(d.content or "" for d in deltas) == ""
+    [streamed] = [call for d in deltas for call in d.tool_calls or []]
+    assert streamed.function.name == "get_weather" and streamed.index == 0
+    assert json.loads(streamed.function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    plain = ask(served_llama, "Sunny.", tools=[WEATHER]).choices[0]
+    assert plain.finish_reason == "stop" and plain.message.content == "Sunny."
+
+
+def test_a_llama31_prompt_with_tools_and_a_tool_turn_renders_as_the_template_does(served_llama):
+    call = {
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    }
+    history = [
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", **call}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+    ]
+    ask(served_llama, "Rain.", messages=history, tools=[WEATHER])
+    expected_turns = json.loads(json.dumps(history))
+    expected_turns[1]["content"] = ""
+    expected_turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Rome"}
+    expected = served_llama["tokenizer"].apply_chat_template(
+        expected_turns, tools=[WEATHER], add_generation_prompt=True, tokenize=False
+    )
+    assert "<|start_header_id|>ipython<|end_header_id|>" in expected
+    ids = served_llama["tokenizer"](expected, add_special_tokens=False)["input_ids"]
+    assert served_llama["engine"].prompts[-1] == ids
 
 
 def post(served, **body) -> httpx.Response:

@@ -175,7 +175,9 @@ def _from_dialect(raw: dict, path: Path, where: _Locator, problems: list[str], o
     translation = translate(raw, path)
     if on_translation is not None:
         on_translation(translation)
-    problems.extend(f"{where(fate.key)} is refused: {fate.why}" for fate in translation.refused())
+    problems.extend(
+        f"{where.at_theirs(fate.key)} is refused: {fate.why}" for fate in translation.refused()
+    )
     where.came_from(translation.fates)
     return copy.deepcopy(translation.config)  # the overrides must not change the report's
 
@@ -197,6 +199,12 @@ class _Locator:
             for target in fate.target.replace(",", " ").split():
                 self.lines.setdefault(target, line)
                 self.theirs[target] = fate.key
+
+    def at_theirs(self, key: str) -> str:
+        """Their `key` with the line it is at (a key in the DeepSpeed JSON: the line that
+        names the JSON), or with the file alone for a key their file leaves out."""
+        line = self._line_of_theirs(key)
+        return f"{key} ({self.source}:{line})" if line is not None else f"{key} ({self.source})"
 
     def _line_of_theirs(self, key: str) -> int | None:
         """The line of `key`, else of the nearest key above it (a key inside the JSON file

@@ -11,9 +11,10 @@ import re
 from pathlib import Path
 
 from keel.config.dialects.axolotl_data import Build, dataset_stage, translate_datasets
-from keel.config.dialects.axolotl_trl import translate_stage_key
-from keel.config.dialects.deepspeed import read_deepspeed
-from keel.config.dialects.report import KeyFate, Translation
+from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
+from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
+from keel.config.dialects.report import KeyFate, Translation, unknown_key
+from keel.config.dialects.templates import axolotl_template_fate
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
 DIRECT = {
@@ -53,6 +54,8 @@ IGNORED = {
     "strict": "keel always checks every key",
     "model_type": "keel loads the architecture that the model's config.json names",
     "tokenizer_type": "keel loads the model's own tokenizer (AutoTokenizer)",
+    "processor_type": "keel loads the model's own processor (AutoProcessor) for "
+    "vision-language models",
     "hub_model_id": "keel does not upload; the model is written to output.dir",
     "hub_strategy": "keel does not upload; the model is written to output.dir",
     "wandb_watch": "keel does not log gradients or parameters to W&B",
@@ -76,6 +79,11 @@ IGNORED = {
     "dataloader_pin_memory": "keel's data loading has no such setting",
     "dataloader_prefetch_factor": "keel's data loading has no such setting",
     "vllm": "keel generates GRPO completions with its own engine in the training process",
+    "eot_tokens": "keel finds each assistant turn's end in the chat template's rendering and "
+    "trains it with the turn, as Axolotl does with these tokens",
+    "ddp_find_unused_parameters": "keel's DDP wraps only the weights that train",
+    "save_only_model": "keel's checkpoints always hold the optimizer and data state, so a "
+    "resumed run continues exactly; the final model is saved in Hugging Face format",
 }
 _OPTIMIZERS = {
     "adamw_torch": ("adamw", ""),
@@ -88,7 +96,9 @@ _OPTIMIZERS = {
         "adamw_8bit",
         "torchao's 8-bit moments; keel does not page optimizer state to the host",
     ),
+    "adamw_torch_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments"),
     "adamw_torch_4bit": ("adamw_4bit", "torchao's 4-bit moments"),
+    "paged_adamw_32bit": ("adamw", "keel does not page optimizer state to the host"),
 }
 _SCHEDULERS = {
     "cosine": "cosine",
@@ -134,12 +144,15 @@ def _stage(raw: dict) -> str:
 
 def _one_key(build: Build, key: str, value, raw: dict) -> None:
     handler = _HANDLERS.get(key)
-    if handler is not None:
+    if handler is not None and (value is not None or key in _NULL_MEANS_SOMETHING):
         handler(build, key, value, raw)
-    elif translate_stage_key(build, key, value):
+    elif translate_stage_key(build, key, value, raw):
         return
-    elif value is None:
-        build.ignored(key, "empty: Axolotl's default")
+    elif value is None:  # empty changes nothing, even under a key keel does not know
+        why = "empty, so it changes nothing (a key keel does not know)"
+        build.ignored(
+            key, "empty: Axolotl's default" if key in _KNOWN else unknown_key(key, _KNOWN, why)
+        )
     elif key in DIRECT:
         build.mapped(
             key,
@@ -151,7 +164,8 @@ def _one_key(build: Build, key: str, value, raw: dict) -> None:
     elif key in IGNORED:
         build.ignored(key, IGNORED[key])
     else:
-        build.refused(key, "an Axolotl key keel has no counterpart for; remove it")
+        why = "an Axolotl key keel has no counterpart for; remove it"
+        build.refused(key, unknown_key(key, _KNOWN, why))
 
 
 def _number(value: str):
@@ -255,7 +269,9 @@ def _precision(build: Build, key: str, value, raw: dict) -> None:
 
 
 def _checkpointing(build: Build, key: str, value, raw: dict) -> None:
-    if value in (True, False, "offload"):
+    if value is True and offloads_activations(raw):
+        build.mapped(key, "train.gradient_checkpointing", "offload", "with activation_offloading")
+    elif value in (True, False, "offload"):
         build.mapped(key, "train.gradient_checkpointing", value)
     else:
         build.refused(key, f"{value!r}: keel's choices are true, false and offload")
@@ -328,41 +344,10 @@ def _auto_resume(build: Build, key: str, value, raw: dict) -> None:
 
 
 def _chat_template(build: Build, key: str, value, raw: dict) -> None:
-    if value in (None, "tokenizer_default"):
-        build.mapped(key, "data.template", "auto", "the tokenizer's own chat template")
-    elif value == "chatml":
-        build.mapped(key, "data.template", "chatml")
-    elif value in _FAMILY_TEMPLATES:
-        why = (
-            f"Axolotl's {value} is the {_FAMILY_TEMPLATES[value]} chat format; keel uses "
-            f"the tokenizer's own template, which is that format for a "
-            f"{_FAMILY_TEMPLATES[value]} tokenizer"
-        )
-        build.mapped(key, "data.template", "auto", why)
-    else:
-        build.refused(
-            key,
-            f"{value!r}: keel's templates are the tokenizer's own (auto), "
-            f"chatml, or a .jinja file (data.template)",
-        )
-
-
-_FAMILY_TEMPLATES = {
-    "llama3": "Llama 3 Instruct",
-    "llama3_2_vision": "Llama 3.2 Vision",
-    "llama4": "Llama 4",
-    "qwen_25": "Qwen2.5",
-    "qwen3": "Qwen3",
-    "mistral_v1": "Mistral",
-    "mistral_v2v3": "Mistral",
-    "mistral_v3_tekken": "Mistral",
-    "gemma": "Gemma",
-    "gemma3": "Gemma 3",
-    "phi_3": "Phi-3",
-    "phi_35": "Phi-3.5",
-    "cohere": "Command-R",
-    "deepseek_v2": "DeepSeek-V2",
-}
+    fate, template = axolotl_template_fate(key, value)
+    if template is not None:
+        build.set("data.template", template)
+    build.fates.append(fate)
 
 
 def _special_tokens(build: Build, key: str, value, raw: dict) -> None:
@@ -381,71 +366,24 @@ def _special_tokens(build: Build, key: str, value, raw: dict) -> None:
             build.refused(f"{key}.{name}", "keel does not change the tokenizer's special tokens")
 
 
-def _fsdp(build: Build, key: str, value, raw: dict) -> None:
-    options = [value] if isinstance(value, str) else (value or [])
-    if "full_shard" in options or "shard_grad_op" in options:
-        build.mapped(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
-        if "shard_grad_op" in options:
-            build.set("distributed.fsdp.reshard_after_forward", False)
-    elif not options:
-        build.ignored(key, "empty: no FSDP")
-    else:
-        build.refused(key, f"{value!r}: keel's FSDP is full_shard (or shard_grad_op)")
-
-
-_FSDP_IGNORED = {
-    "version": "keel's FSDP is FSDP2",
-    "state_dict_type": "keel writes the final model as a Hugging Face folder and its "
-    "checkpoints in its own layout",
-    "transformer_layer_cls_to_wrap": "keel shards each decoder layer",
-    "auto_wrap_policy": "keel shards each decoder layer",
-    "limit_all_gathers": "an FSDP1 setting; FSDP2 has no such knob",
-    "sync_module_states": "keel loads the same weights on every process",
-    "use_orig_params": "an FSDP1 setting; FSDP2 keeps the original parameters",
-    "cpu_ram_efficient_loading": "keel loads the weights on the meta device, then shards them",
-    "backward_prefetch": "FSDP2 prefetches on its own",
-    "forward_prefetch": "FSDP2 prefetches on its own",
-}
-
-
-def _fsdp_config(build: Build, key: str, value, raw: dict) -> None:
-    if not isinstance(value, dict):
-        build.ignored(key, "empty") if value is None else build.refused(key, "must be a mapping")
-        return
-    if not raw.get("fsdp"):
-        build.set("distributed.strategy", "fsdp")  # Axolotl's newer configs use fsdp_config alone
-    for name, item in value.items():
-        short, dotted = name.removeprefix("fsdp_"), f"{key}.{name}"
-        if short == "offload_params":
-            build.mapped(dotted, "distributed.fsdp.cpu_offload", bool(item))
-        elif short == "reshard_after_forward":
-            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", bool(item))
-        elif short == "activation_checkpointing":
-            build.mapped(dotted, "train.gradient_checkpointing", bool(item))
-        elif short == "sharding_strategy" and item in ("FULL_SHARD", 1):
-            build.mapped(dotted, "distributed.strategy", "fsdp")
-        elif short == "sharding_strategy" and item in ("SHARD_GRAD_OP", 2):
-            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", False)
-        elif short in _FSDP_IGNORED:
-            build.ignored(dotted, _FSDP_IGNORED[short])
-        else:
-            build.refused(dotted, "an FSDP setting keel has no counterpart for; remove it")
-
-
-def _deepspeed(build: Build, key: str, value, raw: dict) -> None:
-    if value is None:
-        build.ignored(key, "empty: no DeepSpeed")
-        return
-    settings, fates = read_deepspeed(value, build.source, key)
-    for dotted, setting in settings.items():
-        build.set(dotted, setting)
-    if settings:
-        build.fates.append(KeyFate(key, "mapped", ", ".join(settings), "read the JSON"))
-    build.fates.extend(fates)
-
-
 def _datasets(build: Build, key: str, value, raw: dict) -> None:
     translate_datasets(build, value)
+
+
+def _train_on_inputs(build: Build, key: str, value, raw: dict) -> None:
+    if value:
+        build.refused(key, "keel trains on the responses only (the prompt is masked)")
+    else:
+        build.ignored(key, "false: keel trains on the responses only, as this asks")
+
+
+def _save_strategy(build: Build, key: str, value, raw: dict) -> None:
+    if value == "no":
+        build.mapped(key, "output.save_every", 0, "no: the final save only")
+    elif value == "steps":
+        build.ignored(key, "steps: save_steps sets output.save_every")
+    else:
+        build.refused(key, f"{value!r}: keel saves every output.save_every steps (save_steps)")
 
 
 def _defaults(build: Build, raw: dict) -> None:
@@ -458,6 +396,13 @@ def _defaults(build: Build, raw: dict) -> None:
         build.notes.append("output.dir = ./model-out (Axolotl's default output_dir)")
     if "datasets" not in raw:
         build.set("data.datasets", [])  # keel reports the empty list with its fix
+    stage_defaults(build, raw)
+    if raw.get("sequence_len") is None:
+        build.set("data.cutoff_len", 512)
+        build.notes.append("data.cutoff_len = 512 (Axolotl's default sequence_len)")
+    if raw.get("adapter") in ("lora", "qlora") and raw.get("lora_dropout") is None:
+        build.set("method.lora.dropout", 0.0)
+        build.notes.append("method.lora.dropout = 0.0 (Axolotl's default lora_dropout)")
 
 
 _HANDLERS = {
@@ -487,8 +432,12 @@ _HANDLERS = {
     "auto_resume_from_checkpoints": _auto_resume,
     "chat_template": _chat_template,
     "special_tokens": _special_tokens,
-    "fsdp": _fsdp,
-    "fsdp_config": _fsdp_config,
-    "deepspeed": _deepspeed,
     "datasets": _datasets,
+    "train_on_inputs": _train_on_inputs,
+    "save_strategy": _save_strategy,
+    **RUNTIME_HANDLERS,
 }
+# Keys whose null has a meaning of its own (no adapter: full fine-tuning; no datasets: the
+# fix to name some); any other known key left empty is Axolotl's default.
+_NULL_MEANS_SOMETHING = ("adapter", "datasets", "bf16", "fp16")
+_KNOWN = (*_HANDLERS, *DIRECT, *IGNORED, *STAGE_KEYS)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from keel.config.dialects.report import KeyFate
+from keel.config.dialects.report import KeyFate, unknown_key
 
 PAIR_STAGES = ("dpo", "orpo", "simpo", "rm")
 
@@ -59,6 +59,7 @@ _ROLE_TAGS = {
 }
 _COLUMNS = {
     "field_messages": "messages",
+    "field_tools": "tools",  # tool definitions beside OpenAI/TRL tool_calls and tool turns
     "field_chosen": "chosen",
     "field_rejected": "rejected",
     "field_system": "system",
@@ -69,6 +70,12 @@ _COLUMNS = {
 }
 _PROPERTY_TAGS = {"role": "role_tag", "content": "content_tag"}
 _LEGACY_TAGS = {"message_field_role": "role_tag", "message_field_content": "content_tag"}
+_DATASET_KEYS = (
+    *("path", "type", "split", "revision", "ds_type", "data_files", "name"),
+    *("message_property_mappings", "roles", "roles_to_train", "train_on_eos"),
+    *_COLUMNS,
+    *_LEGACY_TAGS,
+)
 
 
 def dataset_stage(datasets) -> str | None:
@@ -116,7 +123,23 @@ def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
             build.fates.append(KeyFate(name, "mapped", f"{target}.columns.{_COLUMNS[key]}"))
         else:
             _other_key(build, name, key, value, ds, target)
+    if ds.get("format") == "messages" and entry.get("roles") is None:
+        _default_roles(build, ds, target)
     return ds
+
+
+def _default_roles(build: Build, ds: dict, target: str) -> None:
+    """Axolotl's chat_template reads `human` or `user`, `gpt` or `assistant` unless `roles:`
+    says otherwise; keel reads one name per role: ShareGPT's where the messages hold
+    from/value (FineTome and the like), else OpenAI's (keel's default)."""
+    if ds.get("tags", {}).get("role_tag") != "from":
+        return
+    ds["tags"].update(user_tag="human", assistant_tag="gpt")
+    build.notes.append(
+        f"{target}.tags: user_tag human, assistant_tag gpt (Axolotl reads human or user, gpt "
+        f"or assistant; keel reads one name per role, ShareGPT's for from/value messages; "
+        f"`roles:` chooses)"
+    )
 
 
 def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) -> None:
@@ -144,7 +167,8 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
             "subset is not supported: save that subset to a file and give its path",
         )
     else:
-        build.refused(name, "an Axolotl dataset key keel has no counterpart for; remove it")
+        why = "an Axolotl dataset key keel has no counterpart for; remove it"
+        build.refused(name, unknown_key(key, _DATASET_KEYS, why))
 
 
 def _type(build: Build, name: str, kind, ds: dict, target: str) -> None:

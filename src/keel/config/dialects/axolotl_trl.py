@@ -8,7 +8,7 @@ from pathlib import Path
 from keel.config.dialects.axolotl_data import Build
 
 _RL = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo")
-_BETA_STAGES = ("dpo", "kto", "simpo", "grpo")
+_BETA_STAGES = ("dpo", "kto", "simpo", "orpo", "grpo")
 # their key -> (the stage it belongs to, the keel key in that stage's section)
 _STAGE_KEYS = {
     "orpo_alpha": ("orpo", "beta"),
@@ -29,6 +29,8 @@ _TRL_DIRECT = (
     "num_iterations",
     "mask_truncated_completions",
 )
+# every top-level key translate_stage_key gives a fate
+STAGE_KEYS = ("rl", "reward_model", "rl_beta", *_STAGE_KEYS, "cpo_alpha", "trl")
 _TRL_GENERATION = "keel generates the completions with its own engine in the training process"
 _TRL_IGNORED = {
     "use_vllm": _TRL_GENERATION,
@@ -43,7 +45,7 @@ _TRL_IGNORED = {
 }
 
 
-def translate_stage_key(build: Build, key: str, value) -> bool:
+def translate_stage_key(build: Build, key: str, value, raw: dict) -> bool:
     """Give `key` its fate when it is one of the RL keys; False when it is not."""
     if key == "rl":
         _rl(build, key, value)
@@ -52,21 +54,51 @@ def translate_stage_key(build: Build, key: str, value) -> bool:
             build.mapped(key, "train.stage", "rm", "a scalar reward head trained on pairs")
         else:
             build.ignored(key, "false: not a reward model")
+    elif key in ("rl_beta", "orpo_alpha") and _beta_from(raw) != key and value is not None:
+        # Axolotl takes the beta from trl.beta, else rl_beta, else orpo_alpha
+        build.ignored(key, f"{_beta_from(raw)} sets the beta; Axolotl reads it first")
     elif key == "rl_beta":
         _in_stage(build, key, value, _BETA_STAGES, "beta")
     elif key in _STAGE_KEYS:
         stage, name = _STAGE_KEYS[key]
         _in_stage(build, key, value, (stage,), name)
     elif key == "cpo_alpha":
-        if value in (None, 0, 0.0):
-            build.ignored(key, "0: no SFT term, as in keel's SimPO")
-        else:
-            build.refused(key, "keel's SimPO has no SFT term (cpo_alpha must be 0)")
+        _cpo_alpha(build, key, value)
     elif key == "trl":
         _trl(build, key, value)
     else:
         return False
     return True
+
+
+def _beta_from(raw: dict) -> str | None:
+    """Which key sets the preference beta in Axolotl (trl.beta, rl_beta, orpo_alpha)."""
+    trl = raw.get("trl")
+    if isinstance(trl, dict) and trl.get("beta") is not None:
+        return "trl.beta"
+    return next((key for key in ("rl_beta", "orpo_alpha") if raw.get(key) is not None), None)
+
+
+# TRL's CPO trainer, which Axolotl's simpo runs, adds cpo_alpha x the chosen answers' NLL
+# (a behaviour-cloning term) and defaults it to 1.0; keel's SimPO is the loss alone
+_CPO_WHY = "keel's SimPO has no SFT (behaviour-cloning) term: set cpo_alpha: 0"
+
+
+def _cpo_alpha(build: Build, key: str, value) -> None:
+    if build.stage != "simpo":
+        build.ignored(key, f"used with rl: simpo only (this run is {build.stage})")
+    elif value in (0, 0.0):
+        build.ignored(key, "0: no SFT term, as in keel's SimPO")
+    elif value is None:
+        build.refused(key, f"empty: TRL's CPO default 1.0 adds an SFT term; {_CPO_WHY}")
+    else:
+        build.refused(key, f"{value}: an SFT term beside the SimPO loss; {_CPO_WHY}")
+
+
+def stage_defaults(build: Build, raw: dict) -> None:
+    """Axolotl's RL defaults that keel cannot follow, refused though the key is left out."""
+    if build.stage == "simpo" and "cpo_alpha" not in raw:
+        build.refused("cpo_alpha", f"left out: TRL's CPO default 1.0 adds an SFT term; {_CPO_WHY}")
 
 
 def _rl(build: Build, key: str, value) -> None:
@@ -96,7 +128,9 @@ def _trl(build: Build, key: str, value) -> None:
         return
     for name, item in value.items():
         dotted = f"{key}.{name}"
-        if build.stage != "grpo":
+        if name == "beta" and build.stage in _BETA_STAGES and item is not None:
+            build.mapped(dotted, f"{build.stage}.beta", item, "Axolotl's beta for every RL stage")
+        elif build.stage != "grpo":
             build.ignored(dotted, f"keel reads trl: with rl: grpo only (this run is {build.stage})")
         elif name in _TRL_DIRECT:
             build.mapped(dotted, f"grpo.{name}", item)

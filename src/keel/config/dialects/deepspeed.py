@@ -6,15 +6,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from keel.config.dialects.report import KeyFate
+from keel.config.dialects.report import KeyFate, unknown_key
 
 _AUTO = "auto: the trainer fills it from the YAML's own keys, which keel maps"
 _TUNING = "DeepSpeed's communication tuning; keel's DDP and FSDP2 choose their own buckets"
+_DIAGNOSTICS = (
+    "DeepSpeed's own timing and logging; keel logs the loss, step time and throughput to "
+    "metrics.jsonl (and output.loggers)"
+)
+_SAVE_16BIT = "keel always saves the full model in Hugging Face format"
 _IGNORED = {
     "train_batch_size": _AUTO,
     "train_micro_batch_size_per_gpu": _AUTO,
     "gradient_accumulation_steps": _AUTO,
     "zero_allow_untested_optimizer": "keel builds its own optimizer (train.optimizer)",
+    "zero_force_ds_cpu_optimizer": "keel builds its own optimizer (train.optimizer)",
+    "compile": "DeepSpeed's torch.compile of the model, a speed setting: keel runs the model "
+    "uncompiled (the same results)",
+    "wall_clock_breakdown": _DIAGNOSTICS,
+    "steps_per_print": _DIAGNOSTICS,
+    "comms_config": _DIAGNOSTICS,
+    "monitor_config": _DIAGNOSTICS,
+    "flops_profiler": _DIAGNOSTICS,
     "bf16": "precision comes from the YAML's bf16/fp16 keys (train.precision)",
     "fp16": "precision comes from the YAML's bf16/fp16 keys (train.precision); keel's fp16 "
     "uses dynamic loss scaling",
@@ -30,9 +43,22 @@ _IGNORED = {
     "zero_optimization.stage3_param_persistence_threshold": _TUNING,
     "zero_optimization.stage3_max_live_parameters": _TUNING,
     "zero_optimization.stage3_max_reuse_distance": _TUNING,
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "keel always saves the "
-    "full model in Hugging Face format",
+    # the same four without their stage3_ prefix, as Axolotl's deepspeed_configs spell them
+    "zero_optimization.prefetch_bucket_size": _TUNING,
+    "zero_optimization.param_persistence_threshold": _TUNING,
+    "zero_optimization.max_live_parameters": _TUNING,
+    "zero_optimization.max_reuse_distance": _TUNING,
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _SAVE_16BIT,
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": _SAVE_16BIT,
+    "zero_optimization.gather_16bit_weights_on_model_save": _SAVE_16BIT,
 }
+_KNOWN = (
+    *_IGNORED,
+    "gradient_clipping",
+    "zero_optimization.stage",
+    "zero_optimization.offload_optimizer",
+    "zero_optimization.offload_param",
+)
 
 
 def read_deepspeed(value, source: Path, key: str) -> tuple[dict, list[KeyFate]]:
@@ -101,11 +127,8 @@ def _one_key(name: str, item, config: dict, settings: dict, key: str) -> KeyFate
     why = _IGNORED.get(name) or _IGNORED.get(top)
     if why:
         return KeyFate(dotted, "ignored", why=why)
-    return KeyFate(
-        dotted,
-        "refused",
-        why="a DeepSpeed setting keel has no counterpart for; remove it from the JSON",
-    )
+    why = "a DeepSpeed setting keel has no counterpart for; remove it from the JSON"
+    return KeyFate(dotted, "refused", why=unknown_key(name, _KNOWN, why))
 
 
 def _offload(dotted: str, item, config: dict, settings: dict) -> KeyFate:

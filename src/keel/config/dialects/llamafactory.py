@@ -8,7 +8,7 @@ from pathlib import Path
 
 from keel.config.dialects.deepspeed import read_deepspeed
 from keel.config.dialects.llamafactory_keys import KEY_RULES, Build, Rule
-from keel.config.dialects.report import Translation
+from keel.config.dialects.report import Translation, unknown_key
 
 
 def translate_llamafactory(raw: dict, source: Path) -> Translation:
@@ -17,7 +17,10 @@ def translate_llamafactory(raw: dict, source: Path) -> Translation:
     for key, value in raw.items():
         rule = RULES.get(str(key))
         if rule is None:
-            build.refused(str(key), "not a LLaMA-Factory training key keel knows; remove it")
+            why = unknown_key(
+                str(key), RULES, "not a LLaMA-Factory training key keel knows; remove it"
+            )
+            build.refused(str(key), why)
         else:
             rule(build, str(key), value)
     _datasets(build)
@@ -239,6 +242,11 @@ RULES: dict[str, Rule] = {
 def _defaults(build: Build) -> None:
     """Their defaults for the keys they left out, where keel's default differs."""
     raw, method = build.raw, build.config.get("method", {}).get("type", "lora")
+    if "do_train" not in raw:
+        # do_train is false by default and their workflows train only when it is true: a
+        # config without it (qwen3_preprocess.yaml: tokenize and save) trains nothing there
+        why = "left out, so false: LLaMA-Factory would not train; add `do_train: true`"
+        build.refused("do_train", why)
     if method in ("lora", "qlora"):
         rank = raw.get("lora_rank", 8)
         build.default("lora_rank", "method.lora.r", 8, "lora_rank's default")
@@ -255,6 +263,7 @@ def _defaults(build: Build) -> None:
     build.default("learning_rate", "train.lr", 5e-5, "HF's default")
     build.default("num_train_epochs", "train.epochs", 3.0, "HF's default")
     build.default("lr_scheduler_type", "train.scheduler", "linear", "HF's default")
+    build.default("output_dir", "output.dir", "trainer_output", "HF's default")
     build.default("logging_steps", "output.log_every", 500, "HF's default")
     build.default("save_steps", "output.save_every", 500, "HF's default")
     if not any(key in raw for key in ("gradient_checkpointing", "disable_gradient_checkpointing")):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,6 +67,13 @@ def refusal_problems(translation: Translation) -> list[str]:
     """One ConfigError problem per refused key: the key, that keel refuses it, and why."""
     name = DIALECT_NAMES[translation.dialect]
     return [f"{f.key} ({name}) is refused: {f.why}" for f in translation.refused()]
+
+
+def unknown_key(key: str, known: Iterable[str], why: str) -> str:
+    """`why` a key is refused, with the closest known key when `key` looks like a typo of
+    one (`lora_rnak`: did you mean `lora_rank`?)."""
+    close = difflib.get_close_matches(key, [str(k) for k in known], n=1, cutoff=0.75)
+    return f"{why}; did you mean `{close[0]}`?" if close else why
 
 
 def _line(fate: KeyFate) -> str:

@@ -1,6 +1,6 @@
-"""LLaMA-Factory's chat-template names as keel's data.template: a model family's own
-format is the tokenizer's chat template (auto); their ChatML is keel's chatml; their
-generic prompt formats (alpaca, vicuna, ...) have no keel counterpart."""
+"""LLaMA-Factory's and Axolotl's chat-template names as keel's data.template: a model
+family's own format is the tokenizer's chat template (auto); their ChatML is keel's chatml;
+their generic prompt formats (alpaca, vicuna, metharme, ...) have no keel counterpart."""
 
 from __future__ import annotations
 
@@ -55,4 +55,66 @@ def template_fate(key: str, value) -> tuple[KeyFate, str | None]:
         )
         return KeyFate(key, "refused", why=why), None
     why = f"{name} is not a LLaMA-Factory template keel knows; use the model's own or chatml"
+    return KeyFate(key, "refused", why=why), None
+
+
+# Axolotl's chat_template names for a model family's format -> the family, for the report
+_AXOLOTL_FAMILIES = {
+    "llama3": "Llama 3 Instruct",
+    "llama3_2_vision": "Llama 3.2 Vision",
+    "llama4": "Llama 4",
+    "qwen_25": "Qwen2.5",
+    "qwen3": "Qwen3",
+    "qwen3_5": "Qwen3.5",
+    "qwen2_vl": "Qwen2-VL",
+    "mistral_v1": "Mistral",
+    "mistral_v2v3": "Mistral",
+    "mistral_v3_tekken": "Mistral",
+    "mistral_v7_tekken": "Mistral",
+    "pixtral": "Pixtral",
+    "llava": "LLaVA",
+    "gemma": "Gemma",
+    "gemma3": "Gemma 3",
+    "gemma3n": "Gemma 3n",
+    "gemma4": "Gemma 4",
+    "phi_3": "Phi-3",
+    "phi_35": "Phi-3.5",
+    "cohere": "Command-R",
+    "command_a": "Command A",
+    "aya": "Aya",
+    "deepseek_v2": "DeepSeek-V2",
+    "deepseek_v3": "DeepSeek-V3",
+    "jamba": "Jamba",
+    "falcon_h1": "Falcon-H1",
+    "nemotron_h": "Nemotron-H",
+    "exaone": "EXAONE",
+    "exaone4": "EXAONE 4",
+}
+
+
+def axolotl_template_fate(key: str, value) -> tuple[KeyFate, str | None]:
+    """(the fate of Axolotl's `chat_template: value`, keel's data.template, or None when
+    refused)."""
+    name = str(value)
+    if value is None or name == "tokenizer_default":
+        return KeyFate(key, "mapped", "data.template", "the tokenizer's own chat template"), "auto"
+    if name.startswith("tokenizer_default_fallback_"):
+        why = (
+            "the tokenizer's own chat template; keel has no fallback: a tokenizer without one "
+            "is refused, naming the fix"
+        )
+        return KeyFate(key, "mapped", "data.template", why), "auto"
+    if name == "chatml":
+        return KeyFate(key, "mapped", "data.template"), "chatml"
+    family = _AXOLOTL_FAMILIES.get(name)
+    if family is not None:
+        why = (
+            f"Axolotl's {name} is the {family} chat format; keel uses the tokenizer's own "
+            f"template, which is that format for a {family} tokenizer"
+        )
+        return KeyFate(key, "mapped", "data.template", why), "auto"
+    why = (
+        f"{value!r}: keel's templates are the tokenizer's own (auto), chatml, or a .jinja "
+        f"file (data.template)"
+    )
     return KeyFate(key, "refused", why=why), None

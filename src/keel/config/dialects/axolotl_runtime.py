@@ -1,0 +1,167 @@
+"""How an Axolotl run executes, not what it computes: FSDP (`fsdp`, `fsdp_config`,
+`fsdp_version`) and DeepSpeed as keel's distributed settings, and the speed-only kernels and
+plugins (Liger, Cut Cross Entropy, Axolotl's LoRA kernels), which keel ignores saying why:
+they compute the same loss. A plugin that changes the training itself is refused."""
+
+from __future__ import annotations
+
+from keel.config.dialects.axolotl_data import Build
+from keel.config.dialects.deepspeed import read_deepspeed
+from keel.config.dialects.report import KeyFate, unknown_key
+
+
+def _fsdp(build: Build, key: str, value, raw: dict) -> None:
+    options = [value] if isinstance(value, str) else (value or [])
+    if "full_shard" in options or "shard_grad_op" in options:
+        build.mapped(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
+        if "shard_grad_op" in options:
+            build.set("distributed.fsdp.reshard_after_forward", False)
+    elif not options:
+        build.ignored(key, "empty: no FSDP")
+    else:
+        build.refused(key, f"{value!r}: keel's FSDP is full_shard (or shard_grad_op)")
+
+
+def _fsdp_version(build: Build, key: str, value, raw: dict) -> None:
+    build.ignored(key, f"{value}: keel's FSDP is FSDP2 (fully_shard) whichever version is named")
+
+
+_FSDP_IGNORED = {
+    "version": "keel's FSDP is FSDP2",
+    "state_dict_type": "keel writes the final model as a Hugging Face folder and its "
+    "checkpoints in its own layout",
+    "transformer_layer_cls_to_wrap": "keel shards each decoder layer",
+    "auto_wrap_policy": "keel shards each decoder layer",
+    "limit_all_gathers": "an FSDP1 setting; FSDP2 has no such knob",
+    "sync_module_states": "keel loads the same weights on every process",
+    "use_orig_params": "an FSDP1 setting; FSDP2 keeps the original parameters",
+    "cpu_ram_efficient_loading": "keel loads the weights on the meta device, then shards them",
+    "backward_prefetch": "FSDP2 prefetches on its own",
+    "forward_prefetch": "FSDP2 prefetches on its own",
+}
+_FSDP_MAPPED = ("offload_params", "reshard_after_forward", "activation_checkpointing")
+
+
+def _fsdp_config(build: Build, key: str, value, raw: dict) -> None:
+    """Each setting, spelt with or without Axolotl's older `fsdp_` prefix."""
+    if not isinstance(value, dict):
+        build.ignored(key, "empty") if value is None else build.refused(key, "must be a mapping")
+        return
+    if not raw.get("fsdp"):
+        build.set("distributed.strategy", "fsdp")  # Axolotl's newer configs use fsdp_config alone
+    for name, item in value.items():
+        short, dotted = name.removeprefix("fsdp_"), f"{key}.{name}"
+        if short == "offload_params":
+            build.mapped(dotted, "distributed.fsdp.cpu_offload", bool(item))
+        elif short == "reshard_after_forward":
+            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", bool(item))
+        elif short == "activation_checkpointing":
+            build.mapped(dotted, "train.gradient_checkpointing", bool(item))
+        elif short == "sharding_strategy" and item in ("FULL_SHARD", 1):
+            build.mapped(dotted, "distributed.strategy", "fsdp")
+        elif short == "sharding_strategy" and item in ("SHARD_GRAD_OP", 2):
+            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", False)
+        elif short in _FSDP_IGNORED:
+            build.ignored(dotted, _FSDP_IGNORED[short])
+        else:
+            why = "an FSDP setting keel has no counterpart for; remove it"
+            known = [*_FSDP_IGNORED, *_FSDP_MAPPED, "sharding_strategy"]
+            build.refused(dotted, unknown_key(short, known, why))
+
+
+def _deepspeed(build: Build, key: str, value, raw: dict) -> None:
+    if value is None:
+        build.ignored(key, "empty: no DeepSpeed")
+        return
+    settings, fates = read_deepspeed(value, build.source, key)
+    for dotted, setting in settings.items():
+        build.set(dotted, setting)
+    if settings:
+        build.fates.append(KeyFate(key, "mapped", ", ".join(settings), "read the JSON"))
+    build.fates.extend(fates)
+
+
+def offloads_activations(raw: dict) -> bool:
+    """Whether the config moves activations to host memory (activation_offloading)."""
+    return raw.get("activation_offloading") in (True, "legacy")
+
+
+def _activation_offloading(build: Build, key: str, value, raw: dict) -> None:
+    if offloads_activations(raw):
+        why = (
+            "keel recomputes each layer in backward and keeps its saved input in pinned host "
+            "memory: the activations leave the device, as with Axolotl's offloading"
+        )
+        build.mapped(key, "train.gradient_checkpointing", "offload", why)
+    elif not value:
+        build.ignored(key, "false: activations stay on the device")
+    else:
+        build.refused(key, f"{value!r}: keel offloads activations to host memory only (true)")
+
+
+_SAME_LOSS = "a faster kernel for the same computation; keel uses PyTorch's own operations"
+_CHUNKED_LOSS = (
+    "computes the output layer and cross-entropy without holding every logit; keel computes "
+    "them in chunks (train.loss_chunk_size): the same loss"
+)
+# Plugins that only make the same computation faster or leaner; any other plugin changes
+# what is trained (or how it is logged) in ways keel does not follow, and is refused.
+_SPEED_PLUGINS = {
+    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin": f"Cut Cross Entropy "
+    f"{_CHUNKED_LOSS}",
+    "axolotl.integrations.liger.LigerPlugin": "Liger's fused kernels (RoPE, RMSNorm, SwiGLU, "
+    "cross-entropy) compute the same math; keel uses PyTorch's own operations and its "
+    "chunked output layer and cross-entropy",
+}
+
+
+def _plugins(build: Build, key: str, value, raw: dict) -> None:
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list):
+        build.refused(key, "must be a list of plugin class paths")
+        return
+    for index, name in enumerate(names):
+        dotted = f"{key}.{index}"
+        if name in _SPEED_PLUGINS:
+            build.ignored(dotted, f"{name}: {_SPEED_PLUGINS[name]}")
+        else:
+            build.refused(dotted, f"{name}: an Axolotl plugin keel does not run; remove it")
+
+
+def _kernel_switch(build: Build, key: str, value, raw: dict) -> None:
+    """A switch of the Liger or Cut Cross Entropy plugins, or of Axolotl's LoRA kernels."""
+    if key == "liger_use_token_scaling" and value:
+        build.refused(key, "scales each token's loss; keel's cross-entropy is the plain mean")
+    elif not value:
+        build.ignored(key, "false: off")
+    elif key == "cut_cross_entropy":
+        build.ignored(key, f"Cut Cross Entropy {_CHUNKED_LOSS}")
+    else:
+        build.ignored(key, _SAME_LOSS)
+
+
+_KERNEL_SWITCHES = (
+    "cut_cross_entropy",
+    "liger_rope",
+    "liger_rms_norm",
+    "liger_rms_norm_gated",
+    "liger_layer_norm",
+    "liger_swiglu",
+    "liger_glu_activation",
+    "liger_cross_entropy",
+    "liger_fused_linear_cross_entropy",
+    "liger_use_token_scaling",
+    "lora_mlp_kernel",
+    "lora_qkv_kernel",
+    "lora_o_kernel",
+)
+
+RUNTIME_HANDLERS = {
+    "fsdp": _fsdp,
+    "fsdp_config": _fsdp_config,
+    "fsdp_version": _fsdp_version,
+    "deepspeed": _deepspeed,
+    "plugins": _plugins,
+    "activation_offloading": _activation_offloading,
+    **{key: _kernel_switch for key in _KERNEL_SWITCHES},
+}
