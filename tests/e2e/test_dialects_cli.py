@@ -1,11 +1,13 @@
 """Their configs as they are: each LLaMA-Factory and Axolotl example config in
 tests/fixtures/dialects/ (their own files, the model and data swapped for "{model}" and
-"{data}") converts to a keel config that `keel validate` accepts, and `keel train` of the
-original trains 2 steps on the tiny model, printing the mapping report."""
+"{data}", their Qwen chat templates for the tiny Llama's) converts to a keel config that
+`keel validate` accepts, and `keel train` of the original trains 2 steps on the tiny model,
+printing the mapping report."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -57,7 +59,13 @@ def filled(tiny_model_dir, tmp_path_factory):
     return found
 
 
+# The tiny model is a Llama: their Qwen templates would be refused on it (keel renders the
+# model's own template, not theirs), so the fixtures name the Llama family's template instead
+LLAMA_TEMPLATE = re.compile(r"^(template|chat_template): \S+$", re.MULTILINE)
+
+
 def _fill_data(text: str, dialect: str, data) -> str:
+    text = LLAMA_TEMPLATE.sub(r"\1: llama3", text)
     raw = yaml.safe_load(text)
     if dialect == "llamafactory":  # {data}: a dataset_info.json folder, {dataset}: a name
         text = text.replace("{dataset}", LLAMAFACTORY_DATASETS[raw["stage"]])
@@ -151,4 +159,17 @@ def test_an_unknown_llamafactory_key_is_refused_naming_it(filled, tmp_path):
     result = keel_in_process("train", str(bad), f"output.dir={tmp_path / 'out'}", *RUN)
     assert result.returncode == 2
     assert "lora_rnak" in result.stderr and "refused" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_template_of_another_model_family_is_refused_naming_the_fix(filled, tmp_path):
+    their = filled["llamafactory/qwen3_lora_sft.yaml"]
+    bad = tmp_path / "qwen_template.yaml"
+    bad.write_text(their.read_text().replace("template: llama3", "template: qwen3_nothink"))
+    result = keel_in_process("train", str(bad), f"output.dir={tmp_path / 'out'}", *RUN)
+    assert result.returncode == 2
+    assert (
+        f"template ({bad}:" in result.stderr and "is refused: qwen3_nothink is the" in result.stderr
+    )
+    assert "is a llama model" in result.stderr and "leave template out" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()

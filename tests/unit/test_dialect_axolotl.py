@@ -299,10 +299,67 @@ def test_empty_values_are_their_defaults_not_refusals():
 
 
 def test_axolotl_defaults_that_differ_from_keels_are_written():
-    t = translate_axolotl({"base_model": "m", "adapter": "lora", "datasets": ["d"]}, FIXTURES)
+    raw = {"base_model": "m", "adapter": "lora", "lora_r": 8, "lora_alpha": 16, "datasets": ["d"]}
+    t = translate_axolotl(raw, FIXTURES)
+    assert t.refused() == []
     assert t.config["data"]["cutoff_len"] == 512
-    assert t.config["method"]["lora"]["dropout"] == 0.0
-    assert "data.cutoff_len = 512 (Axolotl's default sequence_len)" in t.notes
+    assert t.config["method"]["lora"] == {"r": 8, "alpha": 16, "dropout": 0.0}
+    assert "data.cutoff_len = 512: Axolotl's default sequence_len" in t.notes
+
+
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_lora_r_and_alpha_have_no_axolotl_default_so_leaving_them_out_is_refused(adapter):
+    # Axolotl hands PEFT lora_r and lora_alpha as the config holds them: left out or empty,
+    # its run stops when the adapter is made; keel says so instead of using its own default
+    raw = {"base_model": "m", "adapter": adapter, "load_in_4bit": adapter == "qlora"}
+    refused = {f.key: f.why for f in translate_axolotl(raw, FIXTURES).refused()}
+    assert set(refused) == {"lora_r", "lora_alpha"}
+    assert (
+        refused["lora_r"].startswith("left out: Axolotl has no default")
+        and "16" in refused["lora_r"]
+    )
+    raw.update(lora_r=None, lora_alpha=32)
+    refused = {f.key: f.why for f in translate_axolotl(raw, FIXTURES).refused()}
+    assert list(refused) == ["lora_r"] and refused["lora_r"].startswith("empty: ")
+
+
+def test_lora_r_left_empty_without_an_adapter_changes_nothing():
+    fates = _fates({"base_model": "m", "lora_r": None, "datasets": ["d"]})
+    assert fates["lora_r"].fate == "ignored" and "lora_alpha" not in fates
+
+
+def _model_folder(tmp_path: Path, model_type: str) -> Path:
+    """A model folder as far as the translation reads one: its config.json."""
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("template", "model_type", "fate"),
+    [
+        ("qwen_25", "llama", "refused"),
+        ("llama3", "qwen2", "refused"),
+        ("qwen_25", "qwen2", "mapped"),
+        ("llama3", "llama", "mapped"),
+        ("gemma3", "gemma3_text", "mapped"),
+    ],
+)
+def test_a_family_chat_template_is_checked_against_the_models_type(
+    template, model_type, fate, tmp_path
+):
+    raw = {"base_model": str(_model_folder(tmp_path, model_type)), "chat_template": template}
+    translation = translate_axolotl(raw, FIXTURES)
+    found = {f.key: f for f in translation.fates}["chat_template"]
+    assert found.fate == fate
+    if fate == "refused":
+        assert f"is a {model_type} model" in found.why
+        assert "set chat_template: tokenizer_default" in found.why
+        assert "template" not in translation.config.get("data", {})
+    else:
+        assert f"model_type {model_type}" in found.why
+        assert translation.config["data"]["template"] == "auto"
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ config that keel's own loader accepts (training them is tests/e2e/test_dialects_
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -265,6 +266,89 @@ def test_templates():
     fate = translate({"model_name_or_path": "m", "template": "llama3"}, Path("x.yaml"))
     assert fate.config["data"]["template"] == "auto"
     assert "llama3" in {f.key: f for f in fate.fates}["template"].why
+
+
+def _model_folder(tmp_path: Path, model_type: str) -> Path:
+    """A model folder as far as the translation reads one: its config.json."""
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("template", "model_type"),
+    [("qwen3", "llama"), ("llama3", "qwen2"), ("qwen", "qwen3"), ("gemma3", "gemma3n")],
+)
+def test_a_family_template_on_a_model_of_another_family_is_refused(template, model_type, tmp_path):
+    # LLaMA-Factory renders its template whatever the model; keel renders the model's own,
+    # so the two differ here: refused, naming the template, the model's type and the fix
+    model = _model_folder(tmp_path, model_type)
+    raw = {"model_name_or_path": str(model), "do_train": True, "template": template}
+    translation = translate(raw, tmp_path / "x.yaml")
+    (refused,) = translation.refused()
+    assert refused.key == "template"
+    assert refused.why.startswith(f"{template} is the ")
+    assert f"model_name_or_path {model} is a {model_type} model" in refused.why
+    assert "leave template out" in refused.why and ".jinja" in refused.why
+    assert "template" not in translation.config.get("data", {})
+
+
+def test_the_refusal_names_the_templates_of_the_models_family(tmp_path):
+    raw = {"model_name_or_path": str(_model_folder(tmp_path, "qwen3")), "template": "llama3"}
+    (refused,) = [f for f in translate(raw, tmp_path / "x.yaml").refused() if f.key == "template"]
+    assert "set template to a qwen3 template (qwen3, qwen3_nothink)" in refused.why
+
+
+@pytest.mark.parametrize(
+    ("template", "model_type"),
+    [
+        ("qwen3_nothink", "qwen3_moe"),
+        ("llama3", "llama"),
+        ("qwen", "qwen2"),
+        ("gemma3", "gemma3_text"),
+        ("deepseekr1", "qwen2"),  # distilled into Qwen and Llama models: not checked
+    ],
+)
+def test_a_family_template_on_its_own_family_is_mapped_naming_the_type(
+    template, model_type, tmp_path
+):
+    model = _model_folder(tmp_path, model_type)
+    raw = {"model_name_or_path": str(model), "do_train": True, "template": template}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.refused() == []
+    fate = {f.key: f for f in translation.fates}["template"]
+    assert fate.target == "data.template" and f"model_type {model_type}" in fate.why
+    assert translation.config["data"]["template"] == "auto"
+
+
+def test_a_hub_model_is_checked_from_the_cache_and_unchecked_before_download(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "snapshots" / "abc123" / "config.json").write_text('{"model_type": "qwen3"}')
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    raw = {"model_name_or_path": "Qwen/Qwen3-0.6B", "do_train": True, "template": "llama3"}
+    assert [f.key for f in translate(raw, tmp_path / "x.yaml").refused()] == ["template"]
+    raw["template"] = "qwen3"
+    assert translate(raw, tmp_path / "x.yaml").refused() == []
+    raw.update(model_name_or_path="Qwen/Qwen3-8B", template="llama3")  # not in the cache
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.refused() == []
+    assert "not checked" in {f.key: f for f in translation.fates}["template"].why
+
+
+def test_lora_rank_and_alpha_as_they_read_them(tmp_path):
+    raw = {"model_name_or_path": "m", "do_train": True, "lora_rank": 4, "lora_alpha": 0}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.config["method"]["lora"] == {"r": 4, "alpha": 8, "dropout": 0.0}
+    assert "method.lora.alpha = 8: 2 x lora_rank, their default" in translation.notes
+    raw["lora_rank"] = None  # their alpha default and PEFT need a number: their run stops
+    (refused,) = translate(raw, tmp_path / "x.yaml").refused()
+    assert refused.key == "lora_rank" and "their default 8" in refused.why
 
 
 def test_keyfate_needs_a_why_for_ignored_and_refused():

@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from keel.config.dialects.axolotl_data import Build, dataset_stage, translate_datasets
+from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
-from keel.config.dialects.report import KeyFate, Translation, unknown_key
-from keel.config.dialects.templates import axolotl_template_fate
+from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
+from keel.config.dialects.report import Translation, unknown_key
+from keel.config.dialects.templates import axolotl_chat_template
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
 DIRECT = {
@@ -85,27 +86,6 @@ IGNORED = {
     "save_only_model": "keel's checkpoints always hold the optimizer and data state, so a "
     "resumed run continues exactly; the final model is saved in Hugging Face format",
 }
-_OPTIMIZERS = {
-    "adamw_torch": ("adamw", ""),
-    "adamw_torch_fused": ("adamw", "keel's AdamW (fp32 moments)"),
-    "adamw_hf": ("adamw", ""),
-    "adamw": ("adamw", ""),
-    "adamw_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments, not bitsandbytes'"),
-    "adamw_bnb_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments, not bitsandbytes'"),
-    "paged_adamw_8bit": (
-        "adamw_8bit",
-        "torchao's 8-bit moments; keel does not page optimizer state to the host",
-    ),
-    "adamw_torch_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments"),
-    "adamw_torch_4bit": ("adamw_4bit", "torchao's 4-bit moments"),
-    "paged_adamw_32bit": ("adamw", "keel does not page optimizer state to the host"),
-}
-_SCHEDULERS = {
-    "cosine": "cosine",
-    "linear": "linear",
-    "constant": "constant",
-    "constant_with_warmup": "constant",
-}
 _ATTENTION = {
     "flash_attention_2": (
         "auto",
@@ -125,12 +105,12 @@ _ATTENTION = {
 def translate_axolotl(raw: dict, source: Path) -> Translation:
     """`raw` (an Axolotl YAML, read from `source`) as a keel Translation; every key of
     theirs, at any depth, has a fate."""
-    build = Build(source=Path(source), stage=_stage(raw))
+    build = Build(raw=raw, source=Path(source), stage=_stage(raw))
     build.set("train.stage", build.stage)
     for key, value in raw.items():
-        _one_key(build, str(key), value, raw)
-    _defaults(build, raw)
-    return Translation(dialect="axolotl", config=build.config, fates=build.fates, notes=build.notes)
+        _one_key(build, str(key), value)
+    _defaults(build)
+    return build.translation("axolotl")
 
 
 def _stage(raw: dict) -> str:
@@ -142,11 +122,11 @@ def _stage(raw: dict) -> str:
     return dataset_stage(raw.get("datasets")) or "sft"
 
 
-def _one_key(build: Build, key: str, value, raw: dict) -> None:
+def _one_key(build: Build, key: str, value) -> None:
     handler = _HANDLERS.get(key)
     if handler is not None and (value is not None or key in _NULL_MEANS_SOMETHING):
-        handler(build, key, value, raw)
-    elif translate_stage_key(build, key, value, raw):
+        handler(build, key, value)
+    elif translate_stage_key(build, key, value):
         return
     elif value is None:  # empty changes nothing, even under a key keel does not know
         why = "empty, so it changes nothing (a key keel does not know)"
@@ -154,7 +134,7 @@ def _one_key(build: Build, key: str, value, raw: dict) -> None:
             key, "empty: Axolotl's default" if key in _KNOWN else unknown_key(key, _KNOWN, why)
         )
     elif key in DIRECT:
-        build.mapped(
+        build.put(
             key,
             DIRECT[key],
             _number(value)
@@ -172,28 +152,28 @@ def _number(value: str):
     return float(value) if _NUMBER.match(value.strip()) else value
 
 
-def _adapter(build: Build, key: str, value, raw: dict) -> None:
+def _adapter(build: Build, key: str, value) -> None:
     if value in ("lora", "qlora"):
-        build.mapped(key, "method.type", value)
+        build.put(key, "method.type", value)
     elif value is None:
-        build.mapped(key, "method.type", "full", "no adapter: every weight trains")
+        build.put(key, "method.type", "full", "no adapter: every weight trains")
     else:
         build.refused(key, f"adapter {value!r}: keel's adapters are lora and qlora")
 
 
-def _load_in_4bit(build: Build, key: str, value, raw: dict) -> None:
+def _load_in_4bit(build: Build, key: str, value) -> None:
     if not value:
         build.ignored(key, "false: the base is not quantised")
-    elif raw.get("adapter") == "qlora":
-        build.mapped(key, "method.qlora.quant", "nf4", "4-bit NF4 base weights (QLoRA)")
+    elif build.raw.get("adapter") == "qlora":
+        build.put(key, "method.qlora.quant", "nf4", "4-bit NF4 base weights (QLoRA)")
     else:
         build.refused(key, "a 4-bit base trains only with adapter: qlora")
 
 
-def _load_in_8bit(build: Build, key: str, value, raw: dict) -> None:
+def _load_in_8bit(build: Build, key: str, value) -> None:
     if not value:
         build.ignored(key, "false: the base is not quantised")
-    elif raw.get("adapter") == "lora":
+    elif build.raw.get("adapter") == "lora":
         build.ignored(
             key,
             "keel has no 8-bit base; LoRA trains on the base in "
@@ -204,21 +184,21 @@ def _load_in_8bit(build: Build, key: str, value, raw: dict) -> None:
         build.refused(key, "keel has no 8-bit base weights; use adapter: qlora (4-bit)")
 
 
-def _targets(build: Build, key: str, value, raw: dict) -> None:
+def _targets(build: Build, key: str, value) -> None:
     if key == "lora_target_linear":
         if value:
-            build.mapped(key, "method.lora.targets", "all-linear")
+            build.put(key, "method.lora.targets", "all-linear")
         else:
             build.ignored(key, "false: lora_target_modules names the targets")
-    elif raw.get("lora_target_linear"):
+    elif build.raw.get("lora_target_linear"):
         build.ignored(key, "lora_target_linear: true already targets every linear layer")
     elif value is None:
         build.ignored(key, "empty: Axolotl's default")
     else:
-        build.mapped(key, "method.lora.targets", value)
+        build.put(key, "method.lora.targets", value)
 
 
-def _lora_model_dir(build: Build, key: str, value, raw: dict) -> None:
+def _lora_model_dir(build: Build, key: str, value) -> None:
     if value is None:
         build.ignored(key, "empty: new adapters are trained")
     else:
@@ -227,29 +207,9 @@ def _lora_model_dir(build: Build, key: str, value, raw: dict) -> None:
         )
 
 
-def _optimizer(build: Build, key: str, value, raw: dict) -> None:
-    if value in _OPTIMIZERS:
-        name, why = _OPTIMIZERS[value]
-        build.mapped(key, "train.optimizer", name, why)
-    else:
-        build.refused(
-            key,
-            f"keel's optimizers are AdamW in 32, 8 or 4 bits ({value!r} is "
-            f"not one); use optimizer: adamw_torch or adamw_8bit",
-        )
-
-
-def _scheduler(build: Build, key: str, value, raw: dict) -> None:
-    if value in _SCHEDULERS:
-        why = "warmup, then constant" if value == "constant_with_warmup" else ""
-        build.mapped(key, "train.scheduler", _SCHEDULERS[value], why)
-    else:
-        build.refused(key, f"keel's schedules are {', '.join(sorted(set(_SCHEDULERS)))}")
-
-
-def _precision(build: Build, key: str, value, raw: dict) -> None:
+def _precision(build: Build, key: str, value) -> None:
     """bf16 and fp16 together decide train.precision (bf16 first, as in Axolotl)."""
-    bf16, fp16 = raw.get("bf16"), raw.get("fp16")
+    bf16, fp16 = build.raw.get("bf16"), build.raw.get("fp16")
     if key == "fp16" and bf16 not in (None, False):
         if value:
             build.refused(key, "bf16 and fp16 are both set; keep one")
@@ -257,76 +217,79 @@ def _precision(build: Build, key: str, value, raw: dict) -> None:
             build.ignored(key, "false: bf16 decides the precision")
         return
     if key == "fp16":
-        build.mapped(key, "train.precision", "fp16" if value else "fp32")
+        build.put(key, "train.precision", "fp16" if value else "fp32")
     elif value == "auto":
-        build.mapped(key, "train.precision", "auto", "bf16 where the device supports it")
+        build.put(key, "train.precision", "auto", "bf16 where the device supports it")
     elif value:
-        build.mapped(key, "train.precision", "bf16")
+        build.put(key, "train.precision", "bf16")
     elif fp16:
         build.ignored(key, "false: fp16 decides the precision")
     else:
-        build.mapped(key, "train.precision", "fp32", "neither bf16 nor fp16")
+        build.put(key, "train.precision", "fp32", "neither bf16 nor fp16")
 
 
-def _checkpointing(build: Build, key: str, value, raw: dict) -> None:
-    if value is True and offloads_activations(raw):
-        build.mapped(key, "train.gradient_checkpointing", "offload", "with activation_offloading")
+def _checkpointing(build: Build, key: str, value) -> None:
+    if value is True and offloads_activations(build.raw):
+        build.put(key, "train.gradient_checkpointing", "offload", "with activation_offloading")
     elif value in (True, False, "offload"):
-        build.mapped(key, "train.gradient_checkpointing", value)
+        build.put(key, "train.gradient_checkpointing", value)
     else:
         build.refused(key, f"{value!r}: keel's choices are true, false and offload")
 
 
-def _attention(build: Build, key: str, value, raw: dict) -> None:
+def _attention(build: Build, key: str, value) -> None:
     name = value if key == "attn_implementation" else key
     if key != "attn_implementation" and not value:
         build.ignored(key, "false: another attention setting (or keel's auto) decides")
     elif name in _ATTENTION:
         target, why = _ATTENTION[name]
-        build.mapped(key, "model.attn_implementation", target, why)
+        build.put(key, "model.attn_implementation", target, why)
     else:
         build.refused(
             key, f"{name!r}: keel's attention choices are auto, sdpa, eager and flash_attention_2"
         )
 
 
-def _packing(build: Build, key: str, value, raw: dict) -> None:
+def _packing(build: Build, key: str, value) -> None:
     if value and build.stage == "grpo":
         build.ignored(key, "grpo trains on generated completions; prompt rows are never packed")
     else:
-        build.mapped(key, "data.packing", bool(value))
+        build.put(key, "data.packing", bool(value))
 
 
-def _betas(build: Build, key: str, value, raw: dict) -> None:
-    betas = [_number(str(raw.get("adam_beta1", 0.9))), _number(str(raw.get("adam_beta2", 0.999)))]
-    build.mapped(key, "train.adam_betas", betas)
+def _betas(build: Build, key: str, value) -> None:
+    betas = [
+        _number(str(build.raw.get("adam_beta1", 0.9))),
+        _number(str(build.raw.get("adam_beta2", 0.999))),
+    ]
+    build.put(key, "train.adam_betas", betas)
 
 
-def _steps(build: Build, key: str, value, raw: dict) -> None:
+def _steps(build: Build, key: str, value) -> None:
     target = "output.save_every" if key == "save_steps" else "train.eval_every"
     if value is None:
         build.ignored(key, "empty: Axolotl's default")
     elif isinstance(value, int):
-        build.mapped(key, target, value)
+        build.put(key, target, value)
     else:
         build.refused(key, f"{value!r}: keel counts {target} in whole steps")
 
 
-def _loggers(build: Build, key: str, value, raw: dict) -> None:
+def _loggers(build: Build, key: str, value) -> None:
     if not value:
         build.ignored(key, "false: not this logger")
         return
     logger = "tensorboard" if key == "use_tensorboard" else "wandb"
     _add_logger(build, logger)
-    build.fates.append(KeyFate(key, "mapped", "output.loggers", f"jsonl and {logger}"))
+    build.mapped(key, "output.loggers", f"jsonl and {logger}")
 
 
-def _wandb(build: Build, key: str, value, raw: dict) -> None:
+def _wandb(build: Build, key: str, value) -> None:
     """A W&B project turns W&B logging on in Axolotl (use_wandb is implied)."""
     if value is None:
         build.ignored(key, "empty: no W&B logging")
         return
-    build.mapped(key, DIRECT[key], value, "and wandb joins output.loggers")
+    build.put(key, DIRECT[key], value, "and wandb joins output.loggers")
     _add_logger(build, "wandb")
 
 
@@ -336,21 +299,14 @@ def _add_logger(build: Build, logger: str) -> None:
         loggers.append(logger)
 
 
-def _auto_resume(build: Build, key: str, value, raw: dict) -> None:
+def _auto_resume(build: Build, key: str, value) -> None:
     if value:
-        build.mapped(key, "train.resume", "auto", "the newest complete checkpoint in output.dir")
+        build.put(key, "train.resume", "auto", "the newest complete checkpoint in output.dir")
     else:
         build.ignored(key, "false: resume_from_checkpoint decides")
 
 
-def _chat_template(build: Build, key: str, value, raw: dict) -> None:
-    fate, template = axolotl_template_fate(key, value)
-    if template is not None:
-        build.set("data.template", template)
-    build.fates.append(fate)
-
-
-def _special_tokens(build: Build, key: str, value, raw: dict) -> None:
+def _special_tokens(build: Build, key: str, value) -> None:
     if not value:
         build.ignored(key, "empty: the tokenizer's own tokens")
         return
@@ -366,43 +322,49 @@ def _special_tokens(build: Build, key: str, value, raw: dict) -> None:
             build.refused(f"{key}.{name}", "keel does not change the tokenizer's special tokens")
 
 
-def _datasets(build: Build, key: str, value, raw: dict) -> None:
+def _datasets(build: Build, key: str, value) -> None:
     translate_datasets(build, value)
 
 
-def _train_on_inputs(build: Build, key: str, value, raw: dict) -> None:
+def _train_on_inputs(build: Build, key: str, value) -> None:
     if value:
         build.refused(key, "keel trains on the responses only (the prompt is masked)")
     else:
         build.ignored(key, "false: keel trains on the responses only, as this asks")
 
 
-def _save_strategy(build: Build, key: str, value, raw: dict) -> None:
-    if value == "no":
-        build.mapped(key, "output.save_every", 0, "no: the final save only")
-    elif value == "steps":
-        build.ignored(key, "steps: save_steps sets output.save_every")
-    else:
-        build.refused(key, f"{value!r}: keel saves every output.save_every steps (save_steps)")
-
-
-def _defaults(build: Build, raw: dict) -> None:
+def _defaults(build: Build) -> None:
     """Axolotl's defaults where they differ from keel's, written out and noted."""
+    raw = build.raw
     if "adapter" not in raw:
-        build.set("method.type", "full")
-        build.notes.append("method.type = full (no adapter: Axolotl trains every weight)")
+        build.kept("method.type", "full", "no adapter: Axolotl trains every weight")
     if raw.get("output_dir") is None:
-        build.set("output.dir", "./model-out")
-        build.notes.append("output.dir = ./model-out (Axolotl's default output_dir)")
+        build.kept("output.dir", "./model-out", "Axolotl's default output_dir")
     if "datasets" not in raw:
         build.set("data.datasets", [])  # keel reports the empty list with its fix
-    stage_defaults(build, raw)
+    stage_defaults(build)
     if raw.get("sequence_len") is None:
-        build.set("data.cutoff_len", 512)
-        build.notes.append("data.cutoff_len = 512 (Axolotl's default sequence_len)")
+        build.kept("data.cutoff_len", 512, "Axolotl's default sequence_len")
     if raw.get("adapter") in ("lora", "qlora") and raw.get("lora_dropout") is None:
-        build.set("method.lora.dropout", 0.0)
-        build.notes.append("method.lora.dropout = 0.0 (Axolotl's default lora_dropout)")
+        build.kept("method.lora.dropout", 0.0, "Axolotl's default lora_dropout")
+    for key in ("lora_r", "lora_alpha"):
+        if key not in raw:
+            _lora_size(build, key, None, "left out")
+
+
+def _lora_size(build: Build, key: str, value, empty: str = "empty") -> None:
+    """lora_r and lora_alpha have no default: Axolotl hands PEFT what the config holds, and
+    with an adapter an empty one stops its run when the adapter is made."""
+    if value is not None:
+        build.put(key, DIRECT[key], _number(value) if isinstance(value, str) else value)
+    elif build.raw.get("adapter") in ("lora", "qlora"):
+        example = "16" if key == "lora_r" else "2 x lora_r"
+        why = (
+            f"{empty}: Axolotl has no default for it (its LoRA run stops); set it (e.g. {example})"
+        )
+        build.refused(key, why)
+    elif empty == "empty":
+        build.ignored(key, "empty: read with adapter lora or qlora only")
 
 
 _HANDLERS = {
@@ -412,8 +374,10 @@ _HANDLERS = {
     "lora_target_linear": _targets,
     "lora_target_modules": _targets,
     "lora_model_dir": _lora_model_dir,
-    "optimizer": _optimizer,
-    "lr_scheduler": _scheduler,
+    "lora_r": _lora_size,
+    "lora_alpha": _lora_size,
+    "optimizer": optimizer,
+    "lr_scheduler": scheduler,
     "bf16": _precision,
     "fp16": _precision,
     "gradient_checkpointing": _checkpointing,
@@ -430,14 +394,15 @@ _HANDLERS = {
     "use_tensorboard": _loggers,
     "wandb_project": _wandb,
     "auto_resume_from_checkpoints": _auto_resume,
-    "chat_template": _chat_template,
+    "chat_template": axolotl_chat_template,
     "special_tokens": _special_tokens,
     "datasets": _datasets,
     "train_on_inputs": _train_on_inputs,
-    "save_strategy": _save_strategy,
+    "save_strategy": save_strategy,
     **RUNTIME_HANDLERS,
 }
 # Keys whose null has a meaning of its own (no adapter: full fine-tuning; no datasets: the
-# fix to name some); any other known key left empty is Axolotl's default.
-_NULL_MEANS_SOMETHING = ("adapter", "datasets", "bf16", "fp16")
+# fix to name some; no LoRA rank: their LoRA run stops); any other known key left empty is
+# Axolotl's default.
+_NULL_MEANS_SOMETHING = ("adapter", "datasets", "bf16", "fp16", "lora_r", "lora_alpha")
 _KNOWN = (*_HANDLERS, *DIRECT, *IGNORED, *STAGE_KEYS)

@@ -1,43 +1,12 @@
-"""Axolotl's `datasets:` entries as keel's data.datasets, and the builder both Axolotl modules
-write through. Each dataset key gets a fate named `datasets.<index>.<key>`."""
+"""Axolotl's `datasets:` entries as keel's data.datasets. Each dataset key gets a fate named
+`datasets.<index>.<key>`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from keel.config.dialects.report import KeyFate, unknown_key
+from keel.config.dialects.build import Build
+from keel.config.dialects.report import unknown_key
 
 PAIR_STAGES = ("dpo", "orpo", "simpo", "rm")
-
-
-@dataclass
-class Build:
-    """The keel config being written and the fate of every Axolotl key so far."""
-
-    source: Path
-    stage: str
-    config: dict = field(default_factory=dict)
-    fates: list[KeyFate] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def set(self, dotted: str, value) -> None:
-        """Set a keel key given dotted (`train.lr`) in the nested config."""
-        *sections, last = dotted.split(".")
-        node = self.config
-        for name in sections:
-            node = node.setdefault(name, {})
-        node[last] = value
-
-    def mapped(self, key: str, target: str, value, why: str = "") -> None:
-        self.set(target, value)
-        self.fates.append(KeyFate(key, "mapped", target, why))
-
-    def ignored(self, key: str, why: str) -> None:
-        self.fates.append(KeyFate(key, "ignored", why=why))
-
-    def refused(self, key: str, why: str) -> None:
-        self.fates.append(KeyFate(key, "refused", why=why))
 
 
 _ALPACA_WHY = (
@@ -96,7 +65,7 @@ def translate_datasets(build: Build, value) -> None:
     for index, entry in enumerate(value):
         prefix = f"datasets.{index}"
         if isinstance(entry, str):
-            build.fates.append(KeyFate(prefix, "mapped", f"data.datasets.{index}.path"))
+            build.mapped(prefix, f"data.datasets.{index}.path")
             out.append({"path": entry})
         elif isinstance(entry, dict):
             out.append(_dataset(build, prefix, index, entry))
@@ -112,15 +81,15 @@ def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
         name = f"{prefix}.{key}"
         if key == "path":
             ds["path"] = value
-            build.fates.append(KeyFate(name, "mapped", f"{target}.path"))
+            build.mapped(name, f"{target}.path")
         elif key == "type":
             _type(build, name, value, ds, target)
         elif key in ("split", "revision"):
             ds[key] = value
-            build.fates.append(KeyFate(name, "mapped", f"{target}.{key}"))
+            build.mapped(name, f"{target}.{key}")
         elif key in _COLUMNS:
             ds.setdefault("columns", {})[_COLUMNS[key]] = value
-            build.fates.append(KeyFate(name, "mapped", f"{target}.columns.{_COLUMNS[key]}"))
+            build.mapped(name, f"{target}.columns.{_COLUMNS[key]}")
         else:
             _other_key(build, name, key, value, ds, target)
     if ds.get("format") == "messages" and entry.get("roles") is None:
@@ -151,7 +120,7 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
         _data_files(build, name, value, ds, target)
     elif key in _LEGACY_TAGS:
         ds.setdefault("tags", {})[_LEGACY_TAGS[key]] = value
-        build.fates.append(KeyFate(name, "mapped", f"{target}.tags.{_LEGACY_TAGS[key]}"))
+        build.mapped(name, f"{target}.tags.{_LEGACY_TAGS[key]}")
     elif key == "message_property_mappings" and isinstance(value, dict):
         _tags(build, name, value, _PROPERTY_TAGS, ds, target)
     elif key == "roles" and isinstance(value, dict):
@@ -179,7 +148,7 @@ def _type(build: Build, name: str, kind, ds: dict, target: str) -> None:
     ds["format"] = fmt
     if columns:
         ds.setdefault("columns", {}).update(columns)
-    build.fates.append(KeyFate(name, "mapped", f"{target}.format", why))
+    build.mapped(name, f"{target}.format", why)
 
 
 def _format_of(kind, stage: str) -> tuple[str | None, dict, str]:
@@ -231,7 +200,7 @@ def _data_files(build: Build, name: str, value, ds: dict, target: str) -> None:
     if isinstance(files, list) and len(files) == 1 and isinstance(files[0], str):
         ds["path"] = files[0]
         why = "keel reads that one file (it replaces path)"
-        build.fates.append(KeyFate(name, "mapped", f"{target}.path", why))
+        build.mapped(name, f"{target}.path", why)
         return
     build.refused(name, "keel reads one file per dataset; list each file as its own dataset")
 
@@ -241,7 +210,7 @@ def _tags(build: Build, name: str, value: dict, names: dict, ds: dict, target: s
         key = f"{name}.{prop}"
         if prop in names:
             ds.setdefault("tags", {})[names[prop]] = column
-            build.fates.append(KeyFate(key, "mapped", f"{target}.tags.{names[prop]}"))
+            build.mapped(key, f"{target}.tags.{names[prop]}")
         else:
             build.refused(key, "keel's messages read role and content only")
 
@@ -256,7 +225,7 @@ def _roles(build: Build, name: str, value: dict, ds: dict, target: str) -> None:
             build.refused(key, "keel's messages name one value per role; rewrite the rows")
         else:
             ds.setdefault("tags", {})[_ROLE_TAGS[role]] = aliases[0]
-            build.fates.append(KeyFate(key, "mapped", f"{target}.tags.{_ROLE_TAGS[role]}"))
+            build.mapped(key, f"{target}.tags.{_ROLE_TAGS[role]}")
 
 
 def _roles_to_train(build: Build, name: str, value) -> None:

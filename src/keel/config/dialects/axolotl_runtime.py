@@ -5,15 +5,15 @@ they compute the same loss. A plugin that changes the training itself is refused
 
 from __future__ import annotations
 
-from keel.config.dialects.axolotl_data import Build
-from keel.config.dialects.deepspeed import read_deepspeed
-from keel.config.dialects.report import KeyFate, unknown_key
+from keel.config.dialects.build import Build
+from keel.config.dialects.deepspeed import apply_deepspeed
+from keel.config.dialects.report import unknown_key
 
 
-def _fsdp(build: Build, key: str, value, raw: dict) -> None:
+def _fsdp(build: Build, key: str, value) -> None:
     options = [value] if isinstance(value, str) else (value or [])
     if "full_shard" in options or "shard_grad_op" in options:
-        build.mapped(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
+        build.put(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
         if "shard_grad_op" in options:
             build.set("distributed.fsdp.reshard_after_forward", False)
     elif not options:
@@ -22,7 +22,7 @@ def _fsdp(build: Build, key: str, value, raw: dict) -> None:
         build.refused(key, f"{value!r}: keel's FSDP is full_shard (or shard_grad_op)")
 
 
-def _fsdp_version(build: Build, key: str, value, raw: dict) -> None:
+def _fsdp_version(build: Build, key: str, value) -> None:
     build.ignored(key, f"{value}: keel's FSDP is FSDP2 (fully_shard) whichever version is named")
 
 
@@ -42,25 +42,25 @@ _FSDP_IGNORED = {
 _FSDP_MAPPED = ("offload_params", "reshard_after_forward", "activation_checkpointing")
 
 
-def _fsdp_config(build: Build, key: str, value, raw: dict) -> None:
+def _fsdp_config(build: Build, key: str, value) -> None:
     """Each setting, spelt with or without Axolotl's older `fsdp_` prefix."""
     if not isinstance(value, dict):
         build.ignored(key, "empty") if value is None else build.refused(key, "must be a mapping")
         return
-    if not raw.get("fsdp"):
+    if not build.raw.get("fsdp"):
         build.set("distributed.strategy", "fsdp")  # Axolotl's newer configs use fsdp_config alone
     for name, item in value.items():
         short, dotted = name.removeprefix("fsdp_"), f"{key}.{name}"
         if short == "offload_params":
-            build.mapped(dotted, "distributed.fsdp.cpu_offload", bool(item))
+            build.put(dotted, "distributed.fsdp.cpu_offload", bool(item))
         elif short == "reshard_after_forward":
-            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", bool(item))
+            build.put(dotted, "distributed.fsdp.reshard_after_forward", bool(item))
         elif short == "activation_checkpointing":
-            build.mapped(dotted, "train.gradient_checkpointing", bool(item))
+            build.put(dotted, "train.gradient_checkpointing", bool(item))
         elif short == "sharding_strategy" and item in ("FULL_SHARD", 1):
-            build.mapped(dotted, "distributed.strategy", "fsdp")
+            build.put(dotted, "distributed.strategy", "fsdp")
         elif short == "sharding_strategy" and item in ("SHARD_GRAD_OP", 2):
-            build.mapped(dotted, "distributed.fsdp.reshard_after_forward", False)
+            build.put(dotted, "distributed.fsdp.reshard_after_forward", False)
         elif short in _FSDP_IGNORED:
             build.ignored(dotted, _FSDP_IGNORED[short])
         else:
@@ -69,30 +69,18 @@ def _fsdp_config(build: Build, key: str, value, raw: dict) -> None:
             build.refused(dotted, unknown_key(short, known, why))
 
 
-def _deepspeed(build: Build, key: str, value, raw: dict) -> None:
-    if value is None:
-        build.ignored(key, "empty: no DeepSpeed")
-        return
-    settings, fates = read_deepspeed(value, build.source, key)
-    for dotted, setting in settings.items():
-        build.set(dotted, setting)
-    if settings:
-        build.fates.append(KeyFate(key, "mapped", ", ".join(settings), "read the JSON"))
-    build.fates.extend(fates)
-
-
 def offloads_activations(raw: dict) -> bool:
     """Whether the config moves activations to host memory (activation_offloading)."""
     return raw.get("activation_offloading") in (True, "legacy")
 
 
-def _activation_offloading(build: Build, key: str, value, raw: dict) -> None:
-    if offloads_activations(raw):
+def _activation_offloading(build: Build, key: str, value) -> None:
+    if offloads_activations(build.raw):
         why = (
             "keel recomputes each layer in backward and keeps its saved input in pinned host "
             "memory: the activations leave the device, as with Axolotl's offloading"
         )
-        build.mapped(key, "train.gradient_checkpointing", "offload", why)
+        build.put(key, "train.gradient_checkpointing", "offload", why)
     elif not value:
         build.ignored(key, "false: activations stay on the device")
     else:
@@ -115,7 +103,7 @@ _SPEED_PLUGINS = {
 }
 
 
-def _plugins(build: Build, key: str, value, raw: dict) -> None:
+def _plugins(build: Build, key: str, value) -> None:
     names = [value] if isinstance(value, str) else value
     if not isinstance(names, list):
         build.refused(key, "must be a list of plugin class paths")
@@ -128,7 +116,7 @@ def _plugins(build: Build, key: str, value, raw: dict) -> None:
             build.refused(dotted, f"{name}: an Axolotl plugin keel does not run; remove it")
 
 
-def _kernel_switch(build: Build, key: str, value, raw: dict) -> None:
+def _kernel_switch(build: Build, key: str, value) -> None:
     """A switch of the Liger or Cut Cross Entropy plugins, or of Axolotl's LoRA kernels."""
     if key == "liger_use_token_scaling" and value:
         build.refused(key, "scales each token's loss; keel's cross-entropy is the plain mean")
@@ -160,7 +148,7 @@ RUNTIME_HANDLERS = {
     "fsdp": _fsdp,
     "fsdp_config": _fsdp_config,
     "fsdp_version": _fsdp_version,
-    "deepspeed": _deepspeed,
+    "deepspeed": apply_deepspeed,
     "plugins": _plugins,
     "activation_offloading": _activation_offloading,
     **{key: _kernel_switch for key in _KERNEL_SWITCHES},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config.dialects.axolotl_data import Build
+from keel.config.dialects.build import Build
 
 _RL = ("dpo", "ipo", "orpo", "simpo", "kto", "grpo")
 _BETA_STAGES = ("dpo", "kto", "simpo", "orpo", "grpo")
@@ -45,18 +45,18 @@ _TRL_IGNORED = {
 }
 
 
-def translate_stage_key(build: Build, key: str, value, raw: dict) -> bool:
+def translate_stage_key(build: Build, key: str, value) -> bool:
     """Give `key` its fate when it is one of the RL keys; False when it is not."""
     if key == "rl":
         _rl(build, key, value)
     elif key == "reward_model":
         if value:
-            build.mapped(key, "train.stage", "rm", "a scalar reward head trained on pairs")
+            build.put(key, "train.stage", "rm", "a scalar reward head trained on pairs")
         else:
             build.ignored(key, "false: not a reward model")
-    elif key in ("rl_beta", "orpo_alpha") and _beta_from(raw) != key and value is not None:
+    elif key in ("rl_beta", "orpo_alpha") and _beta_from(build.raw) != key and value is not None:
         # Axolotl takes the beta from trl.beta, else rl_beta, else orpo_alpha
-        build.ignored(key, f"{_beta_from(raw)} sets the beta; Axolotl reads it first")
+        build.ignored(key, f"{_beta_from(build.raw)} sets the beta; Axolotl reads it first")
     elif key == "rl_beta":
         _in_stage(build, key, value, _BETA_STAGES, "beta")
     elif key in _STAGE_KEYS:
@@ -95,9 +95,9 @@ def _cpo_alpha(build: Build, key: str, value) -> None:
         build.refused(key, f"{value}: an SFT term beside the SimPO loss; {_CPO_WHY}")
 
 
-def stage_defaults(build: Build, raw: dict) -> None:
+def stage_defaults(build: Build) -> None:
     """Axolotl's RL defaults that keel cannot follow, refused though the key is left out."""
-    if build.stage == "simpo" and "cpo_alpha" not in raw:
+    if build.stage == "simpo" and "cpo_alpha" not in build.raw:
         build.refused("cpo_alpha", f"left out: TRL's CPO default 1.0 adds an SFT term; {_CPO_WHY}")
 
 
@@ -106,7 +106,7 @@ def _rl(build: Build, key: str, value) -> None:
         build.ignored(key, "empty: supervised fine-tuning")
     elif value in _RL:
         note = "DPO with the IPO loss (dpo.loss_type ipo)" if value == "ipo" else ""
-        build.mapped(key, "train.stage", build.stage, note)
+        build.put(key, "train.stage", build.stage, note)
         if value == "ipo":
             build.set("dpo.loss_type", "ipo")
     else:
@@ -117,7 +117,7 @@ def _in_stage(build: Build, key: str, value, stages: tuple, name: str) -> None:
     if value is None:
         build.ignored(key, "empty: the stage's default")
     elif build.stage in stages:
-        build.mapped(key, f"{build.stage}.{name}", value)
+        build.put(key, f"{build.stage}.{name}", value)
     else:
         build.ignored(key, f"used with rl: {' or '.join(stages)} only (this run is {build.stage})")
 
@@ -129,19 +129,19 @@ def _trl(build: Build, key: str, value) -> None:
     for name, item in value.items():
         dotted = f"{key}.{name}"
         if name == "beta" and build.stage in _BETA_STAGES and item is not None:
-            build.mapped(dotted, f"{build.stage}.beta", item, "Axolotl's beta for every RL stage")
+            build.put(dotted, f"{build.stage}.beta", item, "Axolotl's beta for every RL stage")
         elif build.stage != "grpo":
             build.ignored(dotted, f"keel reads trl: with rl: grpo only (this run is {build.stage})")
         elif name in _TRL_DIRECT:
-            build.mapped(dotted, f"grpo.{name}", item)
+            build.put(dotted, f"grpo.{name}", item)
         elif name == "reward_funcs":
             rewards = [_reward(build.source, spec) for spec in item or []]
-            build.mapped(dotted, "grpo.rewards", rewards, "called as TRL calls reward functions")
+            build.put(dotted, "grpo.rewards", rewards, "called as TRL calls reward functions")
         elif name == "loss_type" and item in ("grpo", "dr_grpo", "dapo"):
-            build.mapped(dotted, "grpo.loss_type", item)
+            build.put(dotted, "grpo.loss_type", item)
         elif name == "scale_rewards":
             scale = {True: "group", False: "none"}.get(item, item)
-            build.mapped(dotted, "grpo.scale_rewards", scale)
+            build.put(dotted, "grpo.scale_rewards", scale)
         elif name in _TRL_IGNORED:
             build.ignored(dotted, _TRL_IGNORED[name])
         else:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keel.config.dialects.report import KeyFate, unknown_key
+
+if TYPE_CHECKING:
+    from keel.config.dialects.build import Build
 
 _AUTO = "auto: the trainer fills it from the YAML's own keys, which keel maps"
 _TUNING = "DeepSpeed's communication tuning; keel's DDP and FSDP2 choose their own buckets"
@@ -59,6 +63,20 @@ _KNOWN = (
     "zero_optimization.offload_optimizer",
     "zero_optimization.offload_param",
 )
+
+
+def apply_deepspeed(build: Build, key: str, value) -> None:
+    """Their `key: value` (a DeepSpeed JSON's path, or the JSON as a mapping) as keel's
+    distributed settings, with a fate for `key` and for every key of the JSON."""
+    if value is None:
+        build.ignored(key, "empty: no DeepSpeed")
+        return
+    settings, fates = read_deepspeed(value, build.source, key)
+    for dotted, setting in settings.items():
+        build.set(dotted, setting)
+    if settings:
+        build.mapped(key, ", ".join(settings), "from the JSON: its keys follow")
+    build.fates.extend(fates)
 
 
 def read_deepspeed(value, source: Path, key: str) -> tuple[dict, list[KeyFate]]:

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config.dialects.deepspeed import read_deepspeed
-from keel.config.dialects.llamafactory_keys import KEY_RULES, Build, Rule
+from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
+from keel.config.dialects.deepspeed import apply_deepspeed
+from keel.config.dialects.llamafactory_keys import KEY_RULES, Rule, keel_stage
 from keel.config.dialects.report import Translation, unknown_key
 
 
 def translate_llamafactory(raw: dict, source: Path) -> Translation:
     """`raw` (their YAML, read from `source`) as a keel Translation; every key has a fate."""
-    build = Build(raw=raw, source=source)
+    build = Build(raw=raw, source=source, stage=keel_stage(raw))
     for key, value in raw.items():
         rule = RULES.get(str(key))
         if rule is None:
@@ -25,21 +26,7 @@ def translate_llamafactory(raw: dict, source: Path) -> Translation:
             rule(build, str(key), value)
     _datasets(build)
     _defaults(build)
-    return Translation(
-        dialect="llamafactory", config=build.config, fates=build.fates, notes=build.notes
-    )
-
-
-def _deepspeed(build: Build, key: str, value) -> None:
-    if value is None:
-        build.ignored(key, "null: no DeepSpeed")
-        return
-    settings, fates = read_deepspeed(value, build.source, key)
-    for dotted, setting in settings.items():
-        build.set(dotted, setting)
-    if settings:
-        build.mapped(key, ", ".join(settings), "from the JSON: its keys follow")
-    build.fates.extend(fates)
+    return build.translation("llamafactory")
 
 
 def _dataset_keys(build: Build, key: str, value) -> None:
@@ -95,39 +82,6 @@ def _precision(build: Build, key: str, value) -> None:
         build.put(key, "train.precision", precision)
 
 
-_SCHEDULERS = {
-    "linear": "linear",
-    "cosine": "cosine",
-    "constant": "constant",
-    "constant_with_warmup": "constant",
-}
-
-
-def _scheduler(build: Build, key: str, value) -> None:
-    if value in _SCHEDULERS:
-        build.put(key, "train.scheduler", _SCHEDULERS[value], "after train.warmup_*")
-    else:
-        build.refused(key, f"{value}: keel's schedulers are linear, cosine and constant")
-
-
-_OPTIMIZERS = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw",
-    "adamw_hf": "adamw",
-    "adamw_8bit": "adamw_8bit",
-    "adamw_bnb_8bit": "adamw_8bit",
-    "paged_adamw_8bit": "adamw_8bit",
-}
-
-
-def _optim(build: Build, key: str, value) -> None:
-    if value in _OPTIMIZERS:
-        choice = _OPTIMIZERS[value]
-        build.put(key, "train.optimizer", choice, "torchao's 8-bit AdamW" if "8" in choice else "")
-    else:
-        build.refused(key, f"{value}: keel's optimizers are adamw, adamw_8bit and adamw_4bit")
-
-
 def _adam_beta(build: Build, key: str, value) -> None:
     betas = [build.raw.get("adam_beta1", 0.9), build.raw.get("adam_beta2", 0.999)]
     build.put(key, "train.adam_betas", betas)
@@ -175,15 +129,6 @@ def _resume(build: Build, key: str, value) -> None:
         build.put(key, "train.resume", str(value), "a keel checkpoint folder")
 
 
-def _save_strategy(build: Build, key: str, value) -> None:
-    if value == "no":
-        build.put(key, "output.save_every", 0, "no: the final save only")
-    elif value == "steps":
-        build.ignored(key, "steps: save_steps sets output.save_every")
-    else:
-        build.refused(key, f"{value}: keel saves every output.save_every steps (save_steps)")
-
-
 def _eval_strategy(build: Build, key: str, value) -> None:
     if value == "steps":
         build.ignored(key, "steps: eval_steps sets train.eval_every")
@@ -209,7 +154,7 @@ def _refuse(why: str) -> Rule:
 
 RULES: dict[str, Rule] = {
     **KEY_RULES,
-    "deepspeed": _deepspeed,
+    "deepspeed": apply_deepspeed,
     "dataset": _dataset_keys,
     "max_samples": _dataset_keys,
     "dataset_dir": _dataset_dir,
@@ -218,8 +163,8 @@ RULES: dict[str, Rule] = {
     "bf16": _precision,
     "fp16": _precision,
     "pure_bf16": _precision,
-    "lr_scheduler_type": _scheduler,
-    "optim": _optim,
+    "lr_scheduler_type": scheduler,
+    "optim": optimizer,
     "adam_beta1": _adam_beta,
     "adam_beta2": _adam_beta,
     "max_steps": _max_steps,
@@ -228,7 +173,7 @@ RULES: dict[str, Rule] = {
     "report_to": _report_to,
     "run_name": _run_name,
     "resume_from_checkpoint": _resume,
-    "save_strategy": _save_strategy,
+    "save_strategy": save_strategy,
     "eval_strategy": _eval_strategy,
     "evaluation_strategy": _eval_strategy,
     "do_train": _flag,
@@ -248,27 +193,34 @@ def _defaults(build: Build) -> None:
         why = "left out, so false: LLaMA-Factory would not train; add `do_train: true`"
         build.refused("do_train", why)
     if method in ("lora", "qlora"):
-        rank = raw.get("lora_rank", 8)
-        build.default("lora_rank", "method.lora.r", 8, "lora_rank's default")
-        if raw.get("lora_alpha") is None:
-            build.set("method.lora.alpha", rank * 2)
-            build.notes.append(f"method.lora.alpha = {rank * 2}: 2 x lora_rank, their default")
-        build.default("lora_dropout", "method.lora.dropout", 0.0, "lora_dropout's default")
+        _lora_defaults(build)
     if build.stage == "pt" and "packing" not in raw and "neat_packing" not in raw:
-        build.set("data.packing", True)
-        build.notes.append("data.packing = True: stage pt packs by default (attention per sample)")
-    build.default("dataset_dir", "data.dataset_dir", "data", "relative to the working directory")
-    build.default("cutoff_len", "data.cutoff_len", 2048, "cutoff_len's default")
-    build.default("per_device_train_batch_size", "train.micro_batch_size", 8, "HF's default")
-    build.default("learning_rate", "train.lr", 5e-5, "HF's default")
-    build.default("num_train_epochs", "train.epochs", 3.0, "HF's default")
-    build.default("lr_scheduler_type", "train.scheduler", "linear", "HF's default")
-    build.default("output_dir", "output.dir", "trainer_output", "HF's default")
-    build.default("logging_steps", "output.log_every", 500, "HF's default")
-    build.default("save_steps", "output.save_every", 500, "HF's default")
+        build.kept("data.packing", True, "stage pt packs by default (attention per sample)")
+    _default(build, "dataset_dir", "data.dataset_dir", "data", "relative to the working directory")
+    _default(build, "cutoff_len", "data.cutoff_len", 2048, "cutoff_len's default")
+    _default(build, "per_device_train_batch_size", "train.micro_batch_size", 8, "HF's default")
+    _default(build, "learning_rate", "train.lr", 5e-5, "HF's default")
+    _default(build, "num_train_epochs", "train.epochs", 3.0, "HF's default")
+    _default(build, "lr_scheduler_type", "train.scheduler", "linear", "HF's default")
+    _default(build, "output_dir", "output.dir", "trainer_output", "HF's default")
+    _default(build, "logging_steps", "output.log_every", 500, "HF's default")
+    _default(build, "save_steps", "output.save_every", 500, "HF's default")
     if not any(key in raw for key in ("gradient_checkpointing", "disable_gradient_checkpointing")):
-        build.set("train.gradient_checkpointing", True)
-        build.notes.append("train.gradient_checkpointing = True: on unless disabled")
+        build.kept("train.gradient_checkpointing", True, "on unless disabled")
     if not raw.get("bf16") and not raw.get("fp16") and not raw.get("pure_bf16"):
-        build.set("train.precision", "fp32")
-        build.notes.append("train.precision = fp32: neither bf16 nor fp16 is set")
+        build.kept("train.precision", "fp32", "neither bf16 nor fp16 is set")
+
+
+def _lora_defaults(build: Build) -> None:
+    """Their LoRA rank 8, alpha 2 x rank (an alpha of 0 or null too) and dropout 0."""
+    _default(build, "lora_rank", "method.lora.r", 8, "lora_rank's default")
+    rank = build.raw.get("lora_rank", 8)
+    if not build.raw.get("lora_alpha") and isinstance(rank, int):
+        build.kept("method.lora.alpha", rank * 2, "2 x lora_rank, their default")
+    _default(build, "lora_dropout", "method.lora.dropout", 0.0, "lora_dropout's default")
+
+
+def _default(build: Build, key: str, target: str, value, why: str) -> None:
+    """Their default for `key` where their file leaves it out and keel's differs: write it."""
+    if key not in build.raw:
+        build.kept(target, value, why)

@@ -1,60 +1,21 @@
 """The rules for LLaMA-Factory's model, method and simple one-to-one keys (meanings from its
 hparams dataclasses and the Hugging Face training arguments it extends): map the key to keel
-keys, ignore it saying why, or refuse it saying why. `Build` holds what they write."""
+keys, ignore it saying why, or refuse it saying why."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from keel.config.dialects.report import KeyFate
-from keel.config.dialects.templates import template_fate
+from keel.config.dialects.build import Build
+from keel.config.dialects.templates import llamafactory_template
 
 
-@dataclass(kw_only=True)
-class Build:
-    """The keel config being written and the fate of each of their keys."""
-
-    raw: dict
-    source: Path
-    config: dict = field(default_factory=dict)
-    fates: list[KeyFate] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def set(self, dotted: str, value) -> None:
-        *sections, name = dotted.split(".")
-        node = self.config
-        for section in sections:
-            node = node.setdefault(section, {})
-        node[name] = value
-
-    def put(self, key: str, target: str, value, why: str = "") -> None:
-        self.set(target, value)
-        self.mapped(key, target, why)
-
-    def mapped(self, key: str, target: str, why: str = "") -> None:
-        self.fates.append(KeyFate(key, "mapped", target, why))
-
-    def ignored(self, key: str, why: str) -> None:
-        self.fates.append(KeyFate(key, "ignored", why=why))
-
-    def refused(self, key: str, why: str) -> None:
-        self.fates.append(KeyFate(key, "refused", why=why))
-
-    def default(self, key: str, target: str, value, meaning: str) -> None:
-        """Their default for `key` (left out) where keel's differs: write theirs."""
-        if key not in self.raw:
-            self.set(target, value)
-            self.notes.append(f"{target} = {value}: {meaning}")
-
-    @property
-    def stage(self) -> str | None:
-        """keel's stage for their stage (+ pref_loss), None where keel has none."""
-        stage = self.raw.get("stage", "sft")
-        if stage == "dpo":
-            return {"orpo": "orpo", "simpo": "simpo"}.get(self.raw.get("pref_loss"), "dpo")
-        return stage if stage in ("pt", "sft", "rm", "kto") else None
+def keel_stage(raw: dict) -> str | None:
+    """keel's stage for their stage (+ pref_loss), None where keel has none."""
+    stage = raw.get("stage", "sft")
+    if stage == "dpo":
+        return {"orpo": "orpo", "simpo": "simpo"}.get(raw.get("pref_loss"), "dpo")
+    return stage if stage in ("pt", "sft", "rm", "kto") else None
 
 
 Rule = Callable[[Build, str, object], None]
@@ -67,7 +28,6 @@ _DIRECT = {
     "image_min_pixels": "model.vision.image_min_pixels",
     "freeze_vision_tower": "model.vision.freeze_tower",
     "freeze_multi_modal_projector": "model.vision.freeze_projector",
-    "lora_rank": "method.lora.r",
     "lora_dropout": "method.lora.dropout",
     "cutoff_len": "data.cutoff_len",
     "val_size": "data.val_size",
@@ -233,9 +193,19 @@ def _quantization(build: Build, key: str, value) -> None:
         build.refused(key, f"{value}: keel's 4-bit base is NF4 only")
 
 
+def _lora_rank(build: Build, key: str, value) -> None:
+    if value is not None:
+        build.put(key, "method.lora.r", value)
+    elif build.raw.get("finetuning_type", "lora") == "lora":
+        # their alpha default (2 x rank) and PEFT both need a number: their run stops
+        build.refused(key, "null: LoRA needs a rank; remove the key (their default 8) or set one")
+    else:
+        build.ignored(key, "null: read by finetuning_type lora only")
+
+
 def _lora_alpha(build: Build, key: str, value) -> None:
-    if value is None:
-        build.ignored(key, "null: 2 x lora_rank, written by the defaults below")
+    if not value:  # they take 0 as unset too
+        build.ignored(key, f"{value}: 2 x lora_rank, written by the defaults below")
     else:
         build.put(key, "method.lora.alpha", value)
 
@@ -276,13 +246,6 @@ def _flash_attn(build: Build, key: str, value) -> None:
         build.refused(key, f"{value}: keel has auto, sdpa, fa2 (flash_attention_2), disabled")
 
 
-def _template(build: Build, key: str, value) -> None:
-    fate, template = template_fate(key, value)
-    if template is not None:
-        build.set("data.template", template)
-    build.fates.append(fate)
-
-
 def _ignore(build: Build, key: str, _value) -> None:
     build.ignored(key, _IGNORED[key])
 
@@ -300,11 +263,12 @@ KEY_RULES: dict[str, Rule] = {
     "quantization_bit": _quantization,
     "quantization_method": _quantization,
     "quantization_type": _quantization,
+    "lora_rank": _lora_rank,
     "lora_alpha": _lora_alpha,
     "lora_target": _lora_target,
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
     "flash_attn": _flash_attn,
-    "template": _template,
+    "template": llamafactory_template,
 }

@@ -1,0 +1,107 @@
+"""The keel config a translation writes and the fate of each of their keys, shared by both
+dialects, and the rules for the keys both take from the Hugging Face Trainer's arguments
+(optim, lr_scheduler_type, save_strategy): the same names mean the same in both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from keel.config.dialects.report import Dialect, KeyFate, Translation
+
+
+@dataclass(kw_only=True)
+class Build:
+    """The keel config being written from their config `raw` (read from `source`), and the
+    fate of each of their keys so far. `stage` is keel's stage for their config, None where
+    keel has none (their stage is refused)."""
+
+    raw: dict
+    source: Path
+    stage: str | None
+    config: dict = field(default_factory=dict)
+    fates: list[KeyFate] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def set(self, dotted: str, value) -> None:
+        """Set a keel key given dotted (`train.lr`) in the nested config."""
+        *sections, name = dotted.split(".")
+        node = self.config
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+
+    def put(self, key: str, target: str, value, why: str = "") -> None:
+        """Their `key` becomes keel's `target` = `value`."""
+        self.set(target, value)
+        self.mapped(key, target, why)
+
+    def mapped(self, key: str, target: str, why: str = "") -> None:
+        """Their `key` is mapped to `target`, written elsewhere (or by another key)."""
+        self.fates.append(KeyFate(key, "mapped", target, why))
+
+    def ignored(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "ignored", why=why))
+
+    def refused(self, key: str, why: str) -> None:
+        self.fates.append(KeyFate(key, "refused", why=why))
+
+    def kept(self, target: str, value, why: str) -> None:
+        """Write their default for a key they left out, where keel's differs, and say so in
+        the report's defaults group (`target = value: why`)."""
+        self.set(target, value)
+        self.notes.append(f"{target} = {value}: {why}")
+
+    def translation(self, dialect: Dialect) -> Translation:
+        return Translation(dialect=dialect, config=self.config, fates=self.fates, notes=self.notes)
+
+
+# The Trainer's optimizer names keel has: name -> (keel's train.optimizer, a note)
+_8BIT = "torchao's block-quantised 8-bit moments, not bitsandbytes'"
+_OPTIMIZERS = {
+    "adamw_torch": ("adamw", ""),
+    "adamw_torch_fused": ("adamw", "keel's AdamW (fp32 moments)"),
+    "adamw_hf": ("adamw", ""),
+    "adamw_8bit": ("adamw_8bit", _8BIT),
+    "adamw_bnb_8bit": ("adamw_8bit", _8BIT),
+    "paged_adamw_8bit": ("adamw_8bit", "torchao's 8-bit moments; keel does not page them"),
+    "adamw_torch_8bit": ("adamw_8bit", "torchao's block-quantised 8-bit moments"),
+    "adamw_torch_4bit": ("adamw_4bit", "torchao's 4-bit moments"),
+    "paged_adamw_32bit": ("adamw", "keel does not page optimizer state to the host"),
+}
+_SCHEDULERS = {
+    "linear": "linear",
+    "cosine": "cosine",
+    "constant": "constant",
+    "constant_with_warmup": "constant",
+}
+
+
+def optimizer(build: Build, key: str, value) -> None:
+    """The Trainer's `optim` name as train.optimizer."""
+    if value in _OPTIMIZERS:
+        choice, why = _OPTIMIZERS[value]
+        build.put(key, "train.optimizer", choice, why)
+    else:
+        why = f"{value!r}: keel's optimizers are AdamW in 32, 8 or 4 bits (adamw_torch, "
+        build.refused(key, why + "adamw_8bit, adamw_torch_4bit)")
+
+
+def scheduler(build: Build, key: str, value) -> None:
+    """The Trainer's `lr_scheduler_type` name as train.scheduler (after train.warmup_*)."""
+    if value in _SCHEDULERS:
+        why = "warmup, then constant" if value == "constant_with_warmup" else ""
+        build.put(key, "train.scheduler", _SCHEDULERS[value], why)
+    else:
+        names = ", ".join(_SCHEDULERS)
+        build.refused(key, f"{value!r}: keel's schedules are {names} (after train.warmup_*)")
+
+
+def save_strategy(build: Build, key: str, value) -> None:
+    """The Trainer's `save_strategy`: keel saves every output.save_every steps."""
+    if value == "no":
+        build.put(key, "output.save_every", 0, "no: the final save only")
+    elif value == "steps":
+        build.ignored(key, "steps: save_steps sets output.save_every")
+    else:
+        build.refused(key, f"{value!r}: keel saves every output.save_every steps (save_steps)")
