@@ -1,10 +1,11 @@
-"""The watchdog over grpo's generation and reward functions, 2 processes (DDP).
+"""The watchdog over grpo's generation, weight gather and reward functions, 2 processes.
 
 A rank stuck in a reward call or in the middle of generating is a hang: rank 0 goes on to
-the step's one all-reduce and waits there; the watchdog must end the job (exit 4) within
-hang_timeout_s + 30 s, name rank 1 and where it is stuck, with both ranks' stacks. A rank
-that generates slowly but marks every engine round is not stuck, even when its generation
-takes longer than hang_timeout_s in all and rank 0 waits for it that long.
+the step's one all-reduce and waits there (under FSDP2, when its peer never starts the
+step's rollout, in the weight gather before generating); the watchdog must end the job
+(exit 4) within hang_timeout_s + 30 s, name rank 1 and where it is stuck, with both ranks'
+stacks. A rank that generates slowly but marks every engine round is not stuck, even when
+its generation takes longer than hang_timeout_s in all and rank 0 waits for it that long.
 """
 
 from __future__ import annotations
@@ -54,11 +55,13 @@ def test_a_reward_function_stuck_on_one_rank_is_reported(tmp_path, tiny_model_di
     assert "stuck_on_rank_1" in stacks and "score_rewards" in stacks
 
 
-def start(workspace: GrpoWorkspace, out: str, fault: str, *overrides: str) -> subprocess.Popen:
+def start(
+    workspace: GrpoWorkspace, out: str, fault: str, *overrides: str, strategy: str = "ddp"
+) -> subprocess.Popen:
     args = workspace.command(
         out,
         f"watchdog.hang_timeout_s={HANG_TIMEOUT_S}",
-        "distributed.strategy=ddp",
+        f"distributed.strategy={strategy}",
         *overrides,
         "--nproc",
         "2",
@@ -84,6 +87,31 @@ def test_a_rank_hung_while_generating_is_reported(tmp_path, tiny_model_dir):
     stacks = {r: (out / f"diagnostics/rank-{r:05d}-stacks.txt").read_text() for r in (0, 1)}
     assert "after_generation_round" in stacks[1] and "generate_groups" in stacks[1]
     assert "generate_groups" not in stacks[0]  # rank 0 is done generating: it waits
+
+
+def test_a_rank_waiting_in_the_weight_gather_is_reported(tmp_path, tiny_model_dir):
+    """FSDP2: rank 1 hangs at the start of step 2, before its rollout; rank 0 enters the
+    weight gather that precedes generation and waits there for it (at keel's barrier that
+    opens the gather). The watchdog ends the job, names rank 1 as behind and rank 0 as stuck
+    in phase 'weight gather', with both stacks."""
+    workspace = GrpoWorkspace(tmp_path, tiny_model_dir)
+    overrides = ("train.max_steps=20", "method.type=full")
+    proc = start(workspace, "gather", "hang:2:1", *overrides, strategy="fsdp")
+    out = tmp_path / "gather"
+    wait_for_step(out, 1, proc)
+    code, output, seconds = finish(proc, time.monotonic())
+    assert code == 4, output[-4000:]
+    assert seconds < DEADLINE_S, seconds
+    text = report(out)
+    assert "made no progress" in text and "behind the others: rank(s) 1" in text, text
+    assert "rank 0 made no progress" in text
+    assert f"(limit {HANG_TIMEOUT_S} s, phase 'weight gather')" in text, text
+    rank_0 = text.split("rank 0 (alive", 1)[1].split("rank 1 (alive", 1)[0]
+    assert "at step 2: collective" in rank_0 and "barrier" in rank_0, text  # the gather's
+    assert "rank 1: not reached (still at step 2: step begin)" in text, text
+    stacks = {r: (out / f"diagnostics/rank-{r:05d}-stacks.txt").read_text() for r in (0, 1)}
+    assert "generation_ready" in stacks[0] and "generate_groups" not in stacks[0]
+    assert "at_step_start" in stacks[1] and "generation_ready" not in stacks[1]
 
 
 def test_slow_generation_is_progress_not_a_hang(tmp_path, tiny_model_dir):

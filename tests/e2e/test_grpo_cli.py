@@ -94,6 +94,18 @@ def test_grpo_learns_what_the_reward_asks_for(tiny_model_dir, tmp_path):
     assert samples[0]["prompt"] in PROMPTS and "share_of_letter" in samples[0]["rewards"]
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_beta_trains_against_the_reference_and_logs_the_kl(tiny_model_dir, tmp_path, method):
+    """grpo.beta > 0 takes a reference (full: a frozen copy of the start; LoRA: the policy
+    with its adapters off) and logs `kl`: 0 at step 1, where the policy is the reference,
+    then > 0 once the updates have moved it."""
+    run = write_run(tmp_path, tiny_model_dir, steps=3)
+    records = train(run, "grpo.beta=0.1", f"method.type={method}")
+    kl = [r["kl"] for r in records]
+    assert kl[0] == pytest.approx(0.0, abs=1e-6), kl
+    assert min(kl[1:]) > 1e-6, kl
+
+
 @pytest.mark.parametrize("num_iterations", [1, 2])
 def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations):
     """4 steps in one run == 2 steps, then a resumed run to 4: the same rollouts (rewards),

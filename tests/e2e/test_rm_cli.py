@@ -25,6 +25,7 @@ PAIRS = [
     }
     for i in range(8)
 ]
+NO_SPECIALS = {"return_tensors": "pt", "add_special_tokens": False}  # as TRL scores texts
 
 
 @pytest.fixture
@@ -130,3 +131,34 @@ def _prepared_rows(tokenizer, base_dir) -> list[dict]:
         log=lambda _line: None,
     )
     return [data.train[i] for i in range(4)]
+
+
+def test_a_trained_reward_model_is_a_grpo_reward(rm_config, tiny_model_dir, tmp_path):
+    """The rm run's folder named in grpo.rewards: every completion of the grpo run is scored
+    by it, and the scores in completions.jsonl are what the exported classifier gives the
+    prompt + completion text on its own (no padding), under the folder's name."""
+    from test_grpo_cli import train as train_grpo
+    from test_grpo_cli import write_run
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    config, rm_dir = rm_config("rm-for-grpo")
+    assert keel_in_process("train", str(config)).returncode == 0
+    run = write_run(tmp_path / "grpo", tiny_model_dir, steps=2, every=1)
+    records = train_grpo(run, f"grpo.rewards=[{rm_dir}]")
+    assert [r["step"] for r in records] == [1, 2]
+    assert "rewards/rm-for-grpo/mean" in records[0]
+    samples = [json.loads(line) for line in (run / "out" / "completions.jsonl").open()]
+    assert len(samples) == 2 * 4 * 8  # 2 steps x 4 prompts x 8 completions
+
+    classifier = AutoModelForSequenceClassification.from_pretrained(str(rm_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(rm_dir))
+    with torch.no_grad():
+        own = [
+            classifier(**tokenizer(s["prompt"] + s["completion"], **NO_SPECIALS))
+            .logits[0, 0]
+            .item()
+            for s in samples
+        ]
+    scored = [s["rewards"]["rm-for-grpo"] for s in samples]
+    torch.testing.assert_close(torch.tensor(scored), torch.tensor(own), rtol=1e-5, atol=1e-5)
+    assert len(set(scored)) > 1  # completions of different text score differently

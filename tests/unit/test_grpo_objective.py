@@ -42,6 +42,7 @@ def rollout_row(prompt: list[int], completion: list[int], advantage: float) -> d
         "input_ids": ids,
         "targets": targets,
         "position_ids": list(range(len(ids))),
+        "prompt_len": len(prompt),  # padding-free: each prompt computed once
         "num_targets": len(completion),
         "advantages": [advantage],
     }
@@ -151,6 +152,10 @@ def test_loss_and_gradient_equal_the_full_logits_computation(model, loss_type, f
 
 
 def test_padding_free_equals_padded(model):
+    """Padding-free, each prompt runs once for its completions (keel.data.shared_prompt):
+    the same loss, statistics and gradients as padded rows (old log-probs from the batch,
+    so clipping acts), with fewer tokens; the completions seeing each other (the groups
+    read as plain samples) moves the loss: the negative control."""
     from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
     from keel.train.objective import use_attention
 
@@ -161,13 +166,18 @@ def test_padding_free_equals_padded(model):
     want = gradients(model)
     register_varlen_attention()
     use_attention(model, VARLEN_ATTENTION)
-    merged = objective(collate(rows(2.0), 0, padding_free=True))
+    batch = collate(rows(2.0), 0, padding_free=True)
+    assert batch["input_ids"].shape[1] == 3 + 5 + 3 + 2 + 7 + 2  # prompts once: not 27
+    merged = objective(batch)
     merged.loss.backward()
     assert merged.loss.item() == pytest.approx(padded.loss.item(), rel=1e-5)
     assert merged.statistics.tolist() == padded.statistics.tolist()
     assert merged.count.item() == padded.count.item() == len(ROLLOUTS)
     for g, e in zip(gradients(model), want):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        leaky = objective({**batch, "prefix_groups": None})
+    assert abs(leaky.loss.item() - padded.loss.item()) > 1e-3 * abs(padded.loss.item())
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])

@@ -48,6 +48,14 @@ def needs_source(completions, source):
 
 async def later(completions, **kwargs):
     return [2.0 for c in completions]
+
+def as_number(completions, **kwargs):
+    return [float(c) for c in completions]
+
+def one_at_a_time(completions, **kwargs):
+    if len(completions) > 1:
+        raise ValueError("one at a time")
+    return [0.0 for c in completions]
 """
 
 
@@ -117,6 +125,40 @@ def test_a_raising_function_names_itself_the_sample_and_the_text(user_file):
     assert "my_rewards.py:" in message.split("ZeroDivisionError")[1]  # the line it raised at
     assert "prompt 0 (row 10), sample 0: 'the first text'" in message
     assert caught.value.exit_code == 2
+
+
+def test_a_raising_function_names_the_completion_it_raises_on(user_file):
+    """The batch call raises; calling the function on each completion alone finds the one
+    that makes it raise (here the third), and the message names that sample, not the first."""
+    (as_number,) = _load(user_file, "as_number")
+    with pytest.raises(RewardError) as caught:
+        score_rewards([as_number], _inputs(["1", "2", "three", "4"], [1, 2, 3, 4]))
+    message = str(caught.value)
+    assert "as_number raised ValueError" in message
+    assert "on prompt 1 (row 11), sample 0: 'three' (called on it alone" in message
+    assert "'1'" not in message
+
+
+def test_a_function_that_raises_only_on_the_batch_names_the_first_sample(user_file):
+    (one_at_a_time,) = _load(user_file, "one_at_a_time")
+    with pytest.raises(RewardError) as caught:
+        score_rewards([one_at_a_time], _three())
+    message = str(caught.value)
+    assert "one_at_a_time raised ValueError: one at a time" in message
+    assert "scoring 3 completions in one call (none of them raises alone)" in message
+    assert "the first is prompt 0 (row 10), sample 0: 'a'" in message
+
+
+def _three() -> RewardInputs:
+    """Three completions of one prompt."""
+    return RewardInputs(
+        prompts=["p"] * 3,
+        completions=["a", "b", "c"],
+        completion_ids=[[1]] * 3,
+        columns={},
+        where=[f"prompt 0 (row 10), sample {i}" for i in range(3)],
+        step=0,
+    )
 
 
 def test_wrong_length_and_non_numbers_are_refused(user_file):

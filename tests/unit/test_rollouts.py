@@ -220,6 +220,24 @@ def test_num_iterations_reuses_the_rollout_with_old_logps(tiny_tokenizer, monkey
     assert len(calls) == 2  # the next span generates again
 
 
+def test_padding_free_old_logps_equal_the_padded_ones(tiny_tokenizer):
+    """num_iterations 2 with padding-free micro-batches (each prompt computed once): the same
+    completions, and each row's old log-probs back in its own layout, as padded rows give."""
+    from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
+    from keel.train.objective import use_attention
+
+    settings = dict(num_iterations=2, generation_batch_prompts=4)
+    padded = flat(make_source(tiny_tokenizer, micro=2, **settings).batch(0))
+    source = make_source(tiny_tokenizer, micro=2, **settings)
+    register_varlen_attention()
+    use_attention(source.ctx.trainer.objective.model, VARLEN_ATTENTION)
+    source.ctx.trainer.padding_free = True
+    shared = flat(source.batch(0))
+    assert [r["input_ids"] for r in shared] == [r["input_ids"] for r in padded]
+    for got, want in zip(shared, padded):
+        assert got["old_logps"] == pytest.approx(want["old_logps"], rel=1e-5, abs=1e-6)
+
+
 def test_seeds_are_stable_and_rank_free():
     assert sample_seed(7, 0, 3) == sample_seed(7, 0, 3)
     assert len({sample_seed(7, 0, 3), sample_seed(7, 1, 3), sample_seed(7, 0, 4)}) == 3

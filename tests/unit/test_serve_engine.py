@@ -13,7 +13,7 @@ from keel.errors import ModelError
 from keel.infer.serve.adapters import AdapterSet
 from keel.infer.serve.engine import Engine
 from keel.infer.serve.kv import PaddedBatch
-from keel.infer.serve.sampling import SamplingParams
+from keel.infer.serve.sampling import SamplingParams, draw, sample_token
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job
 from keel.infer.serve.text import TextTracker
 
@@ -205,6 +205,27 @@ def test_sampling_is_seeded_and_top_p_keeps_the_head(engine, tiny_tokenizer):
     assert sample(seed=3, top_p=1e-6).text == greedy  # only the top token survives
     assert sample(seed=3, top_p=1e-300).text == greedy  # below float32's range, too
     assert sample(seed=2**64 - 1).text  # seed + choice wraps at 64 bits
+
+
+def test_a_draw_follows_the_weights_and_never_picks_a_zero():
+    """draw() samples in proportion to the weights (unnormalised too): 20k draws land within
+    4 standard deviations of each share, and a zero weight is never drawn."""
+    weights = torch.tensor([0.5, 0.0, 3.0, 1.5, 0.0])  # shares 0.1, 0, 0.6, 0.3, 0
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.tensor([draw(weights, generator) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=5).tolist()
+    assert counts[1] == counts[4] == 0
+    for index, share in ((0, 0.1), (2, 0.6), (3, 0.3)):
+        assert abs(counts[index] / 20_000 - share) < 4 * (share * (1 - share) / 20_000) ** 0.5
+    again = torch.Generator().manual_seed(0)
+    assert [draw(weights, again) for _ in range(5)] == draws[:5].tolist()  # seeded
+
+
+def test_bad_logits_fail_the_draw_with_the_reason():
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+    logits = torch.tensor([0.0, float("nan"), 1.0])
+    with pytest.raises(ValueError, match="not finite"):
+        sample_token(logits, params, torch.Generator().manual_seed(0))
 
 
 def test_n_choices_share_one_prefill(engine, tiny_tokenizer):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from keel.data.encode import IGNORE_INDEX
+from keel.data.shared_prompt import can_share, sequence_index, share_prompts
 
 
 def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -41,10 +42,14 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
 
     Rollout rows (grpo: a prompt and one sampled completion, keel.train.rollouts) carry
     `advantages` (a list of one float) and give `advantages` [S] float32, `kept` [S] (1.0, or
-    0.0 for a completion masked out of the loss), `sequence_index` [B, T] as above, and `old_logps` [B, T] float32 (aligned with targets, 0 on padding)
-    when the rows carry the log-probs they were sampled with.
+    0.0 for a completion masked out of the loss), `sequence_index` [B, T] as above, and
+    `old_logps` [B, T] float32 (aligned with targets, 0 on padding) when the rows carry the
+    log-probs they were sampled with. Padding-free rollout rows that carry `prompt_len` are
+    laid out with each prompt once (keel.data.shared_prompt) and give `prefix_groups` too.
     """
     assert rows, "collate needs at least one row"
+    if padding_free and can_share(rows):
+        return _shared_rollout(rows, pad_id)
     if padding_free:
         rows = [merge_rows(rows)]
     batch = _pad(rows, "", pad_id)
@@ -85,6 +90,18 @@ def _rollout(rows: list[dict], width: int) -> dict[str, torch.Tensor]:
             old[b, : len(row["old_logps"])] = torch.as_tensor(row["old_logps"], dtype=torch.float32)
         out["old_logps"] = old
     return out
+
+
+def _shared_rollout(rows: list[dict], pad_id: int) -> dict:
+    """Padding-free rollout rows with each prompt computed once (keel.data.shared_prompt):
+    one row, `prefix_groups` for keel's varlen attention, `seq_lens` its groups' lengths."""
+    merged, groups = share_prompts(rows)
+    batch = _pad([merged], "", pad_id)
+    batch["prefix_groups"] = groups
+    batch["seq_lens"] = tuple(prefix + sum(segments) for prefix, segments in groups)
+    batch |= _rollout([merged], batch["input_ids"].shape[1])
+    batch["sequence_index"] = torch.tensor([sequence_index(groups)], dtype=torch.long)  # [1, T]
+    return batch
 
 
 def merge_rows(rows: list[dict]) -> dict:

@@ -23,6 +23,9 @@ from torch import nn
 VARLEN_ATTENTION = "keel_sdpa_varlen"
 # The model-call keyword that carries the sample lengths of the one concatenated row
 SEQ_LENS = "keel_seq_lens"
+# ... and the one that says the row's samples share prompts (keel.data.shared_prompt): per
+# group, (prefix length, segment lengths); each segment sees the prefix and itself
+PREFIX_GROUPS = "keel_prefix_groups"
 # Keywords some families pass to their attention function that change what it computes;
 # sdpa_varlen refuses them rather than ignoring them (sliding windows it implements).
 _UNSUPPORTED = ("softcap", "s_aux", "sinks")
@@ -43,8 +46,10 @@ def sdpa_varlen(
     query [B, H, T, D], key and value [B, Hkv, T, D] (grouped-query heads are shared by
     sdpa itself, not repeated). `kwargs[SEQ_LENS]`: the lengths of the samples of a single
     row (B == 1), summing to T; absent, the rows are independent causal sequences (right
-    padding is invisible to real tokens). A `sliding_window` applies within each sample,
-    as transformers defines it. Returns ([B, T, H, D], None).
+    padding is invisible to real tokens). `kwargs[PREFIX_GROUPS]`, when given, describes the
+    single row instead: groups of a shared prefix and segments that each see it, one masked
+    sdpa per group. A `sliding_window` applies within each sample, as transformers defines
+    it. Returns ([B, T, H, D], None).
     """
     extras = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
     if attention_mask is not None:
@@ -73,18 +78,75 @@ def sdpa_varlen(
         )
 
     seq_lens = kwargs.get(SEQ_LENS)
-    if not seq_lens or len(seq_lens) == 1:
+    groups = kwargs.get(PREFIX_GROUPS)
+    if groups:
+        output = _attend_groups(
+            (query, key, value), groups, window, dropout=dropout, scale=scaling, gqa=grouped
+        )  # [1, H, T, D]
+    elif not seq_lens or len(seq_lens) == 1:
         output = attend(query, key, value)  # [B, H, T, D]
     else:
-        if query.shape[0] != 1 or sum(seq_lens) != query.shape[2]:
-            raise ValueError(
-                f"{SEQ_LENS} {tuple(seq_lens)} does not describe one row of "
-                f"{query.shape[2]} tokens (batch {query.shape[0]})"
-            )
+        _check_one_row(query, seq_lens, SEQ_LENS)
         # split (not slicing) so that backward concatenates the gradients once
         pieces = zip(query.split(seq_lens, 2), key.split(seq_lens, 2), value.split(seq_lens, 2))
         output = torch.cat([attend(q, k, v) for q, k, v in pieces], dim=2)  # [1, H, T, D]
     return output.transpose(1, 2).contiguous(), None
+
+
+def _attend_groups(
+    qkv: tuple[torch.Tensor, ...],
+    groups,
+    window: int | None,
+    *,
+    dropout: float,
+    scale: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Attention over a row of prefix groups (PREFIX_GROUPS), one masked sdpa per group;
+    the other arguments as sdpa_varlen got them. Returns [1, H, T, D]."""
+    query, key, value = qkv
+    lengths = [prefix + sum(segments) for prefix, segments in groups]
+    _check_one_row(query, lengths, PREFIX_GROUPS)
+    pieces = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))
+    outputs = []
+    for (q, k, v), (prefix, segments) in zip(pieces, groups):
+        seen = _group_mask(prefix, segments, window, q.device)  # [T_g, T_g]
+        outputs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=seen, dropout_p=dropout, scale=scale, enable_gqa=gqa
+            )
+        )
+    return torch.cat(outputs, dim=2)
+
+
+def _check_one_row(query: torch.Tensor, lengths, keyword: str) -> None:
+    if query.shape[0] != 1 or sum(lengths) != query.shape[2]:
+        raise ValueError(
+            f"{keyword} (sample lengths {tuple(lengths)}) does not describe one row of "
+            f"{query.shape[2]} tokens (batch {query.shape[0]})"
+        )
+
+
+def _group_mask(
+    prefix: int, segments: tuple[int, ...], window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[T, T] bool, True where a query may attend: within the prefix causally; from a
+    segment to the whole prefix and causally within the segment. Positions continue the
+    prefix in every segment, so a sliding window counts distances as in the sample the
+    segment stands for (its prompt followed by it)."""
+    segment = torch.repeat_interleave(
+        torch.arange(len(segments) + 1, device=device),
+        torch.tensor([prefix, *segments], device=device),
+    )  # [T]: 0 on the prefix, i on segment i
+    position = torch.cat(
+        [torch.arange(prefix, device=device)]
+        + [torch.arange(prefix, prefix + n, device=device) for n in segments]
+    )  # [T]
+    seen = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])  # [T, T]
+    seen &= position[None, :] <= position[:, None]
+    if window is not None:
+        seen &= position[None, :] > position[:, None] - window
+    return seen
 
 
 def register_varlen_attention() -> None:

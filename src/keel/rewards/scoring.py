@@ -83,13 +83,17 @@ def weighted_rewards(scores: Tensor, weights: list[float] | None = None) -> Tens
 
 
 def _call(function: RewardFunction, inputs: RewardInputs):
-    kwargs = _arguments(function, inputs)
+    kwargs = _arguments(function, inputs)  # a missing column: a RewardError of its own
     try:
-        returned = function.call(**kwargs)
-        if inspect.isawaitable(returned):  # async reward functions, as TRL allows
-            returned = asyncio.run(_awaited(returned))
+        return _invoke(function, kwargs)
     except Exception as error:
         raise RewardError(_raised_message(function, inputs, error)) from error
+
+
+def _invoke(function: RewardFunction, kwargs: dict):
+    returned = function.call(**kwargs)
+    if inspect.isawaitable(returned):  # async reward functions, as TRL allows
+        returned = asyncio.run(_awaited(returned))
     return returned
 
 
@@ -130,10 +134,41 @@ def _arguments(function: RewardFunction, inputs: RewardInputs) -> dict:
 def _raised_message(function: RewardFunction, inputs: RewardInputs, error: Exception) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     at = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+    said = f"reward function {function.name} raised {type(error).__name__}: {error}{at}"
+    culprit = _raising_sample(function, inputs)
+    if culprit is not None:
+        return f"{said}, on {_sample(inputs, culprit)} (called on it alone, it raises too)"
     first = _sample(inputs, 0) if inputs.completions else "no completions"
     return (
-        f"reward function {function.name} raised {type(error).__name__}: {error}{at}, "
-        f"scoring {len(inputs.completions)} completions in one call; the first is {first}"
+        f"{said}, scoring {len(inputs.completions)} completions in one call (none of them "
+        f"raises alone); the first is {first}"
+    )
+
+
+def _raising_sample(function: RewardFunction, inputs: RewardInputs) -> int | None:
+    """The first completion the function raises on when called with it alone, or None.
+
+    A function is called once per batch, so its exception does not say which completion
+    caused it; calling it again one completion at a time does. This runs only on the way to
+    the error, and inside the same watched phase (a call that never returns is a hang)."""
+    for index in range(len(inputs.completions)):
+        try:
+            _invoke(function, _arguments(function, _one(inputs, index)))
+        except Exception:
+            return index
+    return None
+
+
+def _one(inputs: RewardInputs, index: int) -> RewardInputs:
+    """`inputs` narrowed to completion `index`: every list one entry long."""
+    part = slice(index, index + 1)
+    return RewardInputs(
+        prompts=inputs.prompts[part],
+        completions=inputs.completions[part],
+        completion_ids=inputs.completion_ids[part],
+        columns={name: values[part] for name, values in inputs.columns.items()},
+        where=inputs.where[part],
+        step=inputs.step,
     )
 
 

@@ -18,7 +18,12 @@ import torch
 from torch import nn
 
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
-from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
+from keel.models.attention import (
+    PREFIX_GROUPS,
+    SEQ_LENS,
+    VARLEN_ATTENTION,
+    register_varlen_attention,
+)
 from keel.models.vision import VisionFamily, family_of
 from keel.models.vision.family import module_or_parameter
 from keel.stages.base import ObjectiveOutput
@@ -68,9 +73,10 @@ def model_inputs(
 
     No attention mask and no cache: right padding is invisible to real tokens under causal
     attention, packed samples are separated by their restarting position ids, and a
-    padding-free micro-batch (one concatenated row) carries its sample lengths for keel's
-    varlen attention. A vision-language model (`vision`, its family, and `config`, the
-    model's) also gets its images' and tokens' inputs (`vision_inputs`).
+    padding-free micro-batch (one concatenated row) carries its sample lengths (and, for
+    rollout rows sharing prompts, its prefix groups) for keel's varlen attention. A
+    vision-language model (`vision`, its family, and `config`, the model's) also gets its
+    images' and tokens' inputs (`vision_inputs`).
     """
     inputs = dict(
         input_ids=batch[f"{prefix}input_ids"],
@@ -80,6 +86,9 @@ def model_inputs(
     seq_lens = batch.get(f"{prefix}seq_lens")
     if seq_lens is not None:
         inputs[SEQ_LENS] = seq_lens
+    groups = batch.get(f"{prefix}prefix_groups")  # rollout rows sharing their prompts
+    if groups is not None:
+        inputs[PREFIX_GROUPS] = groups
     if vision is not None:
         inputs |= vision_inputs(batch, prefix, inputs["position_ids"], vision, config)
     return inputs

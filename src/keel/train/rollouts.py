@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from keel.data.shared_prompt import PROMPT_LEN, can_share, unshare
 from keel.errors import CheckpointError, ConfigError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
@@ -83,7 +84,9 @@ def rollout_row(
     every count. Its log-probs are still computed, so every micro-batch's loss reaches every
     parameter the forward uses (a micro-batch of only such rows would otherwise have no
     graph to run backward through, and DDP would wait for gradients that never come).
-    `num_targets` counts the trained target tokens (dapo's unit)."""
+    `num_targets` counts the trained target tokens (dapo's unit). `prompt_len` lets a
+    padding-free micro-batch compute a prompt once for all its completions
+    (keel.data.shared_prompt)."""
     ids = [*prompt_ids, *completion_ids]
     targets = [NO_TARGET] * len(ids)
     targets[len(prompt_ids) - 1 : len(ids) - 1] = completion_ids
@@ -91,6 +94,7 @@ def rollout_row(
         "input_ids": ids,
         "targets": targets,
         "position_ids": list(range(len(ids))),
+        PROMPT_LEN: len(prompt_ids),
         "num_targets": len(completion_ids) if trained else 0,
         "advantages": [float(advantage)],
         "kept": [1.0 if trained else 0.0],
@@ -437,7 +441,10 @@ def _at_step(record: CompletionRecord, step: int) -> CompletionRecord:
 
 def _per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[list[float]]:
     """Split a micro-batch's [B, T] per-token values back into its rows (padded: row b is
-    batch row b; padding-free: the rows lie end to end in batch row 0)."""
+    batch row b; padding-free: batch row 0 holds them, each prompt once, as
+    keel.data.shared_prompt lays them out, or end to end)."""
+    if padding_free and can_share(rows):
+        return unshare(logps[0].float().cpu().tolist(), rows)
     values, start = [], 0
     for b, row in enumerate(rows):
         n = len(row["input_ids"])

@@ -247,8 +247,10 @@ class TrainingLoop:
         return named
 
     def _step(self, step: int) -> StepResult:
-        work = self.source.batch(step)
+        # Before the batch: a rollout source's batch holds collectives (grpo's weight gather
+        # and its one all-reduce), and a hang fault is documented to fire before them all.
         at_step_start(self.env.fault, step + 1, self.dist.rank)
+        work = self.source.batch(step)
         try:
             result = self.trainer.train_step(
                 work.micro_batches,

@@ -1,0 +1,99 @@
+"""Rollout rows of one prompt laid out so that the prompt is computed once (grpo).
+
+A grpo micro-batch holds G completions of each of its prompts, each row the prompt followed
+by one completion. Laid end to end (padding-free), the prompt's tokens would run through the
+model G times; with short completions that is most of the step's work. `share_prompts`
+instead lays each run of consecutive rows with the same prompt out as one *group*:
+
+    [p_0 .. p_{P-2}] [p_{P-1} c1_0 .. c1_{n1-1}] [p_{P-1} c2_0 ..] ...
+     the shared prefix  segment of completion 1    segment of completion 2
+
+Each segment repeats the prompt's last token (one token per completion), so every position
+keeps the one target it has in the row (the token after it): targets, old log-probs and
+sequence numbers stay aligned with the input ids, and the objective needs no change.
+Positions continue the prefix (a segment starts at P - 1); keel's varlen attention
+(keel.models.attention, `PREFIX_GROUPS`) lets each segment see the prefix and itself only,
+so every target token gets the log-prob it gets in its own row, at the work of
+P - 1 + sum(n_i + 1) tokens instead of sum(P + n_i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+PROMPT_LEN = "prompt_len"  # a rollout row's field: its prompt's length in tokens
+# Per group: (prefix length, each segment's length); the attention keyword's value
+Groups = tuple[tuple[int, tuple[int, ...]], ...]
+_PER_TOKEN = ("input_ids", "targets", "position_ids", "old_logps")
+_PER_SEQUENCE = ("advantages", "kept")
+
+
+def can_share(rows: list[dict]) -> bool:
+    """Whether `rows` are rollout rows that say where their prompt ends."""
+    return bool(rows) and all(PROMPT_LEN in row for row in rows)
+
+
+def share_prompts(rows: list[dict]) -> tuple[dict, Groups]:
+    """`rows` (rollout rows, each with `prompt_len`) as one row in the grouped layout above,
+    and its groups. Consecutive rows whose prompts are the same token for token form one
+    group; the merged row's sequences (`advantages`, `kept`) keep the rows' order."""
+    merged: dict = {key: [] for key in (*_PER_TOKEN, *_PER_SEQUENCE) if key in rows[0]}
+    merged["num_targets"] = sum(row["num_targets"] for row in rows)
+    groups = []
+    for members in _runs(rows):
+        cut = members[0][PROMPT_LEN] - 1  # the prefix: the prompt but its last token
+        for key in _PER_TOKEN:
+            if key in merged:
+                merged[key] += members[0][key][:cut]
+        for row in members:
+            for key in _PER_TOKEN:
+                if key in merged:
+                    merged[key] += row[key][cut:]
+            for key in _PER_SEQUENCE:
+                if key in merged:
+                    merged[key] += row[key]
+        groups.append((cut, tuple(len(row["input_ids"]) - cut for row in members)))
+    return merged, tuple(groups)
+
+
+def sequence_index(groups: Groups) -> list[int]:
+    """The merged row's sequence number of each token: -1 on a prefix (it has no targets),
+    then 0, 1, ... for the segments in order."""
+    index, number = [], 0
+    for prefix, segments in groups:
+        index += [-1] * prefix
+        for length in segments:
+            index += [number] * length
+            number += 1
+    return index
+
+
+def unshare(values: Sequence[float], rows: list[dict]) -> list[list[float]]:
+    """Per-token `values` of the merged row ([T], aligned with its input ids) back into each
+    row's own layout (aligned with the row's input ids; 0.0 on its prompt but the last
+    token, where a row has no targets)."""
+    out, start = [], 0
+    for members in _runs(rows):
+        cut = members[0][PROMPT_LEN] - 1
+        start += cut
+        for row in members:
+            end = start + len(row["input_ids"]) - cut
+            out.append([0.0] * cut + [float(v) for v in values[start:end]])
+            start = end
+    return out
+
+
+def _runs(rows: list[dict]) -> list[list[dict]]:
+    """Consecutive rows with the same prompt, in order."""
+    runs: list[list[dict]] = []
+    for row in rows:
+        if runs and _same_prompt(runs[-1][0], row):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
+
+
+def _same_prompt(first: dict, row: dict) -> bool:
+    length = first[PROMPT_LEN]
+    return row[PROMPT_LEN] == length and row["input_ids"][:length] == first["input_ids"][:length]
