@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from demo_cli import add_demo_options, fresh_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/dpo_bundled.yaml"
@@ -242,28 +243,16 @@ def train(cfg) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/dpo-bundled", help="training output dir")
-    parser.add_argument("--readme", help="also write the markdown section to this file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override the config, as `keel train` does (e.g. train.threads=1 on a busy machine)",
-    )
+    add_demo_options(parser, set_example="train.threads=1 on a busy machine")
     args = parser.parse_args()
 
     from peft import PeftModel
 
-    from keel.config import load_config
     from keel.models import load_model, load_tokenizer, resolve_model_path
     from keel.train.preference import SequenceScorer
 
     out = Path(args.out).expanduser().resolve()
-    # Always a fresh run: with resume=auto a finished run in --out would be "resumed" at its
-    # last step and train nothing, even after the config changed.
-    fixed = [f"output.dir={out}", "output.overwrite=true", "train.resume=never"]
-    cfg = load_config(CONFIG, [*args.overrides, *fixed])
+    cfg = fresh_run_config(CONFIG, args.overrides, out)
     trained = train(cfg)
 
     model_dir = resolve_model_path(cfg.model.path, cfg.model.cache_dir)

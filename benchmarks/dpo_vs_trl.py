@@ -28,15 +28,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from trl_cpu import cpu_trainer_args, load_model, lora_config
+from trl_cpu import (
+    StepTimer,
+    alternating_rounds,
+    cpu_trainer_args,
+    load_model,
+    lora_config,
+    measured_worker,
+    read_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples/data/preference/train.jsonl"
@@ -102,7 +107,7 @@ def run_keel(data: Path, steps: int, work: Path, threads: int) -> dict:
 def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     from keel.models import resolve_model_path
@@ -110,7 +115,7 @@ def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
     if threads:
         torch.set_num_threads(threads)
     model_dir = resolve_model_path(MODEL, "~/.cache/keel")
-    timer = _StepTimer(TrainerCallback)
+    timer = StepTimer("loss")
     args = DPOConfig(
         output_dir=str(work / "trl-out"),
         max_length=MAX_LEN,
@@ -140,32 +145,9 @@ def run_trl(data: Path, steps: int, work: Path, threads: int) -> dict:
         "pairs": trainer.pairs,
         "seconds": sum(timer.steps),
         "steady_step_seconds": timer.steps[1:-1],
-        "step1": {key: timer.first_log[key] for key in STEP1_KEYS},
+        "step1": {key: timer.logs[1][key] for key in STEP1_KEYS},
         "step1_rescored": _rescore_first_batch(trainer, tokenizer),
     }
-
-
-class _StepTimer:
-    """The wall time of each optimizer step (not set-up), as keel's train_seconds counts,
-    and the first step's log."""
-
-    def __init__(self, base):
-        self.steps: list[float] = []
-        self.first_log: dict = {}
-        timer = self
-
-        class Callback(base):
-            def on_step_begin(self, *args, **kwargs):
-                timer._start = time.perf_counter()
-
-            def on_step_end(self, *args, **kwargs):
-                timer.steps.append(time.perf_counter() - timer._start)
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if state.global_step == 1 and logs and "loss" in logs:
-                    timer.first_log = dict(logs)
-
-        self.callback = Callback()
 
 
 def _counting_trainer(base):
@@ -227,15 +209,8 @@ def _rescore_first_batch(trainer, tokenizer) -> dict:
 
 
 def worker(system: str, data: Path, steps: int, threads: int) -> None:
-    import torch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        run = run_keel if system == "keel" else run_trl
-        result = run(data, steps, work, threads)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["threads"] = torch.get_num_threads()  # what the step ran with, after set-up
-    print("RESULT " + json.dumps(result), flush=True)
+    run = run_keel if system == "keel" else run_trl
+    measured_worker(lambda work: run(data, steps, work, threads))
 
 
 def main() -> None:
@@ -252,19 +227,12 @@ def main() -> None:
         return worker(args.worker, data, args.steps, args.threads)
     if not data.is_file():
         sys.exit(f"{data}: no such file; pass --data with a JSONL of prompt/chosen/rejected rows")
-    systems = args.systems.split(",")
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    for round_index in range(args.rounds):
-        for system in systems:  # alternate, so drift in machine load hits both
-            result = _run_worker(system, data, args.steps, args.threads)
-            runs[system].append(result)
-            steps = ", ".join(f"{s:.1f}" for s in result["steady_step_seconds"])
-            print(
-                f"round {round_index + 1} {system}: {result['pairs_per_s']:.2f} pairs/s, "
-                f"steady steps {steps} s, peak RSS {result['peak_rss_mb']:.0f} MB, "
-                f"{result['threads']} threads",
-                flush=True,
-            )
+    runs = alternating_rounds(
+        args.systems.split(","),
+        args.rounds,
+        lambda system: _run_worker(system, data, args.steps, args.threads),
+        lambda result: f"{result['pairs_per_s']:.2f} pairs/s",
+    )
     print(table(runs, args.steps))
     if {"keel", "trl"} <= runs.keys():
         print(step1_comparison(runs["keel"][0], runs["trl"][0]))
@@ -273,11 +241,7 @@ def main() -> None:
 def _run_worker(system: str, data: Path, steps: int, threads: int) -> dict:
     command = [sys.executable, __file__, "--worker", system, "--data", str(data)]
     command += ["--steps", str(steps), "--threads", str(threads)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode or not line:
-        sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
-    result = json.loads(line[-1][len("RESULT ") :])
+    result = read_result(command, system, ROOT)
     result["pairs_per_s"] = result["pairs"] / result["seconds"]
     steady = result["steady_step_seconds"]
     result["steady_pairs_per_s"] = PAIRS / statistics.median(steady) if steady else None

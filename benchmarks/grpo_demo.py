@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from demo_cli import add_demo_options, fresh_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/grpo_sums.yaml"
@@ -160,24 +161,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/grpo-sums", help="the run and results")
     parser.add_argument("--plot", help="write the plot here (PNG)")
-    parser.add_argument("--readme", help="also write the markdown section to this file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override the config, as `keel train` does (e.g. train.max_steps=20)",
-    )
+    add_demo_options(parser, set_example="train.max_steps=20")
     args = parser.parse_args()
 
-    from keel.config import load_config
     from keel.models.adapters import load_for_inference
 
     out = Path(args.out).expanduser().resolve()
     run_dir = out / "run"
-    fixed = [f"output.dir={run_dir}", "output.overwrite=true", "train.resume=never"]
-    cfg = load_config(CONFIG, [*args.overrides, *fixed])
+    cfg = fresh_run_config(CONFIG, args.overrides, run_dir)
     length = cfg.stage_settings.max_completion_length
     print("answering the held-out questions before training ...", flush=True)
     base, tokenizer = load_for_inference(cfg.model.path, None, cache_dir=cfg.model.cache_dir)

@@ -28,15 +28,20 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from trl_cpu import cpu_trainer_args, load_model, lora_config
+from trl_cpu import (
+    StepTimer,
+    alternating_rounds,
+    cpu_trainer_args,
+    load_model,
+    lora_config,
+    measured_worker,
+    read_result,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples/data/grpo/train.jsonl"
@@ -110,7 +115,7 @@ def reward_function():
 def run_trl(steps: int, work: Path, threads: int) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from keel.models import resolve_model_path
@@ -118,7 +123,7 @@ def run_trl(steps: int, work: Path, threads: int) -> dict:
     if threads:
         torch.set_num_threads(threads)
     model_dir = resolve_model_path(MODEL, "~/.cache/keel")
-    timer = _StepTimer(TrainerCallback)
+    timer = StepTimer("reward")  # generation, rewards and the update of each step
     args = GRPOConfig(
         output_dir=str(work / "trl-out"),
         per_device_train_batch_size=PROMPTS * GENERATIONS,  # TRL counts completions
@@ -149,55 +154,23 @@ def run_trl(steps: int, work: Path, threads: int) -> dict:
         callbacks=[timer.callback],
     )
     trainer.train()
+    logs = timer.logs.values()
     return {
         "steady_step_seconds": timer.steps[1:],
-        "reward": statistics.mean(log["reward"] for log in timer.logs),
-        "mean_length": statistics.mean(log["completions/mean_length"] for log in timer.logs),
+        "reward": statistics.mean(log["reward"] for log in logs),
+        "mean_length": statistics.mean(log["completions/mean_length"] for log in logs),
     }
 
 
-class _StepTimer:
-    """The wall time of each optimizer step (generation, rewards and the update; not set-up)
-    and every step's log."""
-
-    def __init__(self, base):
-        self.steps: list[float] = []
-        self.logs: list[dict] = []
-        timer = self
-
-        class Callback(base):
-            def on_step_begin(self, *args, **kwargs):
-                timer._start = time.perf_counter()
-
-            def on_step_end(self, *args, **kwargs):
-                timer.steps.append(time.perf_counter() - timer._start)
-
-            def on_log(self, args, state, control, logs=None, **kwargs):
-                if logs and "reward" in logs:
-                    timer.logs.append(dict(logs))
-
-        self.callback = Callback()
-
-
 def worker(system: str, steps: int, threads: int) -> None:
-    import torch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        run = run_keel if system == "keel" else run_trl
-        result = run(steps, Path(tmp), threads)
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    result["threads"] = torch.get_num_threads()  # what the steps ran with, after set-up
-    print("RESULT " + json.dumps(result), flush=True)
+    run = run_keel if system == "keel" else run_trl
+    measured_worker(lambda work: run(steps, work, threads))
 
 
 def _run_worker(system: str, steps: int, threads: int) -> dict:
     command = [sys.executable, __file__, "--worker", system]
     command += ["--steps", str(steps), "--threads", str(threads)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode or not line:
-        sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
-    result = json.loads(line[-1][len("RESULT ") :])
+    result = read_result(command, system, ROOT)
     result["median_step_seconds"] = statistics.median(result["steady_step_seconds"])
     return result
 
@@ -244,19 +217,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps, args.threads)
-    systems = args.systems.split(",")
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    for round_index in range(args.rounds):
-        for system in systems:  # alternate, so drift in machine load hits both
-            result = _run_worker(system, args.steps, args.threads)
-            runs[system].append(result)
-            steps = ", ".join(f"{s:.1f}" for s in result["steady_step_seconds"])
-            print(
-                f"round {round_index + 1} {system}: steady steps {steps} s, mean completion "
-                f"length {result['mean_length']:.1f}, reward {result['reward']:.2f}, peak RSS "
-                f"{result['peak_rss_mb']:.0f} MB, {result['threads']} threads",
-                flush=True,
-            )
+    runs = alternating_rounds(
+        args.systems.split(","),
+        args.rounds,
+        lambda system: _run_worker(system, args.steps, args.threads),
+        lambda r: f"mean completion length {r['mean_length']:.1f}, reward {r['reward']:.2f}",
+    )
     print(table(runs, args.steps))
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 import yaml
-from trl_cpu import cpu_trainer_args, load_model, lora_config
+from trl_cpu import cpu_trainer_args, load_model, lora_config, read_result, report_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bundled:smollm2-135m-instruct"
@@ -262,8 +261,7 @@ def main() -> None:
         )
         return
     if args.single:
-        result = run_once(args.single, Path(args.data), args.precision, args.set)
-        print("RESULT " + json.dumps(result), flush=True)
+        report_result(run_once(args.single, Path(args.data), args.precision, args.set))
         return
     model_dir()  # convert once, outside any timed run
     limit = matmul_limit()
@@ -297,11 +295,7 @@ def _isolated(system: str, data: Path, precision: str, overrides: list[str]) -> 
     """run_once in an intermediate process, so RUSAGE_CHILDREN holds this run only."""
     command = [sys.executable, __file__, "--single", system, "--data", str(data)]
     command += ["--precision", precision, *(f"--set={o}" for o in overrides)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=os.environ)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode or not line:
-        sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[-1][len("RESULT ") :])
+    return read_result(command, system, ROOT)
 
 
 def table(results: dict[tuple, list[dict]], limit: dict[str, float], params: int) -> str:

@@ -6,15 +6,15 @@
 2. Draws pictures of one coloured shape (examples/data/vision/make_shapes.py): a training
    split and a held-out split drawn with another seed; each picture asks "What shape is
    this?" or "What colour is the shape?".
-3. Trains examples/vision_llava_demo.yaml with keel: the tower and the projector fully,
-   LoRA on the language model.
+3. Trains examples/vision_llava_demo.yaml with keel: the projector fully and LoRA on the
+   language model; the random tower stays frozen (the config says why).
 4. Answers every held-out question greedily (keel's chat generation, images through the
    LLaVA plugin) before training, at each saved checkpoint and with the final adapter:
    accuracy = the reply is exactly the expected word (case and a final "." aside).
 5. Writes <out>/results.json, a plot (training loss and held-out accuracy) and the
    markdown section of the README.
 
-    python benchmarks/vision_demo.py [--out outputs/vision-demo] [--train 400] [--heldout 40]
+    python benchmarks/vision_demo.py [--out outputs/vision-demo] [--train 600] [--heldout 40]
         [--set KEY=VALUE] [--plot FILE] [--readme FILE]
 """
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from demo_cli import add_demo_options, fresh_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples/vision_llava_demo.yaml"
@@ -107,14 +108,19 @@ def _mean(flags) -> float:
     return sum(flags) / len(flags) if flags else float("nan")
 
 
-def checkpoint_curve(model_dir: Path, run_dir: Path, data_dir: Path, tokenizer) -> list[dict]:
-    """Held-out accuracy at each checkpoint the run saved (train.save_every)."""
+def checkpoint_curve(
+    model_dir: Path, run_dir: Path, data_dir: Path, tokenizer, last_step: int
+) -> list[dict]:
+    """Held-out accuracy at each checkpoint the run saved (train.save_every) before
+    `last_step`: the final adapter, which holds the same weights, is measured anyway."""
     from keel.checkpoint.source import load_checkpoint_weights, read_checkpoint
     from keel.models import load_model
 
     curve = []
     for step_dir in sorted((run_dir / "checkpoints").glob("step-*")):
         checkpoint = read_checkpoint(step_dir)
+        if checkpoint.step >= last_step:
+            continue
         base = load_model(model_dir, dtype=torch.float32)
         model = load_checkpoint_weights(base, checkpoint, model_dir, log=lambda _m: None)
         found = evaluate(model, tokenizer, data_dir)
@@ -172,9 +178,10 @@ def report(before: Accuracy, after: Accuracy, cfg, trained: dict, args) -> str:
         f"Model: SmolLM2-135M-Instruct + a random CLIP tower ({args.size}x{args.size} pixels, "
         f"{args.patch}x{args.patch} patches: {(args.size // args.patch) ** 2} image tokens) + "
         f"a fresh projector. Training: {args.train} pictures, {trained['steps']} steps of "
-        f"{cfg.train.micro_batch_size}, tower and projector fully, LoRA r={cfg.method.lora.r} "
-        f"on the language model, lr {cfg.train.lr:g}, {trained['precision']}, "
-        f"{trained['threads']} CPU thread(s): {trained['wall'] / 60:.1f} min; training loss "
+        f"{cfg.train.micro_batch_size}, {_trained_parts(cfg)}, lr {cfg.train.lr:g}, "
+        f"{trained['precision']}, "
+        f"{trained['threads']} CPU thread(s): {trained['wall'] / 60:.1f} min of training, "
+        f"{trained['demo_wall'] / 60:.1f} min for the whole demo; training loss "
         f"{trained['losses'][0]:.3f} (step 1) -> {trained['losses'][-1]:.3f} (last step).",
         "",
         f"Held-out: {n} questions on pictures never seen in training (another seed); greedy "
@@ -193,6 +200,21 @@ def report(before: Accuracy, after: Accuracy, cfg, trained: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _trained_parts(cfg) -> str:
+    """Which parts the run trained, as the config says (e.g. "projector fully, tower frozen,
+    LoRA r=8 on the language model")."""
+    vision = cfg.model.vision
+    parts = [
+        "tower " + ("frozen" if vision.freeze_tower else "fully"),
+        "projector " + ("frozen" if vision.freeze_projector else "fully"),
+    ]
+    if cfg.method.uses_lora:
+        parts.append(f"LoRA r={cfg.method.lora.r} on the language model")
+    else:
+        parts.append(f"language model: method {cfg.method.type}")
+    return ", ".join(parts)
+
+
 def _first(found: Accuracy) -> str:
     return " ".join(found.replies[0]["reply"].split()) or "(empty)"
 
@@ -200,21 +222,14 @@ def _first(found: Accuracy) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/vision-demo", help="model, data and run")
-    parser.add_argument("--train", type=int, default=400, help="training pictures")
+    parser.add_argument("--train", type=int, default=600, help="training pictures")
     parser.add_argument("--heldout", type=int, default=40, help="held-out pictures")
     parser.add_argument("--size", type=int, default=64, help="picture side, pixels")
     parser.add_argument("--patch", type=int, default=16, help="vision tower patch side")
     parser.add_argument("--plot", help="write the plot here (PNG)")
-    parser.add_argument("--readme", help="also write the markdown section to this file")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override the config, as `keel train` does (e.g. train.max_steps=20)",
-    )
+    add_demo_options(parser, set_example="train.max_steps=20")
     args = parser.parse_args()
+    began = time.perf_counter()
 
     from keel.config import load_config
     from keel.models import load_tokenizer
@@ -225,14 +240,8 @@ def main() -> None:
     cache = load_config(CONFIG, [*args.overrides, f"model.path={LANGUAGE_MODEL}"]).model.cache_dir
     model_dir, data_dir = prepare(out, args, cache)
     run_dir = out / "run"
-    fixed = [
-        f"model.path={model_dir}",
-        f"data.datasets.0.path={data_dir / 'train.json'}",
-        f"output.dir={run_dir}",
-        "output.overwrite=true",
-        "train.resume=never",  # always a fresh run, even after the config changed
-    ]
-    cfg = load_config(CONFIG, [*args.overrides, *fixed])
+    placed = [f"model.path={model_dir}", f"data.datasets.0.path={data_dir / 'train.json'}"]
+    cfg = fresh_run_config(CONFIG, args.overrides, run_dir, *placed)
     tokenizer = load_tokenizer(model_dir)
     print("answering the held-out questions before training ...", flush=True)
     base = load_for_inference(str(model_dir), None, cache_dir=cfg.model.cache_dir)[0]
@@ -240,12 +249,12 @@ def main() -> None:
     del base
     trained = train(cfg)
     curve = [{"step": 0, "shape": before.shape, "colour": before.colour}]
-    curve += checkpoint_curve(model_dir, run_dir, data_dir, tokenizer)
+    curve += checkpoint_curve(model_dir, run_dir, data_dir, tokenizer, trained["steps"])
     print("answering the held-out questions with the trained adapter ...", flush=True)
     model = load_for_inference(str(model_dir), str(run_dir), cache_dir=cfg.model.cache_dir)[0]
     after = evaluate(model, tokenizer, data_dir)
-    if curve[-1]["step"] != trained["steps"]:
-        curve.append({"step": trained["steps"], "shape": after.shape, "colour": after.colour})
+    curve.append({"step": trained["steps"], "shape": after.shape, "colour": after.colour})
+    trained["demo_wall"] = time.perf_counter() - began  # data, model, training, answers
     text = report(before, after, cfg, trained, args)
     print(text)
     results = {"before": before.__dict__, "after": after.__dict__, "curve": curve, **trained}

@@ -9,6 +9,7 @@
 - `keel_commands`: several commands through main in ONE new interpreter, for tests whose
   environment must be set before the libraries are imported (huggingface_hub reads HF_HOME
   and HF_HUB_OFFLINE at import).
+- `run_demo`: a demo script of benchmarks/ run whole, as `make demo-*` runs it.
 """
 
 from __future__ import annotations
@@ -81,6 +82,21 @@ def keel_commands(
         subprocess.CompletedProcess(["keel", *command], code, out, err)
         for command, (code, out, err) in zip(commands, outcomes, strict=True)
     ]
+
+
+def run_demo(script: str, out: Path, cache_dir: Path) -> dict:
+    """`python benchmarks/<script> --out <out>` with the bundled model's cache at `cache_dir`
+    (an hour at most); it must succeed. The results.json it wrote into `out`."""
+    command = [sys.executable, f"benchmarks/{script}", "--out", str(out)]
+    done = subprocess.run(
+        [*command, f"--set=model.cache_dir={cache_dir}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
 
 
 def _main_captured(argv: list[str]) -> tuple[int, str, str]:

@@ -5,6 +5,7 @@ checkpoint every 2 steps)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,15 @@ def minimal_config(folder: Path, **output) -> dict:
         "data": {"datasets": [str(folder / "d.json")]},
         "output": {"dir": str(folder / "out"), **output},
     }
+
+
+def model_type_folder(root: Path, model_type: str) -> Path:
+    """root/<model_type>: a model folder as far as config-level code (a dialect's
+    translation) reads one, a config.json with its model_type alone."""
+    folder = root / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return folder
 
 
 def hide_modules(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -105,11 +106,52 @@ QA = [
 ]
 
 
+# Prompts of the tiny GRPO runs, and a reward in TRL's signature that scores their
+# completions: a dataset column (`letter`) arrives as a keyword argument
+GRPO_PROMPTS = [
+    "Who are you?",
+    "Name a color.",
+    "Add 2 and 3.",
+    "Say hello.",
+    "Give a tip.",
+    "What is 3 times 4?",
+    "Are you Keel?",
+    "Translate hello.",
+]
+SHARE_OF_LETTER = '''
+def share_of_letter(completions, letter, **kwargs):
+    """The share of the completion's characters that are the row's letter."""
+    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
+'''
+
+
+def write_grpo_inputs(folder: Path) -> None:
+    """folder/prompts.jsonl (GRPO_PROMPTS, each row's letter "a") and folder/rewards.py, as
+    a GRPO config next to them names them: `prompts.jsonl`, `rewards.py:share_of_letter`."""
+    rows = [{"prompt": prompt, "letter": "a"} for prompt in GRPO_PROMPTS]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "rewards.py").write_text(SHARE_OF_LETTER)
+
+
+def openai_weather_turns(city: str, weather: str) -> list[dict]:
+    """Asking the weather in `city`, in OpenAI's chat format as a client sends it: the user's
+    question, the assistant's get_weather call (content null beside tool_calls, arguments a
+    JSON string, id call_1) and the tool's answer `weather`."""
+    call = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    return [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": weather},
+    ]
+
+
 @pytest.fixture
 def data_file(tmp_path):
     """The QA pairs twice (16 alpaca rows) in a JSON file (some tests define their own)."""
-    import json
-
     path = tmp_path / "qa.json"
     path.write_text(json.dumps([{"instruction": q, "input": "", "output": a} for q, a in QA * 2]))
     return path

@@ -15,11 +15,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from cli_support import keel_in_process
 from conftest import QA
 
 ROWS = 12  # 11 train rows after holding one out for eval
+# (prompt, chosen, rejected) for the preference and reward-model runs: ROWS of them (11 to
+# train on), of different lengths, so each rank pads its batch to lengths of its own
+PREFERENCE_PAIRS = [
+    ("Who are you?", "I am Keel, a small assistant.", "No."),
+    ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
+    ("Add 2 and 3.", "5", "It is 6 or maybe 7, I am not sure."),
+    ("Say hello in French.", "Bonjour.", "Hello."),
+    ("Give a healthy tip.", "Sleep enough and move every day.", "Eat cake."),
+    ("Name a color.", "Blue.", "A number."),
+    ("What is 3 times 4?", "12", "34"),
+    ("Are you ChatGPT?", "No, I am Keel.", "Yes."),
+    ("Translate to French: hello world.", "Bonjour le monde.", "Hola mundo, amigo mio."),
+    ("Count to three.", "1, 2, 3.", "3"),
+    ("What comes after Monday?", "Tuesday.", "Sunday, then Friday."),
+    ("Is the sky blue?", "Yes, on a clear day.", "Never."),
+]
 
 RUN_TIMEOUT_S = 240  # a hang fails the test instead of the CI job
 
@@ -84,6 +101,20 @@ class Workspace:
         return ["--verbose", "train", str(self.config), f"output.dir={self.root / out}", *args]
 
 
+def single_process_runs(workspace: Workspace):
+    """`run(*overrides) -> output.dir`: the single-process run of each distinct set of
+    overrides, trained once and shared by every test of the module that compares with it
+    (a module-scoped `reference` fixture returns this)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            runs[overrides] = workspace.train(f"single-{len(runs)}", *overrides)
+        return runs[overrides]
+
+    return run
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("OMP_NUM_THREADS", None)
@@ -106,3 +137,15 @@ def eval_losses(out: Path) -> dict[int, float]:
         for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
         if "eval_loss" in r
     }
+
+
+def step_records(out: Path) -> dict[int, dict]:
+    """step -> that training step's line of metrics.jsonl (the lines with a loss)."""
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in lines if "loss" in r}
+
+
+def assert_same_last_eval_loss(got: Path, want: Path, rel: float) -> None:
+    """Run `got` evaluated at least once, and its last eval loss is `want`'s to `rel`."""
+    mine, theirs = list(eval_losses(got).values()), list(eval_losses(want).values())
+    assert mine and mine[-1] == pytest.approx(theirs[-1], rel=rel)

@@ -16,22 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from multiproc import Workspace
+from conftest import write_grpo_inputs
+from multiproc import Workspace, step_records
 
-PROMPTS = [
-    "Who are you?",
-    "Name a color.",
-    "Add 2 and 3.",
-    "Say hello.",
-    "Give a tip.",
-    "What is 3 times 4?",
-    "Are you Keel?",
-    "Translate hello.",
-]
-REWARDS = """
-def share_of_letter(completions, letter, **kwargs):
-    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
-"""
 EXACT = ("reward", "reward_std", "completions/mean_length", "completions/max_length")
 CLOSE = ("loss", "grad_norm", "clip_ratio/region_mean")
 
@@ -39,9 +26,7 @@ CLOSE = ("loss", "grad_norm", "clip_ratio/region_mean")
 class GrpoWorkspace(Workspace):
     def __init__(self, root: Path, model_dir: Path):
         super().__init__(root, model_dir)
-        rows = [{"prompt": prompt, "letter": "a"} for prompt in PROMPTS]
-        (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        (root / "rewards.py").write_text(REWARDS)
+        write_grpo_inputs(root)
         cfg = yaml.safe_load(self.config.read_text())
         cfg["data"] = {"datasets": [str(root / "prompts.jsonl")], "cutoff_len": 64}
         cfg["train"] |= {"stage": "grpo", "global_batch_size": 4, "max_steps": 4}
@@ -59,11 +44,6 @@ def workspace(tmp_path_factory, tiny_model_dir) -> GrpoWorkspace:
     return GrpoWorkspace(tmp_path_factory.mktemp("grpo"), tiny_model_dir)
 
 
-def records(out: Path) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if "loss" in r}
-
-
 @pytest.mark.parametrize(
     "strategy,extra",
     [
@@ -75,7 +55,7 @@ def records(out: Path) -> dict[int, dict]:
 def test_two_processes_sample_and_train_like_one(workspace, strategy, extra):
     want = workspace.train(f"{strategy}-one", *extra)
     got = workspace.train(f"{strategy}-two", *extra, f"distributed.strategy={strategy}", nproc=2)
-    mine, theirs = records(got), records(want)
+    mine, theirs = step_records(got), step_records(want)
     assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
     for step, line in theirs.items():
         for name in EXACT:

@@ -20,11 +20,28 @@ LOWBIT = ("method.type=full", "train.optimizer=adamw_8bit", "distributed.strateg
 # 2 vs 1 process, losses: fp32 AdamW's parity bound (test_parity.py); measured <= 3.5e-7
 # relative over 6 steps and the eval.
 REL = 1e-5
-# Weights: fp32 parity's bounds, except where 8-bit moments decide. Gradients summed in
-# another order now and then put a moment on the other side of a code boundary, which moves
-# that weight by a fraction of one step's update (lr 1e-2): measured 15 of the embeddings'
-# 10,240 values, by <= 6.7e-4. Allowed: <= 1% of a quantised tensor's values, by <= 2e-3.
+# Weights, where 8-bit moments decide: gradients summed in another order now and then put a
+# moment on the other side of a code boundary, which moves that weight by a fraction of one
+# step's update (lr 1e-2): measured 15-21 of the embeddings' 10,240 values, by <= 1.0e-3.
+# Allowed: <= 1% of a quantised tensor's values beyond fp32 parity's bounds, by <= 2e-3.
 QUANTISED = {"model.embed_tokens.weight"}
+# The other weights keep fp32 moments, but the moved embedding values change every later
+# gradient a little: measured 5 of k_proj's 512 values and 2 of v_proj's beyond fp32
+# parity's bounds, by <= 4.2e-5 (a CI machine once saw more in k_proj). Allowed: 5e-4, 5%
+# of one step's update; a wrong shard or an unreduced gradient moves weights by whole updates.
+FOLLOWING_ATOL = 5e-4
+
+
+def assert_weights_match(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and QUANTISED <= want.keys()
+    for key in want:
+        if key not in QUANTISED:
+            close = torch.isclose(got[key], want[key], rtol=1e-4, atol=FOLLOWING_ATOL)
+            assert close.all(), (key, (got[key] - want[key]).abs().max().item())
+            continue
+        diff = (got[key] - want[key]).abs()
+        beyond = (diff > 1e-5 + 1e-4 * want[key].abs()).sum().item()
+        assert beyond <= 0.01 * diff.numel() and diff.max() <= 2e-3, (key, beyond, diff.max())
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +65,7 @@ def test_two_processes_match_one(workspace, two_processes):
         assert got.keys() == want.keys() and len(got) >= 1
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=REL), step
-    got, want = (load_file(d / "model.safetensors") for d in (two_processes, one))
-    assert got.keys() == want.keys() and QUANTISED <= want.keys()
-    for key in want:
-        if key not in QUANTISED:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5, msg=key)
-            continue
-        diff = (got[key] - want[key]).abs()
-        beyond = (diff > 1e-5 + 1e-4 * want[key].abs()).sum().item()
-        assert beyond <= 0.01 * diff.numel() and diff.max() <= 2e-3, (key, beyond, diff.max())
+    assert_weights_match(*(load_file(d / "model.safetensors") for d in (two_processes, one)))
 
 
 def test_two_processes_resume_exactly(workspace, two_processes):

@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from multiproc import RUN_TIMEOUT_S, Workspace, eval_losses, train_losses
+from multiproc import RUN_TIMEOUT_S, Workspace, eval_losses, single_process_runs, train_losses
 from safetensors.torch import load_file
 
 REL = 1e-5
@@ -48,14 +48,7 @@ def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
 @pytest.fixture(scope="module")
 def reference(workspace):
     """Single-process runs, one per distinct config, shared by the tests that need them."""
-    runs = {}
-
-    def run(*overrides: str):
-        if overrides not in runs:
-            runs[overrides] = workspace.train(f"single-{len(runs)}", *overrides)
-        return runs[overrides]
-
-    return run
+    return single_process_runs(workspace)
 
 
 @pytest.mark.parametrize(

@@ -15,48 +15,29 @@ from pathlib import Path
 
 import pytest
 import yaml
-from multiproc import Workspace
+from multiproc import PREFERENCE_PAIRS, Workspace, assert_same_last_eval_loss, step_records
 
 from keel.stages.pairs import PAIR_METRICS as METRICS_OF_PAIRS
 
 REL = 1e-5
 BETA = 0.1  # dpo.beta (and kto.beta) of every run here (the default)
-QUESTIONS = [
-    ("Who are you?", "I am Keel, a small assistant.", "No."),
-    ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
-    ("Add 2 and 3.", "5", "It is 6 or maybe 7, I am not sure."),
-    ("Say hello in French.", "Bonjour.", "Hello."),
-    ("Give a healthy tip.", "Sleep enough and move every day.", "Eat cake."),
-    ("Name a color.", "Blue.", "A number."),
-    ("What is 3 times 4?", "12", "34"),
-    ("Are you ChatGPT?", "No, I am Keel.", "Yes."),
-    ("Translate to French: hello world.", "Bonjour le monde.", "Hola mundo, amigo mio."),
-    ("Count to three.", "1, 2, 3.", "3"),
-    ("What comes after Monday?", "Tuesday.", "Sunday, then Friday."),
-    ("Is the sky blue?", "Yes, on a clear day.", "Never."),
-]
 
 
 def pair_rows() -> list[dict]:
-    return [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in QUESTIONS]
+    return [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PREFERENCE_PAIRS]
 
 
 def kto_rows() -> list[dict]:
     """Good answers desirable, bad ones not; in an order that leaves some micro-batches
     with undesirable samples only."""
     rows = []
-    for i, (q, good, bad) in enumerate(QUESTIONS):
+    for i, (q, good, bad) in enumerate(PREFERENCE_PAIRS):
         rows.append({"prompt": q, "completion": bad if i % 3 else good, "label": not i % 3})
     return rows
 
 
-def metric_lines(out: Path) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if "loss" in r}
-
-
 def assert_same_metrics(got: Path, want: Path, names: tuple[str, ...]) -> None:
-    got_lines, want_lines = metric_lines(got), metric_lines(want)
+    got_lines, want_lines = step_records(got), step_records(want)
     assert got_lines.keys() == want_lines.keys() and want_lines
     for step, want_line in want_lines.items():
         for name in names:
@@ -130,13 +111,7 @@ def test_two_processes_match_one(workspace, stage, extra, strategy, names):
         f"{stage}-{strategy}-two", *overrides, f"distributed.strategy={strategy}", nproc=2
     )
     assert_same_metrics(got, want, (*names, "logps/chosen", "logps/rejected"))
-    evals = [
-        [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
-        for d in (got, want)
-    ]
-    assert evals[0] and evals[0][-1]["eval_loss"] == pytest.approx(
-        evals[1][-1]["eval_loss"], rel=REL
-    )
+    assert_same_last_eval_loss(got, want, REL)
 
 
 def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(workspace):
@@ -165,7 +140,7 @@ def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(wor
 
 def test_dpo_first_step_is_ln2_with_lora(workspace):
     out = workspace.train("dpo-ln2", "train.max_steps=1", "train.global_batch_size=4")
-    first = metric_lines(out)[1]
+    first = step_records(out)[1]
     assert first["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-7)
     assert first["pairs"] == 4

@@ -17,26 +17,18 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from multiproc import Workspace
+from multiproc import (
+    PREFERENCE_PAIRS,
+    Workspace,
+    assert_same_last_eval_loss,
+    single_process_runs,
+    step_records,
+)
 
 from keel.stages.rm import RM_METRICS
 from keel.train.reward_objective import head_initial_value
 
 REL = 1e-5
-PAIRS = [
-    ("Who are you?", "I am Keel, a small assistant.", "No."),
-    ("What is your name?", "My name is Keel.", "Why do you ask me that question?"),
-    ("Add 2 and 3.", "5", "It is 6 or maybe 7, I am not sure."),
-    ("Say hello in French.", "Bonjour.", "Hello."),
-    ("Give a healthy tip.", "Sleep enough and move every day.", "Eat cake."),
-    ("Name a color.", "Blue.", "A number."),
-    ("What is 3 times 4?", "12", "34"),
-    ("Are you ChatGPT?", "No, I am Keel.", "Yes."),
-    ("Translate to French: hello world.", "Bonjour le monde.", "Hola mundo, amigo mio."),
-    ("Count to three.", "1, 2, 3.", "3"),
-    ("What comes after Monday?", "Tuesday.", "Sunday, then Friday."),
-    ("Is the sky blue?", "Yes, on a clear day.", "Never."),
-]
 # texts the exported classifiers score (different lengths: the padded batch reads each
 # sequence's score at its own last token)
 SCORED = ["Who are you? I am Keel.", "Blue.", "What is 3 times 4? 12, I think, or maybe 34."]
@@ -47,7 +39,7 @@ class RewardWorkspace(Workspace):
         super().__init__(root, model_dir)
         rows = [
             {"prompt": q, "chosen": c, "rejected": r, "margin": 0.25 * (i % 3)}
-            for i, (q, c, r) in enumerate(PAIRS)
+            for i, (q, c, r) in enumerate(PREFERENCE_PAIRS)
         ]
         (root / "pairs.json").write_text(json.dumps(rows))
         cfg = yaml.safe_load(self.config.read_text())
@@ -65,23 +57,11 @@ def workspace(tmp_path_factory, tiny_model_dir) -> RewardWorkspace:
 @pytest.fixture(scope="module")
 def reference(workspace):
     """Single-process runs, one per distinct config (DDP and FSDP2 LoRA share one)."""
-    runs = {}
-
-    def run(*overrides: str) -> Path:
-        if overrides not in runs:
-            runs[overrides] = workspace.train(f"single-{len(runs)}", *overrides)
-        return runs[overrides]
-
-    return run
-
-
-def metric_lines(out: Path) -> dict[int, dict]:
-    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in lines if "loss" in r}
+    return single_process_runs(workspace)
 
 
 def assert_same_metrics(got: Path, want: Path) -> None:
-    got_lines, want_lines = metric_lines(got), metric_lines(want)
+    got_lines, want_lines = step_records(got), step_records(want)
     assert got_lines.keys() == want_lines.keys() == {1, 2, 3, 4}
     for step, want_line in want_lines.items():
         assert got_lines[step]["pairs"] == want_line["pairs"], step
@@ -128,13 +108,7 @@ def test_two_processes_train_and_export_like_one(
     summary = json.loads((got / "keel_run.json").read_text())
     assert summary["processes"] == 2 and summary["strategy"] == strategy
     assert_same_metrics(got, want)
-    evals = [
-        [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if "eval_loss" in x]
-        for d in (got, want)
-    ]
-    assert evals[0] and evals[0][-1]["eval_loss"] == pytest.approx(
-        evals[1][-1]["eval_loss"], rel=REL
-    )
+    assert_same_last_eval_loss(got, want, REL)
 
     got_scores, got_weights = classifier_scores(got, tiny_model_dir)
     want_scores, want_weights = classifier_scores(want, tiny_model_dir)

@@ -9,23 +9,8 @@ from pathlib import Path
 
 import pytest
 from cli_support import keel_in_process
+from conftest import GRPO_PROMPTS, write_grpo_inputs
 
-PROMPTS = [
-    "Who are you?",
-    "Name a color.",
-    "Add 2 and 3.",
-    "Say hello.",
-    "Give a tip.",
-    "What is 3 times 4?",
-    "Are you Keel?",
-    "Translate hello.",
-]
-# TRL's reward signature: a dataset column (`letter`) arrives as a keyword argument
-REWARDS = '''
-def share_of_letter(completions, letter, **kwargs):
-    """The share of the completion's characters that are the row's letter."""
-    return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
-'''
 CONFIG = """
 model: {{path: {model}}}
 method: {{type: full}}
@@ -58,9 +43,7 @@ output:
 def write_run(folder: Path, model: Path, *, steps: int, every: int = 5, overwrite=True) -> Path:
     """A run folder as a user has it: the config, the prompts and the reward file."""
     folder.mkdir(exist_ok=True)
-    rows = [{"prompt": prompt, "letter": "a"} for prompt in PROMPTS]
-    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "rewards.py").write_text(REWARDS)
+    write_grpo_inputs(folder)
     config = CONFIG.format(model=model, steps=steps, every=every, overwrite=str(overwrite).lower())
     (folder / "grpo.yaml").write_text(config)
     return folder
@@ -91,7 +74,7 @@ def test_grpo_learns_what_the_reward_asks_for(tiny_model_dir, tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
     assert {s["step"] for s in samples} == {5, 10, 15, 20}
     assert len(samples) == 4 * 4 * 8  # every 5 steps: 4 prompts x 8 completions
-    assert samples[0]["prompt"] in PROMPTS and "share_of_letter" in samples[0]["rewards"]
+    assert samples[0]["prompt"] in GRPO_PROMPTS and "share_of_letter" in samples[0]["rewards"]
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])

@@ -9,12 +9,8 @@ held-out ones right. The run takes minutes on 2 cores, so `make test` leaves it 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from cli_support import ROOT
+from cli_support import run_demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.demo]
 
@@ -29,13 +25,7 @@ AFTER_AT_LEAST = 0.65
 
 def test_demo_gets_better_at_heldout_sums(tmp_path, bundled_cache_dir):
     out = tmp_path / "demo"
-    command = [sys.executable, "benchmarks/grpo_demo.py", "--out", str(out)]
-    settings = [f"--set=model.cache_dir={bundled_cache_dir}"]
-    done = subprocess.run(
-        [*command, *settings], cwd=ROOT, capture_output=True, text=True, timeout=3600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((out / "results.json").read_text())
+    results = run_demo("grpo_demo.py", out, bundled_cache_dir)
     before, after = results["before"], results["after"]
     assert after["accuracy"] >= AFTER_AT_LEAST > before["accuracy"], after["replies"]
     rewards = results["reward"]

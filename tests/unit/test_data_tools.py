@@ -8,7 +8,7 @@ import json
 from importlib import resources
 
 import pytest
-from conftest import build_tiny_tokenizer
+from conftest import build_tiny_tokenizer, openai_weather_turns
 
 from keel.config.schema import DataConfig, DatasetConfig
 from keel.data import prepare_data
@@ -70,22 +70,7 @@ SHAREGPT = {
 }
 # OpenAI: content null beside tool_calls, arguments a JSON string, ids
 OPENAI = {
-    "messages": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
-        *REFERENCE[3:],
-    ],
+    "messages": [*openai_weather_turns("Paris", "sunny, 21 C"), *REFERENCE[3:]],
     "tools": TOOLS,
 }
 # TRL: no content beside tool_calls, dict arguments, the tool's name on its output

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from config_support import model_type_folder
 
 from keel.config import load_config
 from keel.config.dialects import detect_dialect, translate
@@ -328,14 +329,6 @@ def test_lora_r_left_empty_without_an_adapter_changes_nothing():
     assert fates["lora_r"].fate == "ignored" and "lora_alpha" not in fates
 
 
-def _model_folder(tmp_path: Path, model_type: str) -> Path:
-    """A model folder as far as the translation reads one: its config.json."""
-    folder = tmp_path / model_type
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    return folder
-
-
 @pytest.mark.parametrize(
     ("template", "model_type", "fate"),
     [
@@ -349,7 +342,7 @@ def _model_folder(tmp_path: Path, model_type: str) -> Path:
 def test_a_family_chat_template_is_checked_against_the_models_type(
     template, model_type, fate, tmp_path
 ):
-    raw = {"base_model": str(_model_folder(tmp_path, model_type)), "chat_template": template}
+    raw = {"base_model": str(model_type_folder(tmp_path, model_type)), "chat_template": template}
     translation = translate_axolotl(raw, FIXTURES)
     found = {f.key: f for f in translation.fates}["chat_template"]
     assert found.fate == fate

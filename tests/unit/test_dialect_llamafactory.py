@@ -3,11 +3,11 @@ config that keel's own loader accepts (training them is tests/e2e/test_dialects_
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
+from config_support import model_type_folder
 
 from keel.config import load_config
 from keel.config.dialects import KeyFate, detect_dialect, refusal_problems, translate
@@ -268,14 +268,6 @@ def test_templates():
     assert "llama3" in {f.key: f for f in fate.fates}["template"].why
 
 
-def _model_folder(tmp_path: Path, model_type: str) -> Path:
-    """A model folder as far as the translation reads one: its config.json."""
-    folder = tmp_path / model_type
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
-    return folder
-
-
 @pytest.mark.parametrize(
     ("template", "model_type"),
     [("qwen3", "llama"), ("llama3", "qwen2"), ("qwen", "qwen3"), ("gemma3", "gemma3n")],
@@ -283,7 +275,7 @@ def _model_folder(tmp_path: Path, model_type: str) -> Path:
 def test_a_family_template_on_a_model_of_another_family_is_refused(template, model_type, tmp_path):
     # LLaMA-Factory renders its template whatever the model; keel renders the model's own,
     # so the two differ here: refused, naming the template, the model's type and the fix
-    model = _model_folder(tmp_path, model_type)
+    model = model_type_folder(tmp_path, model_type)
     raw = {"model_name_or_path": str(model), "do_train": True, "template": template}
     translation = translate(raw, tmp_path / "x.yaml")
     (refused,) = translation.refused()
@@ -295,7 +287,7 @@ def test_a_family_template_on_a_model_of_another_family_is_refused(template, mod
 
 
 def test_the_refusal_names_the_templates_of_the_models_family(tmp_path):
-    raw = {"model_name_or_path": str(_model_folder(tmp_path, "qwen3")), "template": "llama3"}
+    raw = {"model_name_or_path": str(model_type_folder(tmp_path, "qwen3")), "template": "llama3"}
     (refused,) = [f for f in translate(raw, tmp_path / "x.yaml").refused() if f.key == "template"]
     assert "set template to a qwen3 template (qwen3, qwen3_nothink)" in refused.why
 
@@ -313,7 +305,7 @@ def test_the_refusal_names_the_templates_of_the_models_family(tmp_path):
 def test_a_family_template_on_its_own_family_is_mapped_naming_the_type(
     template, model_type, tmp_path
 ):
-    model = _model_folder(tmp_path, model_type)
+    model = model_type_folder(tmp_path, model_type)
     raw = {"model_name_or_path": str(model), "do_train": True, "template": template}
     translation = translate(raw, tmp_path / "x.yaml")
     assert translation.refused() == []

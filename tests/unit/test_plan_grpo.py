@@ -6,25 +6,14 @@ import json
 from pathlib import Path
 
 import yaml
+from test_plan import SMALL
 
 from keel.cli import main
 from keel.config import load_config
 from keel.plan import decide, detect_devices, plan_run
 from keel.plan.devices import GIB
 
-SMALL = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "vocab_size": 8192,
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-}
-LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 4, 4, 256 // 8, 8192
+LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 4, 4, 256 // 8, 8192  # test_plan's SMALL Llama, by hand
 FP32 = 4  # train.precision fp32: weights, KV cache and logits all 4 bytes an element
 GRPO = ("train.stage=grpo", "grpo.rewards=[keel.rewards:format]")
 

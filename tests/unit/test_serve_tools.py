@@ -10,7 +10,7 @@ from importlib import resources
 import httpx
 import openai
 import pytest
-from conftest import build_tiny_tokenizer
+from conftest import build_tiny_tokenizer, openai_weather_turns
 
 from keel.infer.serve.limits import ServeLimits
 from keel.infer.serve.scheduler import Delta, Done, EngineStats
@@ -242,27 +242,15 @@ def test_a_streamed_tool_call_arrives_as_tool_call_deltas(served):
 
 
 def test_tool_turns_in_the_history_render_as_the_template_does(served):
-    arguments = {"city": "Paris"}
     history = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": json.dumps(arguments)},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
+        *openai_weather_turns("Paris", '{"sky": "clear"}'),
     ]
     ask(served, "Clear skies.", messages=history, tools=[WEATHER])
     expected_turns = json.loads(json.dumps(history))
     expected_turns[2]["content"] = ""
-    expected_turns[2]["tool_calls"][0]["function"]["arguments"] = arguments  # as templates take it
+    # the arguments as a dict, as templates take them
+    expected_turns[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
     expected = served["tokenizer"].apply_chat_template(
         expected_turns, tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
@@ -302,15 +290,7 @@ def test_a_llama31_json_reply_comes_back_as_tool_calls_whole_and_streamed(served
 
 
 def test_a_llama31_prompt_with_tools_and_a_tool_turn_renders_as_the_template_does(served_llama):
-    call = {
-        "type": "function",
-        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
-    }
-    history = [
-        {"role": "user", "content": "Weather in Rome?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", **call}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
-    ]
+    history = openai_weather_turns("Rome", "rain")
     ask(served_llama, "Rain.", messages=history, tools=[WEATHER])
     expected_turns = json.loads(json.dumps(history))
     expected_turns[1]["content"] = ""

@@ -185,6 +185,7 @@ def test_report_names_the_late_and_the_silent_ranks(tmp_path):
     assert "not responding (no heartbeat; stopped, killed or frozen): rank(s) 2" in text
     assert "behind the others: rank(s) 1" in text
     assert "rank 2 (NOT RESPONDING, its last heartbeat" in text
+    assert "rank 1 (alive, h pid 101): at step 5: step begin (mark 12, phase 'step')" in text
     assert (
         "first differ at #3: rank 0: all_reduce_sum(float64[1]) at step 5; rank 1: not "
         "reached (still at step 5: step begin)" in text

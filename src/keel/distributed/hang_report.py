@@ -34,9 +34,10 @@ def build_hang_report(
         last = beat["collectives"][-1] if beat["collectives"] else None
         last_text = f"#{last[0]} {last[1]}({last[2]}) at step {last[3]}" if last else "none"
         state = "alive" if r in live else "NOT RESPONDING, its last heartbeat"
+        phase = f", phase '{beat['phase']}'" if beat.get("phase") else ""
         lines.append(
             f"  rank {r} ({state}, {beat['host']} pid {beat['pid']}): at "
-            f"{beat['where']} (mark {beat['point']}), idle {beat['idle_s']} s; last "
+            f"{beat['where']} (mark {beat['point']}{phase}), idle {beat['idle_s']} s; last "
             f"collective {last_text}"
         )
     lines.append(collective_divergence(alive))

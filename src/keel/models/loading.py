@@ -19,6 +19,18 @@ from keel.models.vision import family_of
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def import_model_libraries(*, adapters: bool) -> None:
+    """Import the library code every rank's preflight needs (transformers' model classes,
+    peft when the method has adapters, datasets): several seconds of imports, done by every
+    rank at once before rank 0 prepares alone, instead of by the others in turn after it."""
+    import datasets  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    if adapters:
+        import peft  # noqa: F401
+
+
 def torch_dtype(name: str) -> torch.dtype | None:
     """Map a config dtype name to a torch dtype; "auto" gives None (the caller decides)."""
     if name == "auto":

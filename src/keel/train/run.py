@@ -31,6 +31,7 @@ from keel.distributed.process_group import (
     shutdown,
 )
 from keel.faults import fault_from_env
+from keel.models.loading import import_model_libraries
 from keel.precision import Precision
 from keel.stages.registry import get_stage
 from keel.train.batch_source import (
@@ -209,6 +210,8 @@ def _check_inputs(run: _Run) -> Preflight:
     cfg, env, dist = run.cfg, run.env, run.env.dist
     with env.phase("model download", cfg.distributed.preprocess_timeout_s):
         hub_dir = fetch_hub_model(cfg, dist, env.log)  # once per node; None: not a Hub id
+    if dist.distributed:  # one process imports these where it first uses them
+        import_model_libraries(adapters=cfg.method.uses_lora)
     with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
         with env.watchdog.progress.memory_watched("data preparation"):  # exit 3, not OOM-kill
             checked = preflight(
