@@ -215,13 +215,17 @@ def worker(system: str, data: Path, steps: int, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--steps", type=int, default=6, help="at least 3: steps 2 to N-1 are the steady ones"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--data", default=str(DATA), help="JSONL/JSON of TRL preference pairs")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0: all cores")
     parser.add_argument("--worker")
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (the steady steps are 2 to N-1)")
     data = Path(args.data).resolve()
     if args.worker:
         return worker(args.worker, data, args.steps, args.threads)
