@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 from sft_vs_trl import keel_job, keel_steps, make_dataset, model_dir
+from trl_cpu import read_result, report_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {
@@ -81,11 +81,7 @@ def _isolated(system: str, data: Path, precision: str, steps: int) -> dict:
     """run_once in its own process, so RUSAGE_CHILDREN holds this run only."""
     command = [sys.executable, __file__, "--single", system, "--data", str(data)]
     command += ["--precision", precision, "--steps", str(steps)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=os.environ)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-    if out.returncode or not line:
-        sys.exit(f"{system} failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[-1][len("RESULT ") :])
+    return read_result(command, system, ROOT)
 
 
 def table(results: dict[str, list[dict]], precision: str) -> str:
@@ -124,8 +120,7 @@ def main() -> None:
     parser.add_argument("--data")
     args = parser.parse_args()
     if args.single:
-        result = run_once(args.single, Path(args.data), args.precision, args.steps)
-        print("RESULT " + json.dumps(result), flush=True)
+        report_result(run_once(args.single, Path(args.data), args.precision, args.steps))
         return
     model_dir()  # convert once, outside any measured run
     results: dict[str, list[dict]] = {}
