@@ -52,10 +52,14 @@ demo-vision: install
 demo-grpo: install
 	$(BIN)/python benchmarks/grpo_demo.py --out outputs/grpo-sums --plot outputs/grpo-sums/grpo_demo.png
 
+# The suite on every core, at most 4 (pytest-xdist): a test module stays on one worker, so
+# its module-scoped runs (one launch for a module's multi-process runs) are made once.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile
+
 test: install-dev browser
 	$(BIN)/ruff check src tests benchmarks tools
 	$(BIN)/ruff format --check src tests benchmarks tools
-	$(BIN)/python -m pytest -q -ra -m "not demo"
+	$(BIN)/python -m pytest -q -ra -m "not demo" $(PARALLEL)
 
 # The demos' whole runs, checked (on 2 cores: the vision demo about 10 minutes, the GRPO demo 9).
 .PHONY: test-demo
@@ -71,7 +75,7 @@ test-latest: browser
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
 	  -e '.[dev,qlora,bnb]' $(if $(TORCH),"$(TORCH)")
 	$(LATEST)/bin/python -m pip freeze --exclude-editable
-	$(LATEST)/bin/python -m pytest -q -ra
+	$(LATEST)/bin/python -m pytest -q -ra $(PARALLEL)
 
 # After the newest versions pass the suite, record them as the ones `make install` uses.
 constraints: test-latest

@@ -53,7 +53,7 @@ def keel_in_process(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess
     threads, previous = torch.get_num_threads(), Path.cwd()
     os.chdir(cwd)
     try:
-        code, out, err = _main_captured(list(args))
+        code, out, err = main_captured(list(args))
     finally:
         os.chdir(previous)
         torch.set_num_threads(threads)
@@ -99,7 +99,9 @@ def run_demo(script: str, out: Path, cache_dir: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
-def _main_captured(argv: list[str]) -> tuple[int, str, str]:
+def main_captured(argv: list[str]) -> tuple[int, str, str]:
+    """keel.cli.main(argv) in this process: (exit code, stdout, stderr), as the program
+    would end and print."""
     from keel.cli import main
 
     out, err = io.StringIO(), io.StringIO()
@@ -115,5 +117,5 @@ def _main_captured(argv: list[str]) -> tuple[int, str, str]:
 
 
 if __name__ == "__main__":  # keel_commands' interpreter: results file, then the argvs
-    outcomes = [_main_captured(argv) for argv in json.loads(sys.argv[2])]
+    outcomes = [main_captured(argv) for argv in json.loads(sys.argv[2])]
     Path(sys.argv[1]).write_text(json.dumps(outcomes))

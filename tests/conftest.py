@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -159,13 +160,33 @@ def data_file(tmp_path):
 
 @pytest.fixture(scope="session")
 def bundled_cache_dir(tmp_path_factory) -> Path:
-    """A keel cache holding the bundled SmolLM2 converted to safetensors, once per session
-    (the conversion takes ~30 s on 2 cores; tests/e2e/test_bundled_model.py tests it)."""
+    """A keel cache holding the bundled SmolLM2 converted to safetensors, once per run of the
+    suite (the conversion takes ~30 s on 2 cores; tests/e2e/test_bundled_model.py tests it).
+    """
     from keel.models.bundled import resolve_model_path
 
-    cache = tmp_path_factory.mktemp("bundled-cache")
-    resolve_model_path("bundled:smollm2-135m-instruct", cache, log=lambda message: None)
-    return cache
+    def convert(cache: Path) -> None:
+        resolve_model_path("bundled:smollm2-135m-instruct", cache, log=lambda message: None)
+
+    return shared_session_dir(tmp_path_factory, "bundled-cache", convert)
+
+
+def shared_session_dir(tmp_path_factory, name: str, build) -> Path:
+    """A folder `build(folder)` fills once per run of the suite: under pytest-xdist its
+    workers share it (the first builds it while the others wait on a lock), instead of each
+    worker building its own copy."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, above each worker's own
+    folder, done = base / name, base / f"{name}.done"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            build(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,9 @@
 """Multi-process runs, launched the way users launch them: `keel train cfg.yaml --nproc 2`.
 The one-process runs they are compared with go through keel.cli.main in the test process:
-the same training, without an interpreter start and the library imports for each.
+the same training, without an interpreter start and the library imports for each. Parity
+tests that only compare numbers make their multi-process runs together, in one torchrun
+launch (`Workspace.train_together`): each launch costs ~15 s of imports on the 2-core CI
+machine, a tiny run 1-3 s.
 
 Every run uses the same tiny model, an 11-row dataset and a global batch of 5 rows, so the
 last step of an epoch holds one row: with 2 processes, one of them runs filler micro-batches
@@ -13,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -39,6 +43,7 @@ PREFERENCE_PAIRS = [
 ]
 
 RUN_TIMEOUT_S = 240  # a hang fails the test instead of the CI job
+RUNS_WORKER = Path(__file__).with_name("runs_worker.py")
 
 
 def base_config(model_dir: Path, data: Path, cache: Path) -> dict:
@@ -89,6 +94,32 @@ class Workspace:
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stderr[-4000:]}"
         self.last_output = done.stdout + done.stderr
         return self.root / out
+
+    def train_together(self, runs: Iterable[tuple[str, tuple[str, ...]]]) -> dict[str, Path]:
+        """Each of `runs` (output.dir under root, overrides), in order, as the workers of
+        `keel train --nproc 2` run it, all in ONE torchrun launch (runs_worker.py); returns
+        output.dir by name, and keeps rank 0's output of each name's last run in
+        `outputs_together`. The launch ends at the first run that fails, and so does the test.
+        """
+        runs = list(runs)
+        plan, results = self.root / "plan.json", self.root / "results.json"
+        plan.write_text(json.dumps([self.keel_argv(out, *args) for out, args in runs]))
+        results.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", "2", str(RUNS_WORKER), str(plan), str(results)]
+        done = subprocess.run(
+            command,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S + 30 * len(runs),
+            env=_env(),
+        )
+        assert done.returncode == 0, f"{' '.join(command)}\n{done.stderr[-4000:]}"
+        outcomes = json.loads(results.read_text())
+        assert len(outcomes) == len(runs)
+        self.outputs_together = {out: o[1] + o[2] for (out, _), o in zip(runs, outcomes)}
+        return {out: self.root / out for out, _ in runs}
 
     def command(self, out: str | Path, *args: str) -> list[str]:
         """The `keel train` command line for this config into output.dir `out` (a folder

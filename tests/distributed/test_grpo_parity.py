@@ -44,17 +44,26 @@ def workspace(tmp_path_factory, tiny_model_dir) -> GrpoWorkspace:
     return GrpoWorkspace(tmp_path_factory.mktemp("grpo"), tiny_model_dir)
 
 
-@pytest.mark.parametrize(
-    "strategy,extra",
-    [
-        ("fsdp", ("method.type=full",)),
-        ("ddp", ("grpo.loss_type=dapo", "grpo.num_iterations=2")),
-    ],
-    ids=["fsdp-full-grpo", "ddp-lora-dapo-reused"],
-)
-def test_two_processes_sample_and_train_like_one(workspace, strategy, extra):
-    want = workspace.train(f"{strategy}-one", *extra)
-    got = workspace.train(f"{strategy}-two", *extra, f"distributed.strategy={strategy}", nproc=2)
+CASES = {
+    "fsdp-full-grpo": ("fsdp", ("method.type=full",)),
+    "ddp-lora-dapo-reused": ("ddp", ("grpo.loss_type=dapo", "grpo.num_iterations=2")),
+}
+
+
+@pytest.fixture(scope="module")
+def two_processes(workspace) -> dict[str, Path]:
+    """Every case's 2-process run, made together in one launch: case -> output.dir."""
+    runs = {
+        case: (*extra, f"distributed.strategy={strategy}")
+        for case, (strategy, extra) in CASES.items()
+    }
+    return workspace.train_together(runs.items())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_sample_and_train_like_one(workspace, two_processes, case):
+    want = workspace.train(f"{case}-one", *CASES[case][1])
+    got = two_processes[case]
     mine, theirs = step_records(got), step_records(want)
     assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
     for step, line in theirs.items():

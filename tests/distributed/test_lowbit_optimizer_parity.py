@@ -5,11 +5,11 @@ it exactly.
 The tiny Llama under full fine-tuning: its embeddings (320x32, tied) are the one weight
 with >= 4096 values, and each process's shard (160x32 = 5120 values, 20 blocks of 256)
 still is, so quantised moments are sharded as DTensors, saved per process and loaded
-back; the other 19 tensors keep fp32 moments (torchao's rule). Three runs: 1 process, 2
-processes, and the 2-process run resumed from its step-4 checkpoint.
+back; the other 19 tensors keep fp32 moments (torchao's rule). The runs: 1 process, 2
+processes, and a 2-process run stopped after step 4 then resumed.
 """
 
-import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,37 +50,33 @@ def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
 
 
 @pytest.fixture(scope="module")
-def two_processes(workspace):
-    out = workspace.train("two", *LOWBIT, nproc=2)
-    assert "19 of 20 tensors keep full-precision moments" in workspace.last_output
-    return out
+def two_processes(workspace) -> dict[str, Path]:
+    """The module's 2-process runs, made together in one launch: the whole run ("two"), and
+    a run stopped after step 4 then resumed with the whole run's config ("interrupted")."""
+    runs = [("two", LOWBIT), ("interrupted", (*LOWBIT, "train.max_steps=4"))]
+    outs = workspace.train_together([*runs, ("interrupted", LOWBIT)])
+    assert "19 of 20 tensors keep full-precision moments" in workspace.outputs_together["two"]
+    return outs
 
 
 def test_two_processes_match_one(workspace, two_processes):
-    one = workspace.train("one", *LOWBIT)
-    for got, want in [
-        (train_losses(two_processes), train_losses(one)),
-        (eval_losses(two_processes), eval_losses(one)),
-    ]:
+    one, two = workspace.train("one", *LOWBIT), two_processes["two"]
+    for got, want in [(train_losses(two), train_losses(one)), (eval_losses(two), eval_losses(one))]:
         assert got.keys() == want.keys() and len(got) >= 1
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=REL), step
-    assert_weights_match(*(load_file(d / "model.safetensors") for d in (two_processes, one)))
+    assert_weights_match(*(load_file(d / "model.safetensors") for d in (two, one)))
 
 
 def test_two_processes_resume_exactly(workspace, two_processes):
-    """What a run interrupted after its step-4 checkpoint leaves: config, metrics and the
-    checkpoints up to step 4. Resumed on 2 processes, steps 5 and 6 and the final weights
-    equal the uninterrupted run's, bit for bit."""
-    out = workspace.root / "interrupted"
-    shutil.copytree(two_processes / "checkpoints", out / "checkpoints")
-    shutil.rmtree(out / "checkpoints/step-00000006")
-    for name in ("config.yaml", "metrics.jsonl"):
-        shutil.copy(two_processes / name, out / name)
-    resumed = workspace.train("interrupted", *LOWBIT, nproc=2)
-    assert "resumed from" in workspace.last_output and "step-00000004" in workspace.last_output
-    assert train_losses(resumed) == train_losses(two_processes)
-    assert eval_losses(resumed) == eval_losses(two_processes)
-    got, want = (load_file(d / "model.safetensors") for d in (resumed, two_processes))
+    """A 2-process run stopped after step 4 and resumed on 2 processes: steps 5 and 6, the
+    last eval and the final weights equal the uninterrupted run's, bit for bit (the 8-bit
+    moments' shards went through the checkpoint and back)."""
+    resumed, whole = two_processes["interrupted"], two_processes["two"]
+    output = workspace.outputs_together["interrupted"]
+    assert "resumed from" in output and "step-00000004" in output
+    assert train_losses(resumed) == train_losses(whole)
+    assert eval_losses(resumed)[6] == eval_losses(whole)[6]
+    got, want = (load_file(d / "model.safetensors") for d in (resumed, whole))
     assert got.keys() == want.keys()
     assert all(torch.equal(got[key], want[key]) for key in want)

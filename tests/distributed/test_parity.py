@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -51,61 +52,75 @@ def reference(workspace):
     return single_process_runs(workspace)
 
 
-@pytest.mark.parametrize(
-    "strategy,method,extra",
-    [
-        ("ddp", "lora", ()),
-        ("fsdp", "full", ()),
-        ("fsdp", "lora", ()),
-        ("ddp", "full", PACK_AND_CHECKPOINT),
-        ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
-        ("ddp", "qlora", ()),
-        ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
-    ],
-    ids=[
-        "ddp-lora",
-        "fsdp-full",
-        "fsdp-lora",
-        "ddp-full-packed-ckpt",
-        "fsdp-lora-packed-ckpt-merged",
-        # NF4 base: each process quantises its rows to what one process quantises
-        "ddp-qlora",
-        "fsdp-qlora-packed-ckpt-merged",
-    ],
-)
-def test_two_processes_match_one(workspace, reference, strategy, method, extra):
-    overrides = (f"method.type={method}", *extra)
-    want = reference(*overrides)
-    got = workspace.train(
-        f"{strategy}-{method}-{len(extra)}", *overrides, f"distributed.strategy={strategy}", nproc=2
-    )
+CASES = {
+    "ddp-lora": ("ddp", "lora", ()),
+    "fsdp-full": ("fsdp", "full", ()),
+    "fsdp-lora": ("fsdp", "lora", ()),
+    "ddp-full-packed-ckpt": ("ddp", "full", PACK_AND_CHECKPOINT),
+    "fsdp-lora-packed-ckpt-merged": ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
+    # NF4 base: each process quantises its rows to what one process quantises
+    "ddp-qlora": ("ddp", "qlora", ()),
+    "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
+}
+
+
+def _overrides(case: str) -> tuple[str, ...]:
+    strategy, method, extra = CASES[case]
+    return (f"method.type={method}", *extra, f"distributed.strategy={strategy}")
+
+
+# Stopped after 4 of 6 steps (FSDP2) on one number of processes, finished on the other:
+# (method, what the first part runs on, what the rest runs on)
+RESUMES = {"resume-2-to-1": ("full", 2, 1), "resume-1-to-2": ("lora", 1, 2)}
+STOPPED_AT_4 = ("train.max_steps=4",)
+# A run long enough to kill a worker in it (test_killed_worker_...), and its clean twin
+KILLED_RUN = ("train.max_steps=45", "output.save_every=9", "distributed.strategy=ddp")
+
+
+def _resume_overrides(name: str) -> tuple[str, ...]:
+    return (f"method.type={RESUMES[name][0]}", "distributed.strategy=fsdp")
+
+
+@pytest.fixture(scope="module")
+def two_processes(workspace) -> dict[str, Path]:
+    """Every 2-process run of the module but the killed one, made together in one launch:
+    name -> output.dir. The resumes' 1-process first parts run before it, their 1-process
+    ends in the test."""
+    runs = [(case, _overrides(case)) for case in CASES]
+    for name, (_method, first, _then) in RESUMES.items():
+        if first == 1:
+            workspace.train(name, *_resume_overrides(name), *STOPPED_AT_4)
+        runs.append((name, _resume_overrides(name) + (STOPPED_AT_4 if first == 2 else ())))
+    runs.append(("not-killed", KILLED_RUN))
+    return workspace.train_together(runs)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_match_one(workspace, reference, two_processes, case):
+    strategy, _method, extra = CASES[case]
+    want = reference(*_overrides(case)[:-1])
+    got = two_processes[case]
     summary = json.loads((got / "keel_run.json").read_text())
     assert summary["processes"] == 2 and summary["strategy"] == strategy
     assert len(summary["per_rank"]) == 2
     assert_same_losses(train_losses(got), train_losses(want))
     assert_same_losses(eval_losses(got), eval_losses(want))
     assert_same_weights(got, want)
-    if "output.merge_lora=true" in extra:  # merged from gathered shards on rank 0
+    if MERGED[0] in extra:  # merged from gathered shards on rank 0
         assert_same_weights(got / "merged", want / "merged")
 
 
-@pytest.mark.parametrize(
-    "first,then,method", [(2, 1, "full"), (1, 2, "lora")], ids=["2-to-1-full", "1-to-2-lora"]
-)
-def test_resume_with_another_number_of_processes(workspace, reference, first, then, method):
-    """Stop after 4 of 6 steps on `first` processes, finish on `then`: same as uninterrupted."""
-    out = f"resume-{first}-{then}"
-    nproc = {1: None, 2: 2}
-    workspace.train(
-        out,
-        f"method.type={method}",
-        "train.max_steps=4",
-        "distributed.strategy=fsdp",
-        nproc=nproc[first],
-    )
-    resumed = workspace.train(
-        out, f"method.type={method}", "distributed.strategy=fsdp", nproc=nproc[then]
-    )
+@pytest.mark.parametrize("name", RESUMES)
+def test_resume_with_another_number_of_processes(workspace, reference, two_processes, name):
+    """Stop after 4 of 6 steps on some processes, finish on another number: the same as
+    an uninterrupted run."""
+    method, _first, then = RESUMES[name]
+    if then == 1:
+        resumed = workspace.train(name, *_resume_overrides(name))
+        assert "resumed from" in workspace.last_output
+    else:
+        resumed = two_processes[name]
+        assert "resumed from" in workspace.outputs_together[name]
     want = reference(f"method.type={method}")
     assert_same_losses(train_losses(resumed), train_losses(want))
     assert_same_weights(resumed, want)
@@ -123,15 +138,14 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
     return found
 
 
-def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace):
+def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace, two_processes):
     """A worker SIGKILLed mid-run under --max-restarts 1: torchrun restarts the job, keel
     resumes from the newest complete checkpoint, and every loss matches a clean run.
 
     The clean run has 2 processes too: 45 steps are enough for float rounding to drift
     past 1e-5 between 1 and 2 processes, while resuming must reproduce the run exactly."""
-    overrides = ("train.max_steps=45", "output.save_every=9", "distributed.strategy=ddp")
     out = workspace.root / "killed"
-    args = workspace.command(out, *overrides, "--nproc", "2", "--max-restarts", "1")
+    args = workspace.command(out, *KILLED_RUN, "--nproc", "2", "--max-restarts", "1")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     proc = subprocess.Popen(
         args,
@@ -157,7 +171,7 @@ def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace):
             proc.kill()
     assert proc.returncode == 0, output[-4000:]
     assert "resumed from" in output
-    want = workspace.train("not-killed", *overrides, nproc=2)
+    want = two_processes["not-killed"]
     assert_same_losses(train_losses(out), train_losses(want))
     final = [json.loads((d / "keel_run.json").read_text())["final_loss"] for d in (out, want)]
     assert final[0] == pytest.approx(final[1], rel=1e-6)

@@ -25,9 +25,13 @@ def test_auto_shards_when_a_replica_does_not_fit(workspace):
     fsdp = plan.option_for("fsdp", "full", False).per_device.total
     assert fsdp < ddp
     between = int((ddp + fsdp) / 2 / 0.9)  # usable memory is 90% of the device's
-    out = workspace.train("auto", *overrides, f"distributed.device_memory={between}", nproc=2)
-    assert json.loads((out / "keel_run.json").read_text())["strategy"] == "fsdp"
-    assert "plan: fsdp + full" in workspace.last_output
     # The negative control: with room for a replica, auto replicates.
-    roomy = workspace.train("roomy", *overrides, f"distributed.device_memory={2 * ddp}", nproc=2)
-    assert json.loads((roomy / "keel_run.json").read_text())["strategy"] == "ddp"
+    runs = workspace.train_together(
+        [
+            ("auto", (*overrides, f"distributed.device_memory={between}")),
+            ("roomy", (*overrides, f"distributed.device_memory={2 * ddp}")),
+        ]
+    )
+    assert json.loads((runs["auto"] / "keel_run.json").read_text())["strategy"] == "fsdp"
+    assert "plan: fsdp + full" in workspace.outputs_together["auto"]
+    assert json.loads((runs["roomy"] / "keel_run.json").read_text())["strategy"] == "ddp"

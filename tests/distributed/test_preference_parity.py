@@ -82,58 +82,67 @@ PAIR_METRICS = ("loss", *METRICS_OF_PAIRS)
 KTO = ("train.stage=kto", "data.datasets.0.path=kto.json")
 
 
-@pytest.mark.parametrize(
-    "stage,extra,strategy,names",
-    [
-        ("dpo", ("data.packing=true",), "ddp", PAIR_METRICS),
-        ("dpo", ("train.gradient_checkpointing=true",), "fsdp", PAIR_METRICS),
-        ("orpo", ("method.type=full",), "fsdp", (*PAIR_METRICS, "nll_loss", "log_odds_ratio")),
-        ("simpo", ("data.packing=true",), "ddp", PAIR_METRICS),
-        (
-            "kto",
-            (*KTO, "method.type=freeze", "method.freeze.trainable_layers=1"),
-            "fsdp",
-            ("loss", "kl", "rewards/chosen", "rewards/rejected"),
-        ),
-    ],
-    ids=[
-        "dpo-ddp-packed",
-        "dpo-fsdp-ckpt",
-        "orpo-fsdp-full",
-        "simpo-ddp-packed",
-        "kto-fsdp-freeze-reference-copy",
-    ],
-)
-def test_two_processes_match_one(workspace, stage, extra, strategy, names):
-    overrides = (f"train.stage={stage}", *extra)
-    want = workspace.train(f"{stage}-{strategy}-one", *overrides)
-    got = workspace.train(
-        f"{stage}-{strategy}-two", *overrides, f"distributed.strategy={strategy}", nproc=2
-    )
+# case -> (stage, overrides, strategy, metrics compared)
+CASES = {
+    "dpo-ddp-packed": ("dpo", ("data.packing=true",), "ddp", PAIR_METRICS),
+    "dpo-fsdp-ckpt": ("dpo", ("train.gradient_checkpointing=true",), "fsdp", PAIR_METRICS),
+    "orpo-fsdp-full": (
+        "orpo",
+        ("method.type=full",),
+        "fsdp",
+        (*PAIR_METRICS, "nll_loss", "log_odds_ratio"),
+    ),
+    "simpo-ddp-packed": ("simpo", ("data.packing=true",), "ddp", PAIR_METRICS),
+    "kto-fsdp-freeze-reference-copy": (
+        "kto",
+        (*KTO, "method.type=freeze", "method.freeze.trainable_layers=1"),
+        "fsdp",
+        ("loss", "kl", "rewards/chosen", "rewards/rejected"),
+    ),
+}
+FULL = ("method.type=full",)
+# The live reference of full fine-tuning is a frozen copy (sharded under FSDP), the
+# precomputed one a pass before training split across ranks.
+PRECOMPUTED = ("dpo-full-precompute", (*FULL, "dpo.reference=precompute"))
+
+
+def _overrides(case: str) -> tuple[str, ...]:
+    stage, extra, _strategy, _names = CASES[case]
+    return (f"train.stage={stage}", *extra)
+
+
+@pytest.fixture(scope="module")
+def two_processes(workspace) -> dict[str, Path]:
+    """Every 2-process run of the module, made together in one launch: name -> output.dir."""
+    runs = {
+        f"{case}-two": (*_overrides(case), f"distributed.strategy={CASES[case][2]}")
+        for case in CASES
+    }
+    runs[PRECOMPUTED[0]] = (*PRECOMPUTED[1], "distributed.strategy=fsdp")
+    return workspace.train_together(runs.items())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_processes_match_one(workspace, two_processes, case):
+    names = CASES[case][3]
+    want = workspace.train(f"{case}-one", *_overrides(case))
+    got = two_processes[f"{case}-two"]
     assert_same_metrics(got, want, (*names, "logps/chosen", "logps/rejected"))
     assert_same_last_eval_loss(got, want, REL)
 
 
-def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(workspace):
-    """Full fine-tuning: the live reference is a frozen copy (sharded under FSDP), the
-    precomputed one a pass before training split across ranks; same losses either way. A
-    resumed run uses the cache and continues exactly."""
-    full = ("method.type=full",)
-    want = workspace.train("dpo-full-live", *full)
-    got = workspace.train(
-        "dpo-full-precompute",
-        *full,
-        "dpo.reference=precompute",
-        "distributed.strategy=fsdp",
-        nproc=2,
-    )
-    assert "reference log-probs: one pass" in workspace.last_output
+def test_full_dpo_precomputed_reference_on_two_processes_matches_live_on_one(
+    workspace, two_processes
+):
+    """Same losses with either reference. A resumed run uses the cache and continues
+    exactly."""
+    want = workspace.train("dpo-full-live", *FULL)
+    got = two_processes[PRECOMPUTED[0]]
+    assert "reference log-probs: one pass" in workspace.outputs_together[PRECOMPUTED[0]]
     assert_same_metrics(got, want, PAIR_METRICS)
-    first = workspace.train(
-        "dpo-full-resumed", *full, "dpo.reference=precompute", "train.max_steps=4"
-    )
+    first = workspace.train("dpo-full-resumed", *PRECOMPUTED[1], "train.max_steps=4")
     assert "loaded from cache" in workspace.last_output
-    resumed = workspace.train("dpo-full-resumed", *full, "dpo.reference=precompute")
+    resumed = workspace.train("dpo-full-resumed", *PRECOMPUTED[1])
     assert first == resumed and "resumed from" in workspace.last_output
     assert_same_metrics(resumed, want, PAIR_METRICS)
 

@@ -90,21 +90,32 @@ def classifier_scores(out: Path, tokenizer_dir: Path) -> tuple[torch.Tensor, dic
 # score differences of 1e-4 relative by step 3; the losses stay within 1e-5 either way.
 # FSDP2 + LoRA exports through another path: the adapter gathered from its shards is merged
 # into a base rebuilt on CPU.
-@pytest.mark.parametrize(
-    "strategy,method,extra",
-    [("ddp", "lora", ()), ("fsdp", "full", ("train.lr=1e-3",)), ("fsdp", "lora", ())],
-    ids=["ddp-lora", "fsdp-full", "fsdp-lora"],
-)
+CASES = {
+    "ddp-lora": ("ddp", ("method.type=lora",)),
+    "fsdp-full": ("fsdp", ("method.type=full", "train.lr=1e-3")),
+    "fsdp-lora": ("fsdp", ("method.type=lora",)),
+}
+
+
+@pytest.fixture(scope="module")
+def two_processes(workspace) -> dict[str, Path]:
+    """Every case's 2-process run, made together in one launch: case -> output.dir."""
+    runs = {
+        case: (*extra, f"distributed.strategy={strategy}")
+        for case, (strategy, extra) in CASES.items()
+    }
+    return workspace.train_together(runs.items())
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_two_processes_train_and_export_like_one(
-    workspace, reference, tiny_model_dir, strategy, method, extra
+    workspace, reference, two_processes, tiny_model_dir, case
 ):
     from transformers import AutoConfig
 
-    overrides = (f"method.type={method}", *extra)
+    strategy, overrides = CASES[case]
     want = reference(*overrides)
-    got = workspace.train(
-        f"{strategy}-{method}-two", *overrides, f"distributed.strategy={strategy}", nproc=2
-    )
+    got = two_processes[case]
     summary = json.loads((got / "keel_run.json").read_text())
     assert summary["processes"] == 2 and summary["strategy"] == strategy
     assert_same_metrics(got, want)

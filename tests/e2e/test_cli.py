@@ -73,7 +73,7 @@ def test_bad_data_exits_2_and_writes_nothing(tiny_model_dir, tmp_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": ""}\n')
     out = tmp_path / "out"
-    result = keel(
+    result = keel_in_process(
         "train",
         "examples/identity_lora.yaml",
         f"model.path={tiny_model_dir}",

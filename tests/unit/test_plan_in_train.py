@@ -1,12 +1,10 @@
 """`keel train` plans first: a run that does not fit is refused before any weight is read."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_support import keel_in_process
 
 from keel.config import load_config
 from keel.models.materialize import CheckpointReader
@@ -62,22 +60,9 @@ def test_distributed_plan_warn_trains_anyway(base):
 def test_force_on_the_command_line(base, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(base))
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    refused = subprocess.run(
-        [sys.executable, "-m", "keel", "train", str(config), TOO_SMALL],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    refused = keel_in_process("train", str(config), TOO_SMALL)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "the smallest change that fits" in refused.stderr
-    forced = subprocess.run(
-        [sys.executable, "-m", "keel", "train", str(config), TOO_SMALL, "--force"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    forced = keel_in_process("train", str(config), TOO_SMALL, "--force")
     assert forced.returncode == 0, forced.stderr[-3000:]
     assert (tmp_path / "out/keel_run.json").is_file()

@@ -4,11 +4,10 @@ Process-count parity (DDP and FSDP2 == one process) is in tests/distributed/test
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from cli_support import keel_in_process
 from safetensors.torch import load_file
 from test_train_run import config, quiet
 
@@ -216,12 +215,6 @@ def test_negative_control_with_repacking_on_training_goes_wrong(
     assert evaluated[:2] == plain[:2] and evaluated[2:] != plain[2:]
 
 
-def keel_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "keel", *args], capture_output=True, text=True, timeout=300
-    )
-
-
 @pytest.mark.parametrize(
     "overrides,reason",
     [
@@ -248,7 +241,7 @@ def test_refused_combinations_exit_2_with_the_reason(
             }
         )
     )
-    done = keel_cli("train", str(cfg), *overrides)
+    done = keel_in_process("train", str(cfg), *overrides)
     assert done.returncode == 2, done.stderr[-2000:]
     assert reason in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "out" / "adapter_model.safetensors").exists()

@@ -2,14 +2,12 @@
 
 import json
 import math
-import os
 import pickle
 import shutil
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_support import keel_in_process
 from config_support import qa_rows, tiny_lora_config
 
 import keel.checkpoint.dcp as dcp
@@ -118,22 +116,7 @@ def test_the_cli_refuses_with_exit_2_and_no_traceback(finished, tmp_path):
     _, base = copy_run(finished, tmp_path)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(base))
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "keel",
-            "train",
-            str(config),
-            "method.lora.r=8",
-            "train.max_steps=4",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
+    done = keel_in_process("train", str(config), "method.lora.r=8", "train.max_steps=4")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "method.lora.r was 4 in the checkpoint, this run has 8" in done.stderr
     assert "Traceback" not in done.stderr

@@ -7,6 +7,7 @@ failing with "No backend type associated with device type cpu" deep inside a run
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -65,6 +66,8 @@ class DistContext:
     slow_group: object | None = None
     # The rendezvous store (keel's prefix): a side channel that works when a backend hangs.
     store: object | None = None
+    # That prefix, which the watchdog's own store client shares (see `store_prefix`).
+    store_prefix: str = ""
     # Numbers and cross-checks keel's collectives (see CollectiveGuard); None: unchecked.
     guard: CollectiveGuard | None = None
     # How the processes divide the work, with the device mesh built once for the group.
@@ -184,10 +187,9 @@ class CollectiveGuard:
         return limit if limit is not None else self.slow_limit_s
 
 
-def watchdog_store(timeout_s: float):
+def watchdog_store(ctx: DistContext, timeout_s: float):
     """A new client of the rendezvous store (MASTER_ADDR:MASTER_PORT) for the watchdog thread,
     so its heartbeats never wait behind the main thread's use of the store."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -195,7 +197,24 @@ def watchdog_store(timeout_s: float):
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    return dist.PrefixStore(f"keel/{attempt}/watchdog", client)
+    return dist.PrefixStore(f"{ctx.store_prefix}/watchdog", client)
+
+
+# How many process groups this process has joined: several runs in one process (a sweep in
+# one torchrun job) each get keys of their own in the store torchrun keeps for the job.
+_groups_joined = itertools.count()
+
+
+def store_prefix() -> str:
+    """keel's prefix in the rendezvous store for the group this process joins next.
+
+    After an elastic restart the workers reuse torchrun's store, which still holds the dead
+    attempt's gloo addresses. A second run in the same process would find its first run's
+    heartbeats and the collective cross-check's last numbered keys there (both count from 1
+    again). Every rank joins its groups in the same order, so the attempt and the group's
+    number give all ranks the same fresh prefix."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"keel/{attempt}/{next(_groups_joined)}"
 
 
 def init_distributed(
@@ -222,10 +241,8 @@ def init_distributed(
         store, _, _ = next(
             dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout)
         )
-        # After an elastic restart the workers reuse torchrun's store, which still holds
-        # the dead attempt's gloo addresses: a per-attempt prefix keeps them apart.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        keel_store = dist.PrefixStore(f"keel/{attempt}", store)
+        prefix = store_prefix()
+        keel_store = dist.PrefixStore(prefix, store)
         dist.init_process_group(
             backend=backend,
             store=keel_store,
@@ -245,6 +262,7 @@ def init_distributed(
         device=device,
         slow_group=slow,
         store=keel_store,
+        store_prefix=prefix,
         dims=ParallelDims(dp_replicate=world_size, dp_shard=1, world_size=world_size).build_mesh(
             device.type
         ),

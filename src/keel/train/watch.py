@@ -56,7 +56,7 @@ def watching(cfg: RunConfig, dist: DistContext, fault: Fault | None):
         rss_limit_bytes=rss_limit(dist),
         host_rss_limit_bytes=host_rss_limit(dist),
     )
-    store = watchdog_store(w.hang_timeout_s) if dist.distributed and w.enabled else None
+    store = watchdog_store(dist, w.hang_timeout_s) if dist.distributed and w.enabled else None
     watchdog = Watchdog(settings, rank=dist.rank, world_size=dist.world_size, store=store)
 
     def alarm_in_main_thread() -> None:

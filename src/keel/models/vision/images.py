@@ -37,7 +37,8 @@ def _describe(ref) -> str:
     if isinstance(ref, (bytes, bytearray)):
         return f"{len(ref)} bytes of image data"
     text = str(ref)
-    return repr(text if len(text) <= 80 else text[:60] + "...")
+    # A long path or data URL keeps its start and its end: the file name is at the end.
+    return repr(text if len(text) <= 80 else text[:30] + "..." + text[-40:])
 
 
 def _read_bytes(ref, base_dir: Path | None) -> tuple[bytes, str]:
