@@ -121,6 +121,14 @@ class Workspace:
         self.outputs_together = {out: o[1] + o[2] for (out, _), o in zip(runs, outcomes)}
         return {out: self.root / out for out, _ in runs}
 
+    def train_cases_together(self, cases: dict[str, tuple[str, tuple[str, ...]]]):
+        """`train_together` for cases named by their output.dir: name -> (strategy,
+        overrides), each run under distributed.strategy=strategy."""
+        return self.train_together(
+            (name, (*overrides, f"distributed.strategy={strategy}"))
+            for name, (strategy, overrides) in cases.items()
+        )
+
     def command(self, out: str | Path, *args: str) -> list[str]:
         """The `keel train` command line for this config into output.dir `out` (a folder
         under root), then `args`: overrides and flags."""

@@ -100,11 +100,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def two_processes(workspace) -> dict[str, Path]:
     """Every case's 2-process run, made together in one launch: case -> output.dir."""
-    runs = {
-        case: (*extra, f"distributed.strategy={strategy}")
-        for case, (strategy, extra) in CASES.items()
-    }
-    return workspace.train_together(runs.items())
+    return workspace.train_cases_together(CASES)
 
 
 @pytest.mark.parametrize("case", CASES)
