@@ -124,10 +124,7 @@ class Workspace:
     def train_cases_together(self, cases: dict[str, tuple[str, tuple[str, ...]]]):
         """`train_together` for cases named by their output.dir: name -> (strategy,
         overrides), each run under distributed.strategy=strategy."""
-        return self.train_together(
-            (name, (*overrides, f"distributed.strategy={strategy}"))
-            for name, (strategy, overrides) in cases.items()
-        )
+        return self.train_together(case_runs(cases))
 
     def command(self, out: str | Path, *args: str) -> list[str]:
         """The `keel train` command line for this config into output.dir `out` (a folder
@@ -138,6 +135,15 @@ class Workspace:
         """`command`'s arguments after `keel`. With --verbose: tests read the technical
         set-up lines (optimizer layout, strategy, resume)."""
         return ["--verbose", "train", str(self.config), f"output.dir={self.root / out}", *args]
+
+
+def case_runs(cases: dict[str, tuple[str, tuple[str, ...]]]) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, overrides) of each case named by its output.dir: name -> (strategy, overrides),
+    run under distributed.strategy=strategy (what `Workspace.train_together` takes)."""
+    return [
+        (name, (*overrides, f"distributed.strategy={strategy}"))
+        for name, (strategy, overrides) in cases.items()
+    ]
 
 
 def single_process_runs(workspace: Workspace):

@@ -6,7 +6,9 @@ the completions' text) must be EQUAL, and the losses and gradient norms equal to
 round-off. Under FSDP2 the weights are gathered once before generating (no collective per
 token), under DDP generation runs on the unwrapped model; the completions' lengths differ
 between ranks, which must not hang either. dapo over 2 ranks also checks the one all-reduce
-of the completion-token count, and num_iterations 2 the old log-probs.
+of the completion-token count, and num_iterations 2 the old log-probs: also when a run stops
+inside a rollout's 2 steps and resumes on 2 processes or on 1 (each process saved its block
+of the rollout; a resumed process takes its share of their union).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import write_grpo_inputs
-from multiproc import Workspace, step_records
+from multiproc import Workspace, case_runs, step_records
 
 EXACT = ("reward", "reward_std", "completions/mean_length", "completions/max_length")
 CLOSE = ("loss", "grad_norm", "clip_ratio/region_mean")
@@ -50,23 +52,44 @@ CASES = {
 }
 
 
+# Stopped after step 3, inside the second rollout's 2 steps, on 2 processes; resumed to
+# step 4 on (processes): compared with the uninterrupted 1-process run of the reused case
+REUSED = "ddp-lora-dapo-reused"
+RESUMED = {"dapo-resumed-on-2": 2, "dapo-resumed-on-1": 1}
+STOPPED_INSIDE_A_ROLLOUT = ("train.max_steps=3",)
+
+
 @pytest.fixture(scope="module")
 def two_processes(workspace) -> dict[str, Path]:
-    """Every case's 2-process run, made together in one launch: case -> output.dir."""
-    return workspace.train_cases_together(CASES)
+    """Every case's 2-process run, made together in one launch: case -> output.dir; and
+    the resumed runs' 2-process parts."""
+    runs = case_runs(CASES)
+    reused = dict(runs)[REUSED]
+    for name, processes in RESUMED.items():
+        runs.append((name, (*reused, *STOPPED_INSIDE_A_ROLLOUT)))
+        if processes == 2:
+            runs.append((name, reused))
+    return workspace.train_together(runs)
+
+
+@pytest.fixture(scope="module")
+def one_process(workspace):
+    """The 1-process run of each case (by case), made once for the module's tests."""
+    runs: dict[str, Path] = {}
+
+    def run(case: str) -> Path:
+        if case not in runs:
+            runs[case] = workspace.train(f"{case}-one", *CASES[case][1])
+        return runs[case]
+
+    return run
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_processes_sample_and_train_like_one(workspace, two_processes, case):
-    want = workspace.train(f"{case}-one", *CASES[case][1])
+def test_two_processes_sample_and_train_like_one(two_processes, one_process, case):
+    want = one_process(case)
     got = two_processes[case]
-    mine, theirs = step_records(got), step_records(want)
-    assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
-    for step, line in theirs.items():
-        for name in EXACT:
-            assert mine[step][name] == line[name], (step, name)
-        for name in CLOSE:
-            assert mine[step][name] == pytest.approx(line[name], rel=1e-5, abs=1e-7), (step, name)
+    _assert_steps_match(got, want)
     # rank 0 logs its own prompts: the first half of each step's window
     logged = [json.loads(x) for x in (got / "completions.jsonl").read_text().splitlines()]
     alone = [json.loads(x) for x in (want / "completions.jsonl").read_text().splitlines()]
@@ -74,3 +97,29 @@ def test_two_processes_sample_and_train_like_one(workspace, two_processes, case)
         two = [r["completion"] for r in logged if r["step"] == step]
         one = [r["completion"] for r in alone if r["step"] == step]
         assert len(two) == 2 * 4 and two == one[: len(two)]
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_resume_inside_a_rollout_trains_on_the_saved_rollout(
+    workspace, two_processes, one_process, name
+):
+    """Step 4 trains on step 3's rollout, sampled by the weights of step 2: resumed from the
+    step-3 checkpoint, on 2 processes or on 1, it matches the uninterrupted run (sampling
+    it again from step 3's weights gives other completions and a ratio of 1)."""
+    if RESUMED[name] == 1:
+        resumed = workspace.train(name, *CASES[REUSED][1], "distributed.strategy=ddp")
+        assert "resumed from" in workspace.last_output
+    else:
+        resumed = two_processes[name]
+        assert "resumed from" in workspace.outputs_together[name]
+    _assert_steps_match(resumed, one_process(REUSED))
+
+
+def _assert_steps_match(got: Path, want: Path) -> None:
+    mine, theirs = step_records(got), step_records(want)
+    assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
+    for step, line in theirs.items():
+        for name in EXACT:
+            assert mine[step][name] == line[name], (step, name)
+        for name in CLOSE:
+            assert mine[step][name] == pytest.approx(line[name], rel=1e-5, abs=1e-7), (step, name)

@@ -89,13 +89,19 @@ def test_beta_trains_against_the_reference_and_logs_the_kl(tiny_model_dir, tmp_p
     assert min(kl[1:]) > 1e-6, kl
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
-def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations):
-    """4 steps in one run == 2 steps, then a resumed run to 4: the same rollouts (rewards),
-    losses and gradients, and completions.jsonl without a repeated step."""
+@pytest.mark.parametrize(
+    ("num_iterations", "first_steps"),
+    [(1, 2), (2, 2), (2, 3), (3, 2)],
+    ids=["mu1", "mu2-at-span-end", "mu2-inside-span", "mu3-inside-span"],
+)
+def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations, first_steps):
+    """4 steps in one run == `first_steps` steps, then a resumed run to 4: the same rollouts
+    (rewards), losses and gradients, and completions.jsonl without a repeated step. A
+    checkpoint inside a rollout's num_iterations steps holds the rollout, so the resumed
+    run trains on it rather than sampling it again from weights that did not make it."""
     mu = f"grpo.num_iterations={num_iterations}"
     whole = train(write_run(tmp_path / "whole", tiny_model_dir, steps=4, every=1), mu)
-    parts = write_run(tmp_path / "parts", tiny_model_dir, steps=2, every=1)
+    parts = write_run(tmp_path / "parts", tiny_model_dir, steps=first_steps, every=1)
     train(parts, mu)
     write_run(parts, tiny_model_dir, steps=4, every=1, overwrite=False)
     resumed = train(parts, mu)
@@ -106,8 +112,9 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations):
 
 
 def test_what_grpo_cannot_train_with_is_refused_at_once(tiny_model_dir, tmp_path):
-    """An eval split, saves inside a rollout's num_iterations steps, a reward file without
-    the function: every problem in one exit-2 report, before any model."""
+    """An eval split, num_iterations without train.max_steps, a reward file without the
+    function: every problem in one exit-2 report, before any model. (Saves inside a
+    rollout's num_iterations steps are fine: the checkpoint holds the rollout.)"""
     folder = write_run(tmp_path, tiny_model_dir, steps=2)
     result = keel_in_process(
         "train",
@@ -115,11 +122,13 @@ def test_what_grpo_cannot_train_with_is_refused_at_once(tiny_model_dir, tmp_path
         "data.val_size=0.25",
         "grpo.rewards=[rewards.py:share_of_letter,rewards.py:missing]",
         "grpo.num_iterations=2",
+        "train.max_steps=null",
         "output.save_every=3",
         cwd=folder,
     )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "data.val_size = 0.25: grpo has no eval loss" in result.stderr
-    assert "output.save_every = 3 is not a multiple of grpo.num_iterations = 2" in result.stderr
+    assert "grpo.num_iterations = 2 needs train.max_steps" in result.stderr
+    assert "output.save_every" not in result.stderr
     assert "grpo.rewards.1 = 'rewards.py:missing'" in result.stderr
     assert not (folder / "out" / "metrics.jsonl").exists()

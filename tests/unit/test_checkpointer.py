@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from keel.checkpoint.checkpointer import Checkpointer, StatefulParts
-from keel.checkpoint.layout import TRAINER, complete_checkpoints
+from keel.checkpoint.layout import PROCESS_DIR, TRAINER, complete_checkpoints
+from keel.checkpoint.verify import verify_checkpoint
 from keel.distributed.process_group import DistContext
 from keel.errors import CheckpointError
 
@@ -104,3 +105,50 @@ def test_a_part_registered_missing_ok_keeps_its_state_when_a_checkpoint_lacks_it
     resumed.register("batches", cursor)  # a required part is still refused, and named alone
     with pytest.raises(CheckpointError, match=r"holds no state for 'batches',"):
         resumed.load(path)
+
+
+class InFlight:
+    """A stand-in for grpo's rollout: per-process state, present only at some steps."""
+
+    def __init__(self, rows: list[float] | None = None):
+        self.rows, self.loaded = rows, None
+
+    def process_state_dict(self) -> dict | None:
+        return None if self.rows is None else {"rows": self.rows}
+
+    def load_process_state_dicts(self, states: list[dict]) -> None:
+        self.loaded = states
+
+
+def test_a_per_process_part_is_saved_by_each_process_hashed_and_given_back(tmp_path):
+    # floats JSON must carry exactly (a rollout's old log-probs): float32 values included
+    rows = [0.1, -1.0e-30, float(torch.tensor(1 / 3, dtype=torch.float32)), 2.5e38]
+    saved = _checkpointer(tmp_path, seed=0)
+    saved.register_per_process("rollout", InFlight(rows))
+    _train(saved, 1)
+    path = saved.save(1, meta={})
+    written = path / PROCESS_DIR / "rank-00000.json"
+    assert json.loads(written.read_text()) == {"rollout": {"rows": rows}}
+    assert "processes/rank-00000.json" in verify_checkpoint(path)["sha256"]
+
+    part = InFlight()
+    resumed = _checkpointer(tmp_path, seed=1)
+    resumed.register_per_process("rollout", part)
+    resumed.load(path)
+    assert part.loaded == [{"rows": rows}]  # every process's state, in rank order
+
+    written.write_text(json.dumps({"rollout": {"rows": [0.0]}}))  # an edit is refused
+    with pytest.raises(CheckpointError, match=r"rank-00000.json was changed after keel wrote"):
+        verify_checkpoint(path)
+
+
+def test_a_per_process_part_with_nothing_to_save_writes_nothing_and_loads_empty(tmp_path):
+    saved = _checkpointer(tmp_path, seed=0)
+    saved.register_per_process("rollout", InFlight(None))
+    path = saved.save(2, meta={})
+    assert not (path / PROCESS_DIR).exists()
+    part = InFlight([1.0])
+    resumed = _checkpointer(tmp_path, seed=1)
+    resumed.register_per_process("rollout", part)
+    resumed.load(path)
+    assert part.loaded == []

@@ -8,6 +8,11 @@ Unlike it, nothing is pickled and every save is an atomic commit (keel.checkpoin
   the module and optimizer  -> state/ (sharded, keel.checkpoint.dcp)
   scheduler, scaler, extras -> trainer.json (plain JSON; extras under "parts")
   this process's RNGs       -> rng/rank-N.safetensors (keel.checkpoint.rng)
+  per-process parts         -> processes/rank-N.json (plain JSON, by part name)
+
+A per-process part holds what differs between processes (grpo's rollout: each process's
+block of completions). Its load receives every saved process's state, so that a run
+resumed on another number of processes can take its own share.
 
 A checkpoint that lacks the state of a registered extra part is refused, naming the part:
 continuing with that part's fresh state would silently not be the run that was saved. A part
@@ -18,9 +23,10 @@ step and the seed): it keeps its fresh state.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from safetensors import SafetensorError
@@ -30,10 +36,12 @@ from keel.checkpoint.commit import commit_checkpoint, prepare_tmp
 from keel.checkpoint.dcp import UnsafeCheckpointError, load_sharded, save_sharded
 from keel.checkpoint.layout import (
     CHECKPOINTS,
+    PROCESS_DIR,
     RNG_DIR,
     STATE_DIR,
     TRAINER,
     newest_checkpoint,
+    process_file_name,
     prune_checkpoints,
     rng_file_name,
     step_dir_name,
@@ -53,6 +61,18 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ProcessStateful(Protocol):
+    """A part whose state differs between processes (plain JSON data, or None: nothing to
+    save at this step)."""
+
+    def process_state_dict(self) -> dict[str, Any] | None: ...
+
+    def load_process_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        """Every saved process's state, in rank order ([] when none saved any)."""
+        ...
 
 
 @dataclass(kw_only=True)
@@ -82,6 +102,7 @@ class Checkpointer:
     ):
         self.parts, self.output_dir, self.keep_last, self.dist = parts, output_dir, keep_last, dist
         self.missing_ok: set[str] = set()  # extras that checkpoints may lack (see register)
+        self.per_process: dict[str, ProcessStateful] = {}  # see register_per_process
 
     @property
     def root(self) -> Path:
@@ -99,6 +120,12 @@ class Checkpointer:
         if missing_ok:
             self.missing_ok.add(name)
 
+    def register_per_process(self, name: str, part: ProcessStateful) -> None:
+        """Checkpoint `part`'s state on every process (processes/rank-N.json). A checkpoint
+        where no process saved any state for it loads with `part` given []."""
+        assert name not in self.per_process, f"a per-process part {name!r} is registered"
+        self.per_process[name] = part
+
     def newest(self) -> Path | None:
         """The newest complete checkpoint of this run's folder (None: none yet)."""
         return newest_checkpoint(self.output_dir)
@@ -114,12 +141,21 @@ class Checkpointer:
         self.dist.barrier()
         save_sharded(tmp / STATE_DIR, self.parts.module, self.parts.optimizer)
         save_rng(tmp / RNG_DIR / rng_file_name(self.dist.rank))
+        self._save_process_parts(tmp)
         self.dist.barrier()
         if self.dist.is_main:
             commit_checkpoint(tmp, final, step=step, trainer=self._trainer_record(step), meta=meta)
             prune_checkpoints(self.output_dir, self.keep_last)
         self.dist.barrier()
         return final
+
+    def _save_process_parts(self, tmp: Path) -> None:
+        states = {name: part.process_state_dict() for name, part in self.per_process.items()}
+        states = {name: state for name, state in states.items() if state is not None}
+        if states:
+            folder = tmp / PROCESS_DIR
+            folder.mkdir(exist_ok=True)
+            (folder / process_file_name(self.dist.rank)).write_text(json.dumps(states))
 
     def _trainer_record(self, step: int) -> dict:
         scaler = self.parts.scaler
@@ -153,6 +189,7 @@ class Checkpointer:
         scaler_restored = bool(scaler_state) and scaler is not None and scaler.is_enabled()
         if scaler_restored:
             scaler.load_state_dict(scaler_state)
+        self._load_process_parts(checkpoint)
         if rng is not None:
             restore_rng(rng)
         return Restored(step=trainer["step"], scaler_restored=scaler_restored)
@@ -169,6 +206,15 @@ class Checkpointer:
                 f"(by an older keel, or a run set up differently); {_START_OVER}"
             )
         return {name: saved[name] for name in self.parts.extras if name in saved}
+
+    def _load_process_parts(self, checkpoint: Path) -> None:
+        """Each per-process part gets every saved process's state (the files are in rank
+        order by name)."""
+        if not self.per_process:
+            return
+        saved = [read_json(f) for f in sorted((checkpoint / PROCESS_DIR).glob("rank-*.json"))]
+        for name, part in self.per_process.items():
+            part.load_process_state_dicts([states[name] for states in saved if name in states])
 
     def _read_rng(self, checkpoint: Path) -> dict | None:
         """This rank's saved RNG states (None when it has none: resumed on more processes)."""

@@ -9,8 +9,12 @@ Layout of `<output.dir>/checkpoints/step-00000012/`:
                               "parts" the state of each extra part registered with the
                               Checkpointer (absent when there is none)
   rng/rank-00000.safetensors  each process's RNG states (tensors; Python's state as metadata)
+  processes/rank-00000.json   the state of each per-process part registered with the
+                              Checkpointer, by part name (absent when no process had any:
+                              e.g. grpo's rollout, saved only inside its num_iterations steps)
   meta.json                   what run this is (see keel.checkpoint.identity) and the sha256
-                              of each small file above (trainer.json, rng/*, state/.metadata);
+                              of each small file above (trainer.json, rng/*, processes/*,
+                              state/.metadata);
                               written last: a folder without it is not a checkpoint
 A save in progress lives in `.tmp-step-00000012/` (see keel.checkpoint.commit); a crash
 mid-save leaves only that, which is never mistaken for a checkpoint and is cleared on the
@@ -27,6 +31,7 @@ CHECKPOINTS = "checkpoints"
 META = "meta.json"
 STATE_DIR = "state"
 RNG_DIR = "rng"
+PROCESS_DIR = "processes"
 TRAINER = "trainer.json"
 # 2: no pickles (trainer.json, RNG in safetensors) and the run identity in meta.json.
 FORMAT_VERSION = 2
@@ -47,6 +52,10 @@ def tmp_dir_name(step: int) -> str:
 
 def rng_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+def process_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
 
 
 def step_of(path: Path) -> int | None:

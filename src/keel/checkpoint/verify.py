@@ -1,6 +1,7 @@
 """Reading a checkpoint's records back, and refusing one that was edited after keel wrote it.
 
-meta.json records the sha256 of each small file (trainer.json, rng/*, state/.metadata);
+meta.json records the sha256 of each small file (trainer.json, rng/*, processes/*,
+state/.metadata);
 resuming checks them, and checks that the step in trainer.json agrees with meta.json, the
 folder's name and the scheduler's counter: an edited checkpoint is refused, not believed.
 """
@@ -11,7 +12,15 @@ import hashlib
 import json
 from pathlib import Path
 
-from keel.checkpoint.layout import FORMAT_VERSION, META, RNG_DIR, STATE_DIR, TRAINER, step_of
+from keel.checkpoint.layout import (
+    FORMAT_VERSION,
+    META,
+    PROCESS_DIR,
+    RNG_DIR,
+    STATE_DIR,
+    TRAINER,
+    step_of,
+)
 from keel.errors import CheckpointError
 
 _FIX = (
@@ -43,10 +52,12 @@ def _sha256(path: Path) -> str:
 
 
 def small_file_hashes(folder: Path) -> dict[str, str]:
-    """sha256 of trainer.json, the RNG files and DCP's index, by path relative to `folder`.
+    """sha256 of trainer.json, the RNG and per-process files and DCP's index, by path
+    relative to `folder`.
     The tensor shards are left out: hashing them would read a full model's bytes per save."""
     files = [folder / TRAINER, folder / STATE_DIR / ".metadata"]
     files += sorted((folder / RNG_DIR).glob("*.safetensors"))
+    files += sorted((folder / PROCESS_DIR).glob("*.json"))
     return {str(f.relative_to(folder)): _sha256(f) for f in files if f.is_file()}
 
 

@@ -475,21 +475,11 @@ def _online_rl(
 
 def _iteration_problems(cfg: RunConfig) -> list[str]:
     """num_iterations > 1: a rollout trains that many steps, so the run's length is set in
-    steps, and periodic saves fall on rollout boundaries (a resume inside a span could not
-    sample its rollout again from the weights that made it)."""
+    steps (a checkpoint may fall anywhere: inside a span it holds the rollout)."""
     mu, stage = cfg.stage_settings.num_iterations, cfg.train.stage
-    if mu == 1:
+    if mu == 1 or cfg.train.max_steps is not None:
         return []
-    problems = []
-    if cfg.train.max_steps is None:
-        problems.append(
-            f"{stage}.num_iterations = {mu} needs train.max_steps: each rollout trains {mu} "
-            f"steps, so train.epochs does not say how many steps the run has"
-        )
-    if cfg.output.save_every % mu:
-        problems.append(
-            f"output.save_every = {cfg.output.save_every} is not a multiple of "
-            f"{stage}.num_iterations = {mu}: a checkpoint inside a rollout's {mu} steps "
-            f"cannot resume exactly; use a multiple of {mu}"
-        )
-    return problems
+    return [
+        f"{stage}.num_iterations = {mu} needs train.max_steps: each rollout trains {mu} "
+        f"steps, so train.epochs does not say how many steps the run has"
+    ]

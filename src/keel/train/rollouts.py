@@ -7,7 +7,9 @@ completions never crosses ranks and the group advantages need no communication. 
 seeded per (train.seed, generation step, prompt row, sample), never per rank, and each unit
 of `grpo.generation_batch_prompts` prompts is generated on its own: 2 processes sample the
 completions 1 process samples. With `grpo.num_iterations` mu > 1 a rollout feeds mu
-optimizer steps, its old log-probs taken once, before the first of them.
+optimizer steps, its old log-probs taken once, before the first of them; a checkpoint
+inside those steps holds each process's rollout, so a resumed run trains the remaining
+steps on it, as the uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -149,6 +151,7 @@ class RolloutBatchSource:
         self.plan, self.prompts, self.settings, self.ctx = plan, prompts, settings, context
         self.dist = context.trainer.dist
         self._rollout: _Rollout | None = None
+        self._next_step = 0  # the step after the last one served (a save's step)
 
     @property
     def group(self) -> int:
@@ -156,13 +159,14 @@ class RolloutBatchSource:
 
     def batch(self, step: int) -> StepBatch:
         """Step `step`'s rollout rows: generated at the first step of each num_iterations
-        span, reused by the others (also after a resume inside a span, generated then)."""
+        span, reused by the others (after a resume inside a span, the checkpoint's)."""
         mu = self.settings.num_iterations
         generation_step = step - step % mu
         rollout = self._rollout
         fresh = rollout is None or rollout.generation_step != generation_step
         if fresh:
             rollout = self._rollout = self._generate(generation_step, step)
+        self._next_step = step + 1
         log = self.ctx.completions
         if log is not None and log.due(step + 1) and rollout.samples:
             log.write([_at_step(record, step + 1) for record in rollout.samples])
@@ -404,6 +408,69 @@ class RolloutBatchSource:
                 f"resuming would not continue the saved run; set train.resume=never to start "
                 f"over, or resume with the checkpoint's settings"
             )
+
+    def process_state_dict(self) -> dict[str, Any] | None:
+        """This process's rollout when a checkpoint falls inside its num_iterations steps
+        (None otherwise: the next step samples a new one). Rows keep their old log-probs,
+        whose floats JSON carries exactly."""
+        rollout = self._rollout
+        if (
+            rollout is None
+            or self._next_step >= rollout.generation_step + self.settings.num_iterations
+        ):
+            return None
+        return {
+            "generation_step": rollout.generation_step,
+            "dp_rank": self.dist.dp_rank,
+            "dp_size": self.dist.dp_size,
+            "rows": [row for micro in rollout.micro_batches for row in micro],
+            "window_targets": rollout.window_targets,
+            "window_tokens": rollout.window_tokens,
+            "window_rows": rollout.rows,
+            "metrics": rollout.metrics,
+            "samples": [asdict(record) for record in rollout.samples],
+        }
+
+    def load_process_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        """The rollout of the saved span, this process's share of it: the saved processes'
+        rows joined in window order, then this rank's block (the same rows and micro-batches
+        when the number of processes is the same). With no saved rollout (a checkpoint at
+        a span's end, or an older keel's) the next step samples one."""
+        if not states:
+            return
+        first = states[0]
+        by_rank = {state["dp_rank"]: state for state in states}  # model-parallel twins agree
+        if sorted(by_rank) != list(range(first["dp_size"])):
+            raise CheckpointError(
+                f"the checkpoint's rollout was saved by data-parallel ranks {sorted(by_rank)} "
+                f"of {first['dp_size']}: a file of processes/ is missing; set "
+                f"train.resume=never to start over, or resume from another checkpoint"
+            )
+        generation_step = first["generation_step"]
+        window = self.plan.window(generation_step // self.settings.num_iterations)
+        rows = [row for rank in sorted(by_rank) for row in by_rank[rank]["rows"]]
+        if len(rows) != len(window) * self.group:
+            raise CheckpointError(
+                f"the checkpoint's rollout holds {len(rows)} completions, its step's "
+                f"{len(window)} prompts x {self.group} make {len(window) * self.group}; set "
+                f"train.resume=never to start over, or resume from another checkpoint"
+            )
+        block = math.ceil(len(window) / self.dist.dp_size)
+        start = self.dist.dp_rank * block
+        mine = rows[start * self.group : (start + block) * self.group]
+        filler = mine[0] if mine else self._filler_row(window[0])
+        filler.setdefault("old_logps", [0.0] * len(filler["input_ids"]))
+        samples = by_rank[0]["samples"] if self.ctx.completions is not None else []
+        self._rollout = _Rollout(
+            generation_step=generation_step,
+            micro_batches=self._micro_batches(mine, len(window)),
+            filler=filler,
+            window_targets=first["window_targets"],
+            window_tokens=first["window_tokens"],
+            rows=first["window_rows"],
+            metrics=first["metrics"],
+            samples=[CompletionRecord(**record) for record in samples],
+        )
 
     def _samples(self, scored: _Scored) -> list[CompletionRecord]:
         names = [f.short for f in self.ctx.rewards]

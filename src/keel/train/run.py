@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from keel.checkpoint.checkpointer import Checkpointer, StatefulParts
+from keel.checkpoint.checkpointer import Checkpointer, ProcessStateful, StatefulParts
 from keel.checkpoint.identity import RunIdentity, run_identity
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData
@@ -379,6 +379,8 @@ def _checkpointer(run: _Run, trainer: Trainer, source: BatchSource) -> Checkpoin
     # Optional: checkpoints written before the source was a part hold no state for it, and
     # the dataset's order needs none (it is a function of the step and train.seed).
     checkpointer.register(BATCH_SOURCE, source, missing_ok=True)
+    if isinstance(source, ProcessStateful):  # a rollout in flight differs per process
+        checkpointer.register_per_process(BATCH_SOURCE, source)
     return checkpointer
 
 
