@@ -6,7 +6,8 @@ the completions' text) must be EQUAL, and the losses and gradient norms equal to
 round-off. Under FSDP2 the weights are gathered once before generating (no collective per
 token), under DDP generation runs on the unwrapped model; the completions' lengths differ
 between ranks, which must not hang either. dapo over 2 ranks also checks the one all-reduce
-of the completion-token count, and num_iterations 2 the old log-probs: also when a run stops
+of the completion-token count, dr_grpo with scale_rewards batch the all-reduce of the rewards
+(the std is of the whole window's), and num_iterations 2 the old log-probs: also when a run stops
 inside a rollout's 2 steps and resumes on 2 processes or on 1 (each process saved its block
 of the rollout; a resumed process takes its share of their union).
 """
@@ -49,6 +50,11 @@ def workspace(tmp_path_factory, tiny_model_dir) -> GrpoWorkspace:
 CASES = {
     "fsdp-full-grpo": ("fsdp", ("method.type=full",)),
     "ddp-lora-dapo-reused": ("ddp", ("grpo.loss_type=dapo", "grpo.num_iterations=2")),
+    # the window's reward std from every rank (one all-reduce) and dr_grpo's fixed divisor
+    "fsdp-lora-dr_grpo-batch-scaled": (
+        "fsdp",
+        ("grpo.loss_type=dr_grpo", "grpo.scale_rewards=batch"),
+    ),
 }
 
 
