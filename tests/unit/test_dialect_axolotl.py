@@ -456,3 +456,22 @@ def test_sharegpt_named_messages_read_human_and_gpt_as_axolotl_does_by_default()
     openai_named = {"path": "d", "type": "chat_template"}
     t = translate_axolotl({"base_model": "m", "datasets": [openai_named]}, FIXTURES)
     assert "tags" not in t.config["data"]["datasets"][0]
+
+
+def test_special_tokens_equal_to_the_tokenizer_s_own_are_ignored_others_refused(tmp_path):
+    model = model_type_folder(tmp_path, "llama")
+    (model / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": {"content": "<s>", "lstrip": False}, "unk_token": "<unk>"})
+    )
+    tokens = {"bos_token": "<s>", "unk_token": "<unk>", "pad_token": "</s>", "sep_token": "|"}
+    fates = _fates({"base_model": str(model), "special_tokens": tokens})
+    assert fates["special_tokens.bos_token"].fate == "ignored"
+    assert "'<s>' is the tokenizer's own bos_token" in fates["special_tokens.bos_token"].why
+    assert fates["special_tokens.unk_token"].fate == "ignored"
+    assert fates["special_tokens.pad_token"].fate == "ignored"
+    assert fates["special_tokens.sep_token"].fate == "refused"
+    assert "it has no sep_token, this asks for '|'" in fates["special_tokens.sep_token"].why
+    other = _fates({"base_model": str(model), "special_tokens": {"bos_token": "<|begin|>"}})
+    refused = other["special_tokens.bos_token"]
+    assert refused.fate == "refused"
+    assert "its bos_token is '<s>', this asks for '<|begin|>'" in refused.why

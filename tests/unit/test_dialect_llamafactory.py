@@ -11,6 +11,7 @@ from config_support import model_type_folder
 
 from keel.config import load_config
 from keel.config.dialects import KeyFate, detect_dialect, refusal_problems, translate
+from keel.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests/fixtures/dialects/llamafactory"
@@ -357,3 +358,24 @@ def test_detect_dialect():
     assert detect_dialect({"stage": "sft", "finetuning_type": "lora"}) == "llamafactory"
     assert detect_dialect({"base_model": "m", "adapter": "lora"}) == "axolotl"
     assert detect_dialect({"model": {"path": "m"}, "model_name_or_path": "x"}) is None
+
+
+def test_the_family_check_reads_the_model_a_model_path_override_names(tmp_path):
+    """`keel train lf.yaml model.path=<other>` trains the other model: the template is
+    checked against that one, not the file's."""
+    llama, qwen = model_type_folder(tmp_path, "llama"), model_type_folder(tmp_path, "qwen3")
+    config = tmp_path / "lf.yaml"
+    (tmp_path / "rows.json").write_text('[{"instruction": "q", "output": "a"}]')
+    raw = {"model_name_or_path": str(llama), "template": "qwen3", "do_train": True,
+           "dataset": "rows.json", "dataset_dir": str(tmp_path)}  # fmt: skip
+    config.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=rf"model_name_or_path {llama} is a llama model"):
+        load_config(config)
+    shown = []
+    cfg = load_config(config, [f"model.path={qwen}"], on_translation=shown.append)
+    assert cfg.model.path == str(qwen) and cfg.data.template == "auto"
+    fate = {f.key: f for f in shown[0].fates}["template"]
+    assert "model.path is one (model_type qwen3)" in fate.why
+    config.write_text(config.read_text().replace(str(llama), str(qwen)))  # and the other way
+    with pytest.raises(ConfigError, match=rf"model.path {llama} is a llama model"):
+        load_config(config, [f"model.path={llama}"])

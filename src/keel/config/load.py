@@ -41,7 +41,7 @@ def load_config(
     where = _Locator(source, {})
     if path is not None:
         raw, where.lines, problems = _read_yaml(Path(path))
-        raw = _from_dialect(raw, Path(path), where, problems, on_translation)
+        raw = _from_dialect(raw, Path(path), overrides, where, problems, on_translation)
     for item in overrides:
         problem = apply_override(raw, item)
         if problem:
@@ -165,14 +165,20 @@ def _set_child(node, part: str, value) -> bool:
     return True
 
 
-def _from_dialect(raw: dict, path: Path, where: _Locator, problems: list[str], on_translation):
+def _from_dialect(raw: dict, path: Path, overrides, where: _Locator, problems, on_translation):
     """A LLaMA-Factory or Axolotl config as keel's (a keel config as it is): each refused key
-    to `problems`, and `where` told which of their keys each keel key came from."""
+    to `problems`, and `where` told which of their keys each keel key came from. The
+    translation's checks of the model read the one keel's overrides name (model.path,
+    model.revision), if any."""
     from keel.config.dialects import detect_dialect, translate
 
     if detect_dialect(raw) is None:
         return raw
-    translation = translate(raw, path)
+    overridden: dict = {}
+    for item in overrides:
+        if item.split("=", 1)[0].strip() in ("model.path", "model.revision"):
+            apply_override(overridden, item)
+    translation = translate(raw, path, overridden.get("model"))
     if on_translation is not None:
         on_translation(translation)
     problems.extend(

@@ -35,17 +35,19 @@ def detect_dialect(raw: dict) -> Dialect | None:
     return None
 
 
-def translate(raw: dict, source: Path) -> Translation:
-    """Their config `raw`, read from `source`, as a keel Translation."""
-    dialect = detect_dialect(raw)
+def translate(raw: dict, source: Path, model_override: dict | None = None) -> Translation:
+    """Their config `raw`, read from `source`, as a keel Translation. `model_override`:
+    keel's `model` section as command-line overrides set it ({"path": ..., "revision": ...}),
+    the model that will train, for the checks that read the model."""
+    dialect, model_override = detect_dialect(raw), model_override or {}
     if dialect == "llamafactory":
         from keel.config.dialects.llamafactory import translate_llamafactory
 
-        return translate_llamafactory(raw, Path(source))
+        return translate_llamafactory(raw, Path(source), model_override)
     if dialect == "axolotl":
         from keel.config.dialects.axolotl import translate_axolotl
 
-        return translate_axolotl(raw, Path(source))
+        return translate_axolotl(raw, Path(source), model_override)
     raise AssertionError(f"{source} is not a LLaMA-Factory or Axolotl config")
 
 

@@ -14,6 +14,7 @@ from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
 from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
+from keel.config.dialects.families import model_of
 from keel.config.dialects.report import Translation, unknown_key
 from keel.config.dialects.templates import axolotl_chat_template
 
@@ -102,10 +103,13 @@ _ATTENTION = {
 }
 
 
-def translate_axolotl(raw: dict, source: Path) -> Translation:
+def translate_axolotl(raw: dict, source: Path, model_override: dict | None = None) -> Translation:
     """`raw` (an Axolotl YAML, read from `source`) as a keel Translation; every key of
-    theirs, at any depth, has a fate."""
-    build = Build(raw=raw, source=Path(source), stage=_stage(raw))
+    theirs, at any depth, has a fate. `model_override`: keel's model section as the command
+    line sets it (path, revision)."""
+    build = Build(
+        raw=raw, source=Path(source), stage=_stage(raw), model_override=model_override or {}
+    )
     build.set("train.stage", build.stage)
     for key, value in raw.items():
         _one_key(build, str(key), value)
@@ -315,11 +319,33 @@ def _special_tokens(build: Build, key: str, value) -> None:
         "enters the loss",
         "eos_token": "keel ends each turn with the chat template's own end token",
     }
-    for name in value:
+    if not isinstance(value, dict):
+        build.refused(key, f"{value!r}: special_tokens is a mapping of token names to tokens")
+        return
+    model = model_of(build.raw, "base_model", "revision_of_model", build.model_override)
+    own = model.special_tokens()
+    for name, token in value.items():
         if name in whys:
             build.ignored(f"{key}.{name}", whys[name])
+        elif own is not None and own.get(name) == token:
+            build.ignored(f"{key}.{name}", f"{token!r} is the tokenizer's own {name} already")
         else:
-            build.refused(f"{key}.{name}", "keel does not change the tokenizer's special tokens")
+            build.refused(f"{key}.{name}", _special_token_refusal(name, token, model, own))
+
+
+def _special_token_refusal(name: str, token, model, own: dict[str, str] | None) -> str:
+    if own is None:
+        return (
+            f"keel does not change the tokenizer's special tokens, and {model.key}'s tokenizer "
+            f"is not on this machine to compare {token!r} with its {name}; remove the key if "
+            f"it is the tokenizer's own, else use a model whose tokenizer has it"
+        )
+    theirs = f"its {name} is {own[name]!r}" if name in own else f"it has no {name}"
+    return (
+        f"keel does not change the tokenizer's special tokens: {model.key}'s tokenizer is "
+        f"not set up this way ({theirs}, this asks for {token!r}); remove the key (keel uses "
+        f"the tokenizer's own), or use a model whose tokenizer has it"
+    )
 
 
 def _datasets(build: Build, key: str, value) -> None:

@@ -19,6 +19,9 @@ class Build:
     raw: dict
     source: Path
     stage: str | None
+    # keel's model.path / model.revision given on the command line: the model that trains,
+    # whatever their file names (the family-template check reads this one)
+    model_override: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     fates: list[KeyFate] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

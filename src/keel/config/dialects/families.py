@@ -25,17 +25,42 @@ class Model:
     key: str  # their key that names it ("model_name_or_path", "base_model")
     path: str
     type: str | None  # config.json's model_type; None where it cannot be read here
+    revision: str = "main"
+
+    def special_tokens(self) -> dict[str, str] | None:
+        """The tokenizer's named special tokens (bos_token, eos_token, unk_token, ...) from
+        its tokenizer_config.json, None where that is not on this machine."""
+        found = _local_file(self.path, self.revision, "tokenizer_config.json")
+        try:
+            saved = json.loads(found.read_text(encoding="utf-8")) if found else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        if not isinstance(saved, dict):
+            return None
+        tokens = {}
+        for name, value in saved.items():
+            if isinstance(value, dict):  # an AddedToken as transformers saves it
+                value = value.get("content")
+            if name.endswith("_token") and isinstance(value, str):
+                tokens[name] = value
+        return tokens
 
 
-def model_of(raw: dict, key: str, revision_key: str) -> Model:
-    """The model `raw[key]` names, with its type when its config.json is on this machine:
-    a local folder, or a Hub id already in the Hugging Face cache (nothing is downloaded)."""
-    path = str(raw.get(key) or "")
-    return Model(key=key, path=path, type=_model_type(path, raw.get(revision_key)))
+def model_of(raw: dict, key: str, revision_key: str, override: dict) -> Model:
+    """The model that trains: `raw[key]`, or keel's model.path when the command line sets it
+    (`override`, keel's model section), with its type when its config.json is on this
+    machine: a local folder, or a Hub id already in the Hugging Face cache (nothing is
+    downloaded)."""
+    revision = str(override.get("revision", raw.get(revision_key)) or "main")
+    if override.get("path"):
+        key, path = "model.path", str(override["path"])
+    else:
+        path = str(raw.get(key) or "")
+    return Model(key=key, path=path, type=_model_type(path, revision), revision=revision)
 
 
-def _model_type(path: str, revision) -> str | None:
-    config = _config_file(path, str(revision or "main"))
+def _model_type(path: str, revision: str) -> str | None:
+    config = _local_file(path, revision, "config.json")
     if config is None:
         return None
     try:
@@ -45,18 +70,18 @@ def _model_type(path: str, revision) -> str | None:
     return str(found) if found else None
 
 
-def _config_file(path: str, revision: str) -> Path | None:
-    """The model's config.json on this machine, None where it would need a download."""
+def _local_file(path: str, revision: str, name: str) -> Path | None:
+    """The model's file `name` on this machine, None where it would need a download."""
     if not path or path.startswith(BUNDLED_PREFIX):
         return None
     if Path(path).expanduser().is_dir():
-        return Path(path).expanduser() / "config.json"
+        return Path(path).expanduser() / name
     if not is_hub_id(path):
         return None
     from huggingface_hub import try_to_load_from_cache
 
     try:
-        found = try_to_load_from_cache(path, "config.json", revision=revision)
+        found = try_to_load_from_cache(path, name, revision=revision)
     except ValueError:  # huggingface_hub's checks of the id and the revision
         return None
     return Path(found) if isinstance(found, str) else None

@@ -12,9 +12,14 @@ from keel.config.dialects.llamafactory_keys import KEY_RULES, Rule, keel_stage
 from keel.config.dialects.report import Translation, unknown_key
 
 
-def translate_llamafactory(raw: dict, source: Path) -> Translation:
-    """`raw` (their YAML, read from `source`) as a keel Translation; every key has a fate."""
-    build = Build(raw=raw, source=source, stage=keel_stage(raw))
+def translate_llamafactory(
+    raw: dict, source: Path, model_override: dict | None = None
+) -> Translation:
+    """`raw` (their YAML, read from `source`) as a keel Translation; every key has a fate.
+    `model_override`: keel's model section as the command line sets it (path, revision)."""
+    build = Build(
+        raw=raw, source=source, stage=keel_stage(raw), model_override=model_override or {}
+    )
     for key, value in raw.items():
         rule = RULES.get(str(key))
         if rule is None:

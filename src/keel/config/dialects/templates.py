@@ -168,13 +168,13 @@ def axolotl_template_fate(key: str, value, model: Model) -> tuple[KeyFate, str |
 
 def llamafactory_template(build: Build, key: str, value) -> None:
     """LLaMA-Factory's `template` as data.template, checked against model_name_or_path."""
-    model = model_of(build.raw, "model_name_or_path", "model_revision")
+    model = model_of(build.raw, "model_name_or_path", "model_revision", build.model_override)
     _record(build, template_fate(key, value, model))
 
 
 def axolotl_chat_template(build: Build, key: str, value) -> None:
     """Axolotl's `chat_template` as data.template, checked against base_model."""
-    model = model_of(build.raw, "base_model", "revision_of_model")
+    model = model_of(build.raw, "base_model", "revision_of_model", build.model_override)
     _record(build, axolotl_template_fate(key, value, model))
 
 
