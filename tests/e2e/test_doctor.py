@@ -1,4 +1,7 @@
-"""`keel doctor` for real: the CLI in a subprocess, a real 2-process smoke test, real failures."""
+"""`keel doctor` for real: a real 2-process smoke test and real failures. The readable
+report comes from the CLI in a subprocess (its own interpreter, stdout and exit code); the
+JSON ones from keel.cli.main in this process, which spares the doctor's ~15 s of library
+imports per run (its smoke test is a real torchrun launch either way)."""
 
 import json
 import os
@@ -7,16 +10,17 @@ import sys
 import time
 
 import psutil
+import pytest
+from cli_support import keel_in_process
 
 from keel.distributed.smoke import launch_smoke_test
 
 DOCTOR_BUDGET_S = 60  # the doctor must answer within a minute on a CPU
 
 
-def doctor(*args, fault=None):
+def doctor(*args):
+    """`keel doctor *args` as a user runs it: its own interpreter."""
     env = {k: v for k, v in os.environ.items() if k not in ("KEEL_FAULT", "OMP_NUM_THREADS")}
-    if fault:
-        env["KEEL_FAULT"] = fault
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "keel", "doctor", *args],
@@ -28,8 +32,25 @@ def doctor(*args, fault=None):
     return done, time.monotonic() - started
 
 
-def test_doctor_json_reports_a_machine_that_can_train():
-    done, seconds = doctor("--json")
+@pytest.fixture
+def doctor_here(monkeypatch):
+    """`keel doctor --json` in this process, with `fault` (KEEL_FAULT) for its smoke test."""
+
+    def run(fault=None):
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        if fault:
+            monkeypatch.setenv("KEEL_FAULT", fault)
+        else:
+            monkeypatch.delenv("KEEL_FAULT", raising=False)
+        started = time.monotonic()
+        done = keel_in_process("doctor", "--json")
+        return done, time.monotonic() - started
+
+    return run
+
+
+def test_doctor_json_reports_a_machine_that_can_train(doctor_here):
+    done, seconds = doctor_here()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert seconds < DOCTOR_BUDGET_S, f"keel doctor took {seconds:.1f} s"
     report = json.loads(done.stdout)  # exactly one document: anything else fails to parse
@@ -89,9 +110,9 @@ def test_doctor_prints_a_readable_report():
     assert seconds < DOCTOR_BUDGET_S
 
 
-def test_a_rank_that_dies_in_the_smoke_test_is_a_problem():
+def test_a_rank_that_dies_in_the_smoke_test_is_a_problem(doctor_here):
     """KEEL_FAULT: rank 1 exits with code 1 at the start of check 5 (the FSDP2 step)."""
-    done, seconds = doctor("--json", fault="exit:5:1")
+    done, seconds = doctor_here(fault="exit:5:1")
     assert done.returncode == 1, done.stderr[-3000:]
     report = json.loads(done.stdout)
     smoke = report["smoke_test"]

@@ -89,18 +89,34 @@ def test_beta_trains_against_the_reference_and_logs_the_kl(tiny_model_dir, tmp_p
     assert min(kl[1:]) > 1e-6, kl
 
 
+@pytest.fixture(scope="module")
+def whole_runs(tiny_model_dir, tmp_path_factory):
+    """`run(override) -> metrics records` of the uninterrupted 4-step run, made once each."""
+    made: dict[str, list[dict]] = {}
+
+    def run(override: str) -> list[dict]:
+        if override not in made:
+            folder = tmp_path_factory.mktemp("whole")
+            made[override] = train(write_run(folder, tiny_model_dir, steps=4, every=1), override)
+        return made[override]
+
+    return run
+
+
 @pytest.mark.parametrize(
     ("num_iterations", "first_steps"),
     [(1, 2), (2, 2), (2, 3), (3, 2)],
     ids=["mu1", "mu2-at-span-end", "mu2-inside-span", "mu3-inside-span"],
 )
-def test_resume_continues_exactly(tiny_model_dir, tmp_path, num_iterations, first_steps):
+def test_resume_continues_exactly(
+    tiny_model_dir, tmp_path, whole_runs, num_iterations, first_steps
+):
     """4 steps in one run == `first_steps` steps, then a resumed run to 4: the same rollouts
     (rewards), losses and gradients, and completions.jsonl without a repeated step. A
     checkpoint inside a rollout's num_iterations steps holds the rollout, so the resumed
     run trains on it rather than sampling it again from weights that did not make it."""
     mu = f"grpo.num_iterations={num_iterations}"
-    whole = train(write_run(tmp_path / "whole", tiny_model_dir, steps=4, every=1), mu)
+    whole = whole_runs(mu)
     parts = write_run(tmp_path / "parts", tiny_model_dir, steps=first_steps, every=1)
     train(parts, mu)
     write_run(parts, tiny_model_dir, steps=4, every=1, overwrite=False)

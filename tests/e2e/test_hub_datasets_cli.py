@@ -4,7 +4,7 @@ as huggingface_hub lays it out (HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1: no n
 import json
 
 import pytest
-from hub_support import COMMIT, add_snapshot, keel_offline, keel_offline_commands
+from hub_support import COMMIT, add_snapshot, keel_offline_commands
 
 REPO = "tiny-org/tiny-alpaca"
 
@@ -32,22 +32,28 @@ def _config(tmp_path, model_dir):
     return cfg
 
 
-def test_validate_and_train_take_a_hub_dataset(hf_home, tmp_path, tiny_model_dir):
+def test_validate_and_train_take_a_hub_dataset_and_a_missing_one_exits_2(
+    hf_home, tmp_path, tiny_model_dir
+):
+    """In one interpreter (one set of library imports): validate and train by the dataset's
+    hub id, then train by an id that is not in the cache."""
     cfg, hub = _config(tmp_path, tiny_model_dir), f"data.datasets.0.path={REPO}"
-    validated, trained = keel_offline_commands(
-        ["validate", str(cfg), hub], ["train", str(cfg), hub], hf_home=hf_home
+    validated, trained, missing = keel_offline_commands(
+        ["validate", str(cfg), hub],
+        ["train", str(cfg), hub],
+        [
+            "train",
+            str(cfg),
+            "data.datasets.0.path=tiny-org/absent",
+            f"output.dir={tmp_path / 'o2'}",
+        ],
+        hf_home=hf_home,
     )
     assert validated.returncode == 0, validated.stderr[-3000:]
     assert COMMIT in validated.stdout + validated.stderr
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "done: 2 steps" in trained.stdout + trained.stderr
 
-
-def test_a_missing_hub_dataset_exits_2(hf_home, tmp_path, tiny_model_dir):
-    cfg = _config(tmp_path, tiny_model_dir)
-    missing = keel_offline(
-        "train", str(cfg), "data.datasets.0.path=tiny-org/absent", hf_home=hf_home
-    )
     assert missing.returncode == 2, missing.stderr[-3000:]
     assert "Traceback" not in missing.stderr
     assert "dataset tiny-org/absent (revision main) is not a local file or folder" in (

@@ -6,8 +6,10 @@ from cli_support import keel, keel_in_process
 LIBRARY_BARS = ("Generating train split", "Loading weights", "Writing model shards")
 
 
-def train(model_dir, tmp_path, name, *flags):
-    return keel(
+def train(model_dir, tmp_path, name, *flags, run=keel):
+    """A 2-step train of the quickstart's config: `run` keel (its own process, its output
+    into a pipe) or keel_in_process."""
+    return run(
         *flags,
         "train",
         "examples/identity_lora.yaml",
@@ -33,7 +35,8 @@ def test_piped_train_prints_plain_lines_and_no_library_bars(tiny_model_dir, tmp_
     loss = done.split("final loss ")[1].split(",")[0]
     assert len(loss.split(".")[1]) == 4, done  # 4 decimals, not 16 digits
 
-    verbose = train(tiny_model_dir, tmp_path, "verbose", "--verbose")
+    # the set-up lines --verbose adds (a flag of keel's own: checked in this process)
+    verbose = train(tiny_model_dir, tmp_path, "verbose", "--verbose", run=keel_in_process)
     assert verbose.returncode == 0, verbose.stderr[-3000:]
     assert "loss head: " in verbose.stdout and "threads: 1 per process" in verbose.stdout
 
