@@ -173,3 +173,29 @@ def test_a_template_of_another_model_family_is_refused_naming_the_fix(filled, tm
     )
     assert "is a llama model" in result.stderr and "leave template out" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_their_own_jinja_template_trains_and_is_saved_with_the_model(filled, tmp_path):
+    """Axolotl's `chat_template: jinja` with the template in `chat_template_jinja`: keel
+    renders the rows with it and the trained model's tokenizer carries it (chat and serve
+    then prompt as training did)."""
+    text = (
+        "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant> {% endif %}"
+    )
+    their = filled["axolotl/llama-3-fft-8b-liger-fsdp.yaml"]
+    raw = yaml.safe_load(their.read_text())
+    raw["chat_template"], raw["chat_template_jinja"] = "jinja", text
+    own = their.with_name("own-template.yaml")
+    own.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    result = keel_in_process("train", str(own), f"output.dir={out}", *RUN, cwd=own.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    assert "chat_template_jinja -> data.template" in printed and "template inline" in printed
+    saved = out / "chat_template.jinja"
+    found = saved.read_text() if saved.is_file() else None
+    if found is None:  # older transformers keep it in tokenizer_config.json
+        found = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
+    assert found == text

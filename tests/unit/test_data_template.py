@@ -165,12 +165,15 @@ CONVERSATION = {
 }
 
 
+PLAIN = (
+    "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|im_end|>{% endif %}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:\n{% endif %}"
+)
+
+
 def test_jinja_file_template_through_prepare_data(tiny_tokenizer, tmp_path):
-    (tmp_path / "plain.jinja").write_text(
-        "{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}"
-        "{% if m['role'] == 'assistant' %}<|im_end|>{% endif %}\n\n{% endfor %}"
-        "{% if add_generation_prompt %}### assistant:\n{% endif %}"
-    )
+    (tmp_path / "plain.jinja").write_text(PLAIN)
     data = _prepare(tmp_path, tiny_tokenizer, [CONVERSATION], template="plain.jinja")
     row = data.train[0]
     # (transformers renders with trim_blocks: the newline right after a block tag is dropped)
@@ -182,6 +185,18 @@ def test_jinja_file_template_through_prepare_data(tiny_tokenizer, tmp_path):
         f"I am Keel.{EOS}",
     ]
     assert data.report.template == "plain.jinja"
+
+
+def test_an_inline_template_encodes_as_the_same_template_in_a_file(tiny_tokenizer, tmp_path):
+    """data.template holding the Jinja text itself (Axolotl's chat_template_jinja)."""
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "plain.jinja").write_text(PLAIN)
+    from_file = _prepare(tmp_path / "file", tiny_tokenizer, [CONVERSATION], template="plain.jinja")
+    inline = _prepare(tmp_path, tiny_tokenizer, [CONVERSATION], template=PLAIN)
+    assert inline.report.template == "inline"
+    for key in ("input_ids", "targets"):
+        assert inline.train[0][key] == from_file.train[0][key]
+    assert resolve_template(PLAIN, tiny_tokenizer, tmp_path)[0] == ChatTemplate("inline", PLAIN)
 
 
 def test_tokenizer_without_template_falls_back_to_chatml(tiny_tokenizer, tmp_path):

@@ -475,3 +475,22 @@ def test_special_tokens_equal_to_the_tokenizer_s_own_are_ignored_others_refused(
     refused = other["special_tokens.bos_token"]
     assert refused.fate == "refused"
     assert "its bos_token is '<s>', this asks for '<|begin|>'" in refused.why
+
+
+def test_their_own_jinja_template_becomes_data_template(tmp_path):
+    text = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    inline = translate_axolotl({"base_model": "m", "chat_template": "jinja",
+                                "chat_template_jinja": text}, FIXTURES)  # fmt: skip
+    assert inline.refused() == [] and inline.config["data"]["template"] == text
+    left_out = translate_axolotl({"base_model": "m", "chat_template_jinja": "t.jinja"}, FIXTURES)
+    assert left_out.refused() == [] and left_out.config["data"]["template"] == "t.jinja"
+    fates = {f.key: f for f in left_out.fates}
+    assert fates["chat_template_jinja"].target == "data.template"
+    missing = _fates({"base_model": "m", "chat_template": "jinja"})
+    assert missing["chat_template"].fate == "refused"
+    assert "jinja needs chat_template_jinja" in missing["chat_template"].why
+    unused = translate_axolotl(
+        {"base_model": "m", "chat_template": "chatml", "chat_template_jinja": text}, FIXTURES
+    )
+    assert unused.config["data"]["template"] == "chatml"
+    assert {f.key: f for f in unused.fates}["chat_template_jinja"].fate == "ignored"

@@ -107,7 +107,8 @@ class DatasetConfig:
 class DataConfig:
     datasets: list[DatasetConfig]
     dataset_dir: str | None = None  # folder with a LLaMA-Factory dataset_info.json
-    template: str = "auto"  # auto (the tokenizer's own), chatml, or a path to a .jinja file
+    # auto (the tokenizer's own), chatml, a path to a .jinja file, or a Jinja template itself
+    template: str = "auto"
     # tokens per sample (and per packed row); preference stages: per prompt + one answer,
     # packed rows of pairs up to 2 x cutoff_len
     cutoff_len: int = 1024
@@ -276,3 +277,9 @@ class RunConfig:
             return None
         section = getattr(self, stage.name, None)  # None also for a stage added at run time
         return section if section is not None else stage.settings()
+
+
+def is_inline_template(setting: str) -> bool:
+    """Whether data.template holds a Jinja template itself rather than naming one (a path
+    or a file name holds no Jinja tags)."""
+    return "{%" in setting or "{{" in setting

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from keel.config.schema import is_inline_template
 from keel.data.formats import RowError
 from keel.errors import DataError
 from keel.files import read_text
@@ -35,7 +36,7 @@ class TemplateMismatch(Exception):
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    name: str  # "tokenizer", "chatml", or the .jinja path as configured
+    name: str  # "tokenizer", "chatml", "inline", or the .jinja path as configured
     text: str
 
 
@@ -53,11 +54,14 @@ def resolve_template(setting: str, tokenizer, base_dir: Path) -> tuple[ChatTempl
         return ChatTemplate("chatml", CHATML_TEMPLATE), note
     if setting == "chatml":
         return ChatTemplate("chatml", CHATML_TEMPLATE), None
+    if is_inline_template(setting):
+        return ChatTemplate("inline", setting), None
     path = Path(setting).expanduser()
     path = path if path.is_absolute() else base_dir / path
     if path.suffix != ".jinja" and not path.is_file():
         raise DataError(
-            f"data.template: '{setting}' is not auto, chatml, or a path to a .jinja file"
+            f"data.template: '{setting}' is not auto, chatml, a path to a .jinja file, or a "
+            f"Jinja template"
         )
     if not path.is_file():
         raise DataError(f"data.template: template file not found: {path}")

@@ -16,7 +16,7 @@ from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, transla
 from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
 from keel.config.dialects.families import model_of
 from keel.config.dialects.report import Translation, unknown_key
-from keel.config.dialects.templates import axolotl_chat_template
+from keel.config.dialects.templates import axolotl_chat_template, axolotl_chat_template_jinja
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
 DIRECT = {
@@ -421,6 +421,7 @@ _HANDLERS = {
     "wandb_project": _wandb,
     "auto_resume_from_checkpoints": _auto_resume,
     "chat_template": axolotl_chat_template,
+    "chat_template_jinja": axolotl_chat_template_jinja,
     "special_tokens": _special_tokens,
     "datasets": _datasets,
     "train_on_inputs": _train_on_inputs,

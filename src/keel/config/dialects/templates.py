@@ -8,6 +8,7 @@ from __future__ import annotations
 from keel.config.dialects.build import Build
 from keel.config.dialects.families import Choices, Model, family_fate, model_of
 from keel.config.dialects.report import KeyFate
+from keel.config.schema import is_inline_template
 
 # Their generic formats, not any model's own: keel renders chat only through a model's
 # template, its builtin chatml, or a .jinja file.
@@ -160,8 +161,8 @@ def axolotl_template_fate(key: str, value, model: Model) -> tuple[KeyFate, str |
         fate = family_fate(key, name, _AXOLOTL_FAMILIES[name][0], model, _AXOLOTL)
         return fate, "auto" if fate.fate == "mapped" else None
     why = (
-        f"{value!r}: keel's templates are the tokenizer's own (auto), chatml, or a .jinja "
-        f"file (data.template)"
+        f"{value!r}: keel's templates are the tokenizer's own (auto), chatml, or one of your "
+        f"own (chat_template: jinja with chat_template_jinja)"
     )
     return KeyFate(key, "refused", why=why), None
 
@@ -173,9 +174,33 @@ def llamafactory_template(build: Build, key: str, value) -> None:
 
 
 def axolotl_chat_template(build: Build, key: str, value) -> None:
-    """Axolotl's `chat_template` as data.template, checked against base_model."""
+    """Axolotl's `chat_template` as data.template, checked against base_model. `jinja`
+    (or left empty beside chat_template_jinja) is their own template: that key sets it."""
+    if value == JINJA or (value is None and build.raw.get(JINJA_KEY)):
+        if build.raw.get(JINJA_KEY):
+            build.mapped(key, "data.template", f"{value}: the template {JINJA_KEY} gives")
+        else:
+            build.refused(key, f"jinja needs {JINJA_KEY}: the template, or a .jinja file")
+        return
     model = model_of(build.raw, "base_model", "revision_of_model", build.model_override)
     _record(build, axolotl_template_fate(key, value, model))
+
+
+def axolotl_chat_template_jinja(build: Build, key: str, value) -> None:
+    """Axolotl's own chat template (the Jinja text, or a file holding it), used when
+    chat_template is jinja or left out: data.template takes either as it is."""
+    chosen = build.raw.get("chat_template")
+    if not value:
+        build.ignored(key, "empty: no template of their own")
+    elif chosen not in (None, JINJA):
+        build.ignored(key, f"chat_template is {chosen!r}: Axolotl reads {key} only with jinja")
+    elif is_inline_template(str(value)):
+        build.put(key, "data.template", str(value), "the template itself (shown as inline)")
+    else:
+        build.put(key, "data.template", str(value), "a template file, relative to where keel runs")
+
+
+JINJA, JINJA_KEY = "jinja", "chat_template_jinja"  # Axolotl's choice of its own template
 
 
 def _record(build: Build, found: tuple[KeyFate, str | None]) -> None:
