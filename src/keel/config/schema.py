@@ -108,6 +108,7 @@ class DataConfig:
     datasets: list[DatasetConfig]
     dataset_dir: str | None = None  # folder with a LLaMA-Factory dataset_info.json
     # auto (the tokenizer's own), chatml, a path to a .jinja file, or a Jinja template itself
+    # (text with {% or {{; the data report calls it inline)
     template: str = "auto"
     # tokens per sample (and per packed row); preference stages: per prompt + one answer,
     # packed rows of pairs up to 2 x cutoff_len
