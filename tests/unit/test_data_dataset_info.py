@@ -364,7 +364,6 @@ def test_sharegpt_is_refused_for_pretraining(registry, prepare):
         ("mllm_video_audio_demo", "multimodal.*videos"),
         ("dpo_en_demo", "preference data.*ranking"),
         ("kto_en_demo", "KTO.*preference stage"),
-        ("alpaca_en", "no file_name.*hf_hub_url.*local files only"),
         ("deepctrl", "no file_name.*ms_hub_url"),
         ("om_only", "no file_name.*om_hub_url"),
         ("script_only", "no file_name.*script_url"),

@@ -216,10 +216,17 @@ def test_dataset_info_ranking_entry_needs_a_preference_stage(registry, prepare):
         prepare("my_dpo", dataset_dir="lf")
 
 
-def test_dataset_info_hub_entry_is_refused(registry, prepare):
+def test_dataset_info_hub_entry_is_read_from_the_hub_cache(registry, prepare, monkeypatch):
+    """An hf_hub_url entry is a Hub dataset (tests/unit/test_hub_datasets.py reads one);
+    offline and not in the cache, the error names the entry and the download command."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(registry / "empty-hub"))
     with pytest.raises(DataError) as err:
         prepare("alpaca_en", dataset_dir="lf")
-    assert "'alpaca_en'" in str(err.value) and "local files only" in str(err.value)
+    assert "(alpaca_en)" in str(err.value) and "not in the Hugging Face cache" in str(err.value)
+    assert "hf download llamafactory/alpaca_en --repo-type dataset" in str(err.value)
 
 
 def test_dataset_info_unknown_name_suggests_closest(registry, prepare):

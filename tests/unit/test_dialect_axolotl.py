@@ -494,3 +494,14 @@ def test_their_own_jinja_template_becomes_data_template(tmp_path):
     )
     assert unused.config["data"]["template"] == "chatml"
     assert {f.key: f for f in unused.fates}["chat_template_jinja"].fate == "ignored"
+
+
+def test_a_dataset_name_is_the_hub_dataset_s_configuration():
+    raw = {
+        "base_model": "bundled:smollm2-135m-instruct",
+        "datasets": [{"path": "owner/data", "name": "en", "type": "alpaca"}],
+    }
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.refused() == []
+    assert translation.config["data"]["datasets"][0]["subset"] == "en"
+    assert load_config(None, base=translation.config).data.datasets[0].subset == "en"

@@ -188,16 +188,75 @@ def test_model_help_names_hub_ids(command):
     assert "Hugging Face Hub id (owner/name)" in model.help
 
 
-def test_the_default_revision_leaves_the_data_fingerprint_as_it_was():
-    """Checkpoints written before data.datasets[].revision existed hold fingerprints without
-    it: the default must not change them (they would no longer resume); a pin must."""
-    from dataclasses import asdict
-
+def test_the_default_revision_and_subset_leave_the_data_fingerprint_as_it_was():
+    """Checkpoints written before data.datasets[].revision and subset existed hold
+    fingerprints without them: their defaults must not change them (they would no longer
+    resume); a pin or a subset must."""
     from keel.config.schema import DatasetConfig
     from keel.data.cache import _entry_identity
 
-    before = asdict(DatasetConfig(path="train.json"))
-    before.pop("revision")
-    assert _entry_identity(DatasetConfig(path="train.json")) == before
-    pinned = _entry_identity(DatasetConfig(path="owner/name", revision="abc123"))
-    assert pinned["revision"] == "abc123"
+    assert _entry_identity(DatasetConfig(path="train.json")) == {
+        "path": "train.json", "format": "auto", "columns": {}, "tags": {}, "split": "train",
+        "max_samples": None, "num_samples": None,
+    }  # fmt: skip
+    pinned = _entry_identity(DatasetConfig(path="owner/name", revision="abc123", subset="en"))
+    assert pinned["revision"] == "abc123" and pinned["subset"] == "en"
+
+
+def _info(tmp_path, entries: dict) -> None:
+    (tmp_path / "lf").mkdir(exist_ok=True)
+    (tmp_path / "lf" / "dataset_info.json").write_text(json.dumps(entries))
+
+
+def test_a_dataset_info_entry_by_hf_hub_url_reads_the_hub_dataset(cached, tmp_path, prepare):
+    """LLaMA-Factory's `hf_hub_url` entries (its shipped alpaca_en, ...): the hub dataset,
+    read with the entry's columns and split, as LLaMA-Factory's loader reads it."""
+    _info(tmp_path, {"tiny": {"hf_hub_url": REPO, "split": "test",
+                              "columns": {"prompt": "instruction", "response": "output"}}})  # fmt: skip
+    data, texts, lines = prepare("tiny", dataset_dir="lf")
+    assert len(texts) == 2 and all("user\ntest " in t for t in texts)
+    assert any(f"Hugging Face dataset {REPO} at commit {COMMIT}" in line for line in lines)
+    _info(tmp_path, {"tiny": {"hf_hub_url": REPO, "split": "train"}})  # the entry is the data
+    again, texts, _ = prepare("tiny", dataset_dir="lf")
+    assert len(texts) == 5 and again.fingerprint != data.fingerprint
+
+
+def test_a_subset_or_folder_chooses_the_part_of_the_repo(hub_cache, tmp_path, prepare):
+    card = (
+        "---\nconfigs:\n- config_name: easy\n  data_files: easy/*.jsonl\n  default: true\n"
+        "- config_name: hard\n  data_files: hard/*.jsonl\n---\n"
+    )
+    files = {"README.md": card, "easy/a.jsonl": _rows("easy", 3), "hard/a.jsonl": _rows("hard", 2)}
+    add_snapshot(hub_cache, REPO, _repo(tmp_path, files), repo_type="dataset")
+    _, texts, _ = prepare(REPO)  # the card's default
+    assert len(texts) == 3 and all("user\neasy " in t for t in texts)
+    _, texts, lines = prepare(DatasetConfig(path=REPO, subset="hard"))
+    assert len(texts) == 2 and all("user\nhard " in t for t in texts)
+    assert any("subset 'hard'" in line for line in lines)
+    _info(tmp_path, {"hard": {"hf_hub_url": REPO, "subset": "hard"}})
+    assert len(prepare("hard", dataset_dir="lf")[1]) == 2
+    with pytest.raises(DataError, match=r"subset 'medium' is not a configuration.*'easy', 'hard'"):
+        prepare(DatasetConfig(path=REPO, subset="medium"))
+
+    folders = {"python/a.jsonl": _rows("py", 4), "go/a.jsonl": _rows("go", 1)}
+    add_snapshot(hub_cache, "tiny-org/code", _repo(tmp_path / "code", folders), repo_type="dataset")
+    _info(tmp_path, {"py": {"hf_hub_url": "tiny-org/code", "folder": "python"},
+                     "rust": {"hf_hub_url": "tiny-org/code", "folder": "rust"}})  # fmt: skip
+    _, texts, _ = prepare("py", dataset_dir="lf")
+    assert len(texts) == 4 and all("user\npy " in t for t in texts)
+    with pytest.raises(DataError, match=r"\(rust\): the dataset has no folder 'rust'"):
+        prepare("rust", dataset_dir="lf")
+
+
+def test_entries_keel_cannot_fetch_name_the_fix_and_a_local_subset_is_refused(
+    hub_cache, tmp_path, prepare
+):
+    _info(tmp_path, {"ms": {"ms_hub_url": "AI-ModelScope/alpaca-gpt4-data-zh"},
+                     "absent": {"hf_hub_url": "tiny-org/absent"}})  # fmt: skip
+    with pytest.raises(DataError, match=r"'ms' has no file_name \(ms_hub_url: .*\"hf_hub_url\""):
+        prepare("ms", dataset_dir="lf")
+    with pytest.raises(DataError, match=r"tiny-org/absent.*not in the Hugging Face cache"):
+        prepare("absent", dataset_dir="lf")
+    (tmp_path / "local.jsonl").write_text(json.dumps(_rows("x", 1)[0]) + "\n")
+    with pytest.raises(DataError, match=r"subset = 'en' applies to Hugging Face Hub datasets"):
+        prepare(DatasetConfig(path="local.jsonl", subset="en"))

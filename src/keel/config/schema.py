@@ -97,6 +97,9 @@ class DatasetConfig:
     # train[:1000] or train[:10%]
     split: str = "train"
     revision: str = "main"  # Hub dataset names only: the branch, tag or commit sha to use
+    # Hub dataset names only: the configuration of its card to read (load_dataset's name;
+    # LLaMA-Factory's subset), else its default one
+    subset: str | None = None
     max_samples: int | None = None  # use the first N rows (after split and num_samples)
     # Draw N rows with train.seed, as LLaMA-Factory's num_samples does (every row once, then
     # repeats, when N exceeds the rows); overrides the dataset_info.json entry's

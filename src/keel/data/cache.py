@@ -143,12 +143,14 @@ def stale_image(path: Path) -> str | None:
 
 
 def _entry_identity(entry) -> dict:
-    """A dataset entry's settings. `revision` (added later) counts only when it pins
-    something, so data prepared, and checkpoints written, before it existed keep their
-    fingerprint and still resume."""
+    """A dataset entry's settings. `revision` and `subset` (added later) count only when
+    they choose something, so data prepared, and checkpoints written, before they existed
+    keep their fingerprint and still resume."""
     settings = asdict(entry)
     if settings.get("revision") == "main":
         del settings["revision"]
+    if settings.get("subset") is None:
+        settings.pop("subset", None)
     return settings
 
 

@@ -31,9 +31,13 @@ converter.py, processor/pretrain.py):
   glaive_toolcall_en_demo): trains with train.stage sft, rendered with the chat template's
   tools (keel.data.tools).
 
-keel reads local files only, so hub entries are refused with the reason; so are entries
-with videos or audios. An `images` column holds each row's
-image paths, relative to data.dataset_dir (LLaMA-Factory's media_dir default).
+An `hf_hub_url` entry is read as a Hugging Face Hub dataset (keel.data.hub: the hub cache,
+offline when HF_HUB_OFFLINE is set), its `subset` the configuration and its `folder` a folder
+in the repo, as LLaMA-Factory loads it; an entry with a file_name too reads that local file
+(LLaMA-Factory would load the hub id), saying so. ModelScope, Modelers, script and cloud
+entries are refused with the reason, and so are entries with videos or audios. An `images`
+column holds each row's image paths, relative to data.dataset_dir (LLaMA-Factory's media_dir
+default).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from keel.config.validate import is_hub_id
 from keel.data.formats import COLUMN_KEYS, DEFAULT_TAGS
 from keel.errors import DataError
 from keel.files import read_text
@@ -75,7 +80,7 @@ class InfoEntry:
     """A resolved `dataset_info.json` entry, in keel's terms."""
 
     name: str
-    path: Path  # the file or folder, absolute
+    path: Path | None  # the file or folder, absolute; None: a Hub dataset (hub_id)
     formatting: str  # a keel format: alpaca, sharegpt, or text (an alpaca corpus in pt)
     columns: dict[str, str | None] = field(default_factory=dict)  # None: not read
     tags: dict[str, str | None] = field(default_factory=dict)
@@ -83,6 +88,9 @@ class InfoEntry:
     num_samples: int | None = None
     notes: list[str] = field(default_factory=list)  # logged once when the data is prepared
     raw: dict = field(default_factory=dict)  # the entry as written (for the cache fingerprint)
+    hub_id: str | None = None  # hf_hub_url: a Hub dataset, read through the hub cache
+    subset: str | None = None  # of a Hub dataset: the configuration to read
+    folder: str | None = None  # of a Hub dataset: the folder in the repo to read
 
 
 def load_dataset_info(dataset_dir: Path) -> dict[str, dict]:
@@ -141,7 +149,8 @@ def resolve_entry(
     _refuse_unsupported(entry, where)
     _check_stage(entry, where, stage)
     notes = _unknown_key_notes(entry, where)
-    path = _local_path(entry, dataset_dir, where, notes)
+    hub_id = _hub_id(entry, where)
+    path = _local_path(entry, dataset_dir, where, notes) if hub_id is None else None
     if config_format == "auto":
         fmt, columns, tags = _lf_reading(entry, where, stage)
     else:
@@ -162,6 +171,9 @@ def resolve_entry(
         num_samples=_num_samples(entry, where),
         notes=notes,
         raw=entry,
+        hub_id=hub_id,
+        subset=_text(entry, "subset", where) if hub_id else None,
+        folder=_text(entry, "folder", where) if hub_id else None,
     )
 
 
@@ -223,23 +235,46 @@ def _unknown_key_notes(entry: dict, where: str) -> list[str]:
     return notes
 
 
+def _hub_id(entry: dict, where: str) -> str | None:
+    """The Hugging Face dataset id of an entry without a file_name (None: it has one);
+    refuses an entry keel cannot read from anywhere."""
+    if entry.get("file_name"):
+        return None
+    hub_id = entry.get("hf_hub_url")
+    if not hub_id:
+        hub = [k for k in _HUB_KEYS if entry.get(k)]
+        source = f" ({hub[0]}: {entry[hub[0]]})" if hub else ""
+        raise DataError(
+            f"{where} has no file_name{source}; keel reads local files and Hugging Face Hub "
+            f'datasets: download the data and add "file_name" to the entry, give its Hugging '
+            f'Face id in "hf_hub_url", or list the file in data.datasets'
+        )
+    if not isinstance(hub_id, str) or not is_hub_id(hub_id):
+        raise DataError(
+            f"{where}: hf_hub_url must be a dataset id such as owner/name, got {hub_id!r}"
+        )
+    return hub_id
+
+
+def _text(entry: dict, key: str, where: str) -> str | None:
+    value = entry.get(key)
+    if value is not None and not isinstance(value, str):
+        raise DataError(f"{where}: {key} must be a string, got {value!r}")
+    return value or None
+
+
 def _local_path(entry: dict, dataset_dir: Path, where: str, notes: list[str]) -> Path:
     """The entry's local file or folder, with `folder` applied where it means something."""
     file_name = entry.get("file_name")
     hub = [k for k in _HUB_KEYS if entry.get(k)]
-    if not file_name:
-        source = f" ({hub[0]}: {entry[hub[0]]})" if hub else ""
-        raise DataError(
-            f"{where} has no file_name{source}; keel reads local files only: download the "
-            f'data and add "file_name" to the entry, or list the file in data.datasets'
-        )
     if not isinstance(file_name, str):
         raise DataError(f"{where}: file_name must be a string, got {file_name!r}")
     if hub:  # parser.py: any hub key wins over file_name there
         notes.append(
             f"{where}: has both {hub[0]} and file_name; LLaMA-Factory would load "
-            f"{entry[hub[0]]} and ignore file_name; keel reads local files only, so it reads "
-            f"file_name '{file_name}'"
+            f"{entry[hub[0]]} and ignore file_name; keel reads the local file_name "
+            f"'{file_name}'"
+            + (f" (remove file_name to read {entry[hub[0]]})" if hub[0] == "hf_hub_url" else "")
         )
     path = dataset_dir / file_name
     if not path.exists():

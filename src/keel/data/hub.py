@@ -40,31 +40,52 @@ class HubDataset:
         return f"{self.repo_id}/{file.relative_to(self.folder).as_posix()}"
 
 
-def fetch_hub_dataset(repo_id: str, revision: str, where: str, key: str) -> HubDataset:
+@dataclass(frozen=True)
+class HubPart:
+    """Which part of a dataset repo is read, as `load_dataset(name=, data_dir=)` says it:
+    a configuration of its card (None: the default one) and a folder inside the repo."""
+
+    subset: str | None = None  # `name`, LLaMA-Factory's `subset`
+    folder: str | None = None  # `data_dir`, LLaMA-Factory's `folder`
+    key: str = "subset"  # how the config names the subset, for messages
+
+
+def fetch_hub_dataset(
+    repo_id: str, revision: str, where: str, key: str, part: HubPart = HubPart()
+) -> HubDataset:
     """The snapshot of dataset `repo_id` at `revision`, downloading what is missing
-    (with huggingface_hub's progress bar) unless HF_HUB_OFFLINE is set. Every failure is a
-    DataError naming `where`, the id and the fix; `key` is the config entry (data.datasets.0)."""
+    (with huggingface_hub's progress bar) unless HF_HUB_OFFLINE is set, and the files of
+    its `part`. Every failure is a DataError naming `where`, the id and the fix; `key` is
+    the config entry (data.datasets.0)."""
     repo = HubRepo(repo_id, revision, kind="dataset", key=key, local="file or folder")
     folder = fetch_snapshot(repo, DATA_PATTERNS, lambda message: DataError(f"{where}: {message}"))
-    return HubDataset(repo_id, revision, folder.name, folder, _split_files(folder, where))
+    return HubDataset(repo_id, revision, folder.name, folder, _split_files(folder, where, part))
 
 
-def _split_files(folder: Path, where: str) -> dict[str, list[Path]]:
+def _split_files(folder: Path, where: str, part: HubPart) -> dict[str, list[Path]]:
     """Split name -> files, as `load_dataset` would assign them (its own resolution)."""
     from datasets.load import dataset_module_factory
 
+    if part.folder and not (folder / part.folder).is_dir():
+        raise DataError(f"{where}: the dataset has no folder {part.folder!r}")
     try:
-        module = dataset_module_factory(str(folder))
+        module = dataset_module_factory(str(folder), data_dir=part.folder)
     except Exception as exc:  # an empty or unreadable repo: say which, no traceback
         raise DataError(f"{where}: no data files keel can read in {folder}: {exc}") from None
     params = module.builder_configs_parameters
     configs = {c.name: c for c in params.builder_configs or []}
+    if part.subset is not None:
+        if part.subset not in configs:
+            raise DataError(
+                f"{where}: {part.key} {part.subset!r} is not a configuration of the dataset; "
+                f"it has {', '.join(map(repr, configs)) or 'none'}"
+            )
+        return _resolve_patterns(configs[part.subset], folder)
     name = params.default_config_name or (next(iter(configs)) if len(configs) == 1 else None)
     if name is None:
         raise DataError(
             f"{where}: the dataset has several configurations ({', '.join(configs)}) and no "
-            f"default; keel reads a repo's default one: download the configuration you want "
-            f"and point the path at its files"
+            f"default; name the one to read in {part.key}"
         )
     return _resolve_patterns(configs[name], folder)
 

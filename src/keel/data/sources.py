@@ -23,7 +23,7 @@ from keel.config.schema import DataConfig, DatasetConfig
 from keel.config.validate import is_hub_id
 from keel.data.dataset_info import load_dataset_info, resolve_entry, unknown_name_error
 from keel.data.formats import FORMATS, check_overrides
-from keel.data.hub import HubDataset, fetch_hub_dataset
+from keel.data.hub import HubDataset, HubPart, fetch_hub_dataset
 from keel.data.report import Rejection
 from keel.data.row_size import check_row_sizes
 from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
@@ -118,21 +118,30 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
         split = dc.split if dc.split != "train" else entry.split or "train"
         columns, tags = {**entry.columns, **dc.columns}, {**entry.tags, **dc.tags}
         num_samples = entry.num_samples if num_samples is None else num_samples
+        if entry.hub_id is not None:
+            reading = _Reading(fmt, columns, tags, split, num_samples, raw, notes)
+            part = HubPart(dc.subset or entry.subset, entry.folder, key=f"{where}'s subset")
+            return _resolve_hub(i, dc, where, entry.hub_id, reading, part)
     else:
         path = _absolute(dc.path, base_dir)
         if not path.exists():
             if _hub_name(dc.path):
-                return _resolve_hub(i, dc, where)
+                reading = _Reading(
+                    dc.format, dict(dc.columns), dict(dc.tags), dc.split, num_samples, None, []
+                )
+                part = HubPart(dc.subset, key=f"data.datasets.{i}.subset")
+                return _resolve_hub(i, dc, where, dc.path, reading, part)
             if info is not None:
                 raise unknown_name_error(dc.path, info, dataset_dir)
             raise DataError(f"{where}: file not found: {path}")
         fmt, split, raw, notes = dc.format, dc.split, None, []
         columns, tags = dict(dc.columns), dict(dc.tags)
-    if dc.revision != "main":
-        raise DataError(
-            f"{where}: revision = {dc.revision!r} applies to Hugging Face Hub dataset ids "
-            f"only, and this path is local; remove data.datasets.{i}.revision"
-        )
+    for key, value, default in (("revision", dc.revision, "main"), ("subset", dc.subset, None)):
+        if value != default:
+            raise DataError(
+                f"{where}: {key} = {value!r} applies to Hugging Face Hub datasets only, and "
+                f"this path is local; remove data.datasets.{i}.{key}"
+            )
     files, saved = _data_files(path, where)
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
         check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
@@ -160,13 +169,29 @@ def _hub_name(path: str) -> bool:
     return is_hub_id(path) and Path(path).suffix.lower() not in LOADERS
 
 
-def _resolve_hub(i: int, dc: DatasetConfig, where: str) -> Source:
+@dataclass(frozen=True)
+class _Reading:
+    """How a source's rows are read: its format, column and tag names, split, sampling, and
+    the dataset_info.json entry (and notes) it came from, if any."""
+
+    format: str
+    columns: dict[str, str]
+    tags: dict[str, str]
+    split: str
+    num_samples: int | None
+    entry: dict | None
+    notes: list[str]
+
+
+def _resolve_hub(
+    i: int, dc: DatasetConfig, where: str, repo_id: str, reading: _Reading, part: HubPart
+) -> Source:
     """A Hub dataset: its snapshot in the hub cache (downloaded when missing and online)
-    and the files of the splits that `dc.split` names."""
-    hub = fetch_hub_dataset(dc.path, dc.revision, where, f"data.datasets.{i}")
-    names = list(hub.splits)
-    check_split(dc.split, tuple(names), where, "")
-    used = {name for name, _, _ in split_ranges(dc.split, dict.fromkeys(names, 0), where)}
+    and the files of the splits that the reading's split names, in `part` of the repo."""
+    hub = fetch_hub_dataset(repo_id, dc.revision, where, f"data.datasets.{i}", part)
+    names, split = list(hub.splits), reading.split
+    check_split(split, tuple(names), where, "")
+    used = {name for name, _, _ in split_ranges(split, dict.fromkeys(names, 0), where)}
     files = [f for name in names if name in used for f in hub.splits[name]]
     for f in files:
         if f.suffix.lower() not in LOADERS:
@@ -174,9 +199,13 @@ def _resolve_hub(i: int, dc: DatasetConfig, where: str) -> Source:
                 f"{where}: {hub.label(f)} is a {f.suffix or 'extension-less'} file; keel "
                 f"reads {', '.join(LOADERS)}: convert it, or download the data elsewhere"
             )
+    of = "".join(
+        f", {name} {value!r}" for name, value in (("subset", part.subset), ("folder", part.folder))
+        if value
+    )  # fmt: skip
     note = (
-        f"data: {dc.path}: Hugging Face dataset at commit {hub.commit} (revision "
-        f"{dc.revision}), split {dc.split}: {', '.join(hub.label(f) for f in files)}"
+        f"data: {dc.path}: Hugging Face dataset {repo_id} at commit {hub.commit} (revision "
+        f"{dc.revision}{of}), split {split}: {', '.join(hub.label(f) for f in files)}"
     )
     return Source(
         dc,
@@ -184,12 +213,13 @@ def _resolve_hub(i: int, dc: DatasetConfig, where: str) -> Source:
         hub.folder,
         files,
         saved=False,
-        format=dc.format,
-        columns=dict(dc.columns),
-        tags=dict(dc.tags),
-        split=dc.split,
-        num_samples=dc.num_samples,
-        notes=[note],
+        format=reading.format,
+        columns=reading.columns,
+        tags=reading.tags,
+        split=split,
+        entry=reading.entry,
+        num_samples=reading.num_samples,
+        notes=[*reading.notes, note],
         hub=hub,
         media_dir=hub.folder,
     )

@@ -87,6 +87,9 @@ def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
         elif key in ("split", "revision"):
             ds[key] = value
             build.mapped(name, f"{target}.{key}")
+        elif key == "name":  # load_dataset's name: a configuration of a Hub dataset
+            ds["subset"] = value
+            build.mapped(name, f"{target}.subset", "the Hub dataset's configuration")
         elif key in _COLUMNS:
             ds.setdefault("columns", {})[_COLUMNS[key]] = value
             build.mapped(name, f"{target}.columns.{_COLUMNS[key]}")
@@ -129,12 +132,6 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
         _roles_to_train(build, name, value)
     elif key == "train_on_eos":
         _train_on_eos(build, name, value)
-    elif key == "name":
-        build.refused(
-            name,
-            "keel reads a Hub dataset's default configuration; a named "
-            "subset is not supported: save that subset to a file and give its path",
-        )
     else:
         why = "an Axolotl dataset key keel has no counterpart for; remove it"
         build.refused(name, unknown_key(key, _DATASET_KEYS, why))
