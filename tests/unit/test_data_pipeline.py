@@ -234,9 +234,13 @@ def test_unpacked_rows_have_arange_positions(run):
 def test_cache_hit_gives_identical_rows_and_report(run, tmp_path):
     first = run(GOOD, val_size=2)
     assert not first.from_cache
+    # said before the work (its bar is hidden without --verbose), and only when it is done
+    working = [line for line in run.logs if line.startswith("data: reading, checking and")]
+    assert len(working) == 1 and "(once: the result is cached)" in working[0]
     second = run(GOOD, val_size=2)
     assert second.from_cache and second.fingerprint == first.fingerprint
     assert any(line.startswith("data: loaded from cache") for line in run.logs)
+    assert len([line for line in run.logs if line.startswith("data: reading, checking")]) == 1
     assert all_rows(second.train) == all_rows(first.train)
     assert all_rows(second.eval) == all_rows(first.eval)
     assert isinstance(second.report, DataReport) and second.report == first.report

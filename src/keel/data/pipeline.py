@@ -134,6 +134,12 @@ def prepare_data(
         log(cached[2].format())
         return PreparedData(*cached, fp, from_cache=True)
 
+    # before the work: a large dataset takes a while, and the tokenizer's bar is hidden
+    # unless --verbose
+    shown = ", ".join(source.label for source in sources[:3]) + (
+        ", ..." if len(sources) > 3 else ""
+    )
+    log(f"data: reading, checking and tokenizing {shown} (once: the result is cached)")
     report = _empty_report(cfg, stage)
     load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
     encoding = _Encoding(cfg, tokenizer, template, stage, vision, fp)
