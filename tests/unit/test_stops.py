@@ -1,6 +1,7 @@
 """Stopping early without losing or faking work: divergence (exit 6) and preemption (exit 7)."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -143,3 +144,61 @@ def test_keel_fault_is_read_after_a_library_rebinds_os_environ(monkeypatch):
     monkeypatch.setenv("KEEL_FAULT", "nan:3")
     fault = fault_from_env()
     assert fault is not None and (fault.kind, fault.step) == ("nan", 3)
+
+
+def test_skipped_steps_count_runs_of_overflowing_steps_across_windows():
+    from keel.train.stops import MIN_LOSS_SCALE, SkippedSteps
+
+    skipped, nan, inf = SkippedSteps(), float("nan"), float("inf")
+    skipped.add([1.0, 2.0, nan], [0.5, inf, nan], first_step=1)  # step 2: grads overflowed
+    assert skipped.since == 2
+    skipped.add([1.5], [0.7], first_step=4)  # a good step ends the run: calibration
+    assert skipped.since is None
+    skipped.check(4, scale=MIN_LOSS_SCALE / 4, newest=lambda: None)  # nothing skipped now
+    skipped.add([nan, nan], [nan, nan], first_step=5)
+    skipped.check(6, scale=MIN_LOSS_SCALE, newest=lambda: None)  # the scale may still find one
+    with pytest.raises(Diverged, match=r"under fp16 at step 6: every step since step 5") as e:
+        skipped.check(6, scale=MIN_LOSS_SCALE / 2, newest=lambda: None)
+    assert e.value.exit_code == 6 and "train.precision" in str(e.value)
+
+
+@pytest.fixture
+def fp16_on_this_cpu(monkeypatch):
+    """train.precision=fp16 accepted on a CPU (refused there for speed; the loss scaler and
+    autocast work)."""
+    import keel.train.preflight as preflight
+    from keel.precision import Precision
+
+    real = preflight.resolve_precision
+
+    def resolve(requested, device):
+        return Precision("fp16", "test") if requested == "fp16" else real(requested, device)
+
+    monkeypatch.setattr(preflight, "resolve_precision", resolve)
+
+
+def test_an_fp16_step_that_overflows_once_is_skipped_and_the_run_goes_on(
+    tiny_model_dir, data_file, tmp_path, monkeypatch, fp16_on_this_cpu
+):
+    monkeypatch.setenv("KEEL_FAULT", "nan:3")  # step 3's forward turns NaN, once
+    overrides = ("train.precision=fp16", "output.log_every=1")
+    result = run_training(
+        config(tiny_model_dir, data_file, tmp_path / "run", *overrides), log=quiet
+    )
+    losses = result.losses
+    assert len(losses) == 6 and math.isnan(losses[2]) and all(map(math.isfinite, losses[3:]))
+
+
+def test_an_fp16_run_that_overflows_at_every_step_stops(
+    tiny_model_dir, data_file, tmp_path, fp16_on_this_cpu
+):
+    """The loss scaler skips every step of a blown-up model (lr 1e6): without this stop the
+    run would skip them all to the end and report success."""
+    out = tmp_path / "run"
+    overrides = ("train.precision=fp16", "train.lr=1e6", "train.max_grad_norm=0",
+                 "output.log_every=1", "train.max_steps=40")  # fmt: skip
+    with pytest.raises(Diverged, match=r"under fp16 at step (\d+): every step since step") as e:
+        run_training(config(tiny_model_dir, data_file, out, *overrides), log=quiet)
+    assert "scale fell to 0.5, below 1" in str(e.value), str(e.value)
+    for name in FINAL_OUTPUTS:
+        assert not (out / name).exists(), name

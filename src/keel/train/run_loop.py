@@ -25,7 +25,7 @@ from keel.train.batch_source import BatchSource
 from keel.train.loop import ReducedSteps, StepCallback, StepResult, Trainer
 from keel.train.metrics import MetricsLog, Progress, RunStats, memory_now
 from keel.train.preference import reduce_statistics
-from keel.train.stops import Preemption, check_finite
+from keel.train.stops import Preemption, SkippedSteps, check_finite
 from keel.train.watch import HostOutOfMemory, out_of_memory
 
 
@@ -104,6 +104,7 @@ class TrainingLoop:
         self.checkpointer = checkpointer
         self.out = checkpointer.output_dir  # metrics.jsonl lives next to checkpoints/
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
+        self.skipped = SkippedSteps()  # fp16: the loss scaler's skipped steps in a row
 
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], RunStats]:
         """Train steps `start`..`total` - 1 (0-based); returns each step's loss (read back on
@@ -206,11 +207,16 @@ class TrainingLoop:
         return record
 
     def _check_finite(self, reduced: ReducedSteps, first: int) -> None:
-        """Diverged at a non-finite loss or grad norm, except under fp16's loss scaler,
-        which skips such steps (their update is never applied) by design."""
-        if self.trainer.scaler.is_enabled():
+        """Diverged at a non-finite loss or grad norm; under fp16's loss scaler, which skips
+        such steps (their update is never applied) by design, once it has skipped steps in a
+        row until its scale fell below MIN_LOSS_SCALE."""
+        scaler = self.trainer.scaler
+        if not scaler.is_enabled():
+            check_finite(reduced.losses, reduced.grad_norms, first, self._newest_checkpoint)
             return
-        check_finite(reduced.losses, reduced.grad_norms, first, self._newest_checkpoint)
+        self.skipped.add(reduced.losses, reduced.grad_norms, first)
+        last = first + len(reduced.losses) - 1
+        self.skipped.check(last, scaler.get_scale(), self._newest_checkpoint)
 
     def _newest_checkpoint(self) -> Path | None:
         return self.checkpointer.newest()

@@ -7,7 +7,10 @@ the handler only records it; at the end of each step the ranks agree in one smal
 (any rank signalled: all stop), save one checkpoint and exit 7; the same command resumes.
 
 Divergence: a non-finite loss or gradient norm stops the run (Diverged, exit 6) before any
-checkpoint or final output of the broken weights is written.
+checkpoint or final output of the broken weights is written. Under fp16 the loss scaler
+skips such a step instead (its update is never applied) and halves its scale; a run whose
+steps keep being skipped until the scale falls below MIN_LOSS_SCALE trains nothing, and
+stops the same way (`SkippedSteps`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from keel.distributed.process_group import DistContext
@@ -104,3 +108,48 @@ def check_finite(
                 f"add warm-up (train.warmup_steps) or keep gradient clipping on "
                 f"(train.max_grad_norm), and run again"
             )
+
+
+# fp16's loss scaler starts at 2**16 and halves at each skipped step: below 1 it has skipped
+# 16 more steps than it grew back (its growth takes 2000 good steps), so the loss or the
+# gradients overflow at any scale. DeepSpeed's min_loss_scale ends a run there too.
+MIN_LOSS_SCALE = 1.0
+
+
+@dataclass
+class SkippedSteps:
+    """The steps fp16's loss scaler skipped in a row (their gradients not finite), counted
+    over the read-back windows; a few at the start are the scale calibrating itself."""
+
+    since: int | None = None  # the first step of the current run of skipped steps
+    loss: float = math.nan  # the last skipped step's loss
+
+    def add(self, losses: list[float], grad_norms: list[float], first_step: int) -> None:
+        for offset, (loss, norm) in enumerate(zip(losses, grad_norms)):
+            if math.isfinite(loss) and math.isfinite(norm):
+                self.since = None
+            elif self.since is None:
+                self.since, self.loss = first_step + offset, loss
+            else:
+                self.loss = loss
+
+    def check(self, step: int, scale: float, newest: Callable[[], Path | None]) -> None:
+        """Raise Diverged when steps are still being skipped at `step` with the loss scale
+        (every rank's: the scaler agrees on overflows) below MIN_LOSS_SCALE."""
+        if self.since is None or scale >= MIN_LOSS_SCALE:
+            return
+        kept_checkpoint = newest()
+        kept = (
+            f"the newest complete checkpoint, {kept_checkpoint}, is kept"
+            if kept_checkpoint
+            else "no checkpoint was saved before it"
+        )
+        raise Diverged(
+            f"training diverged under fp16 at step {step}: every step since step "
+            f"{self.since} had non-finite gradients (the last loss {self.loss}), so the loss "
+            f"scaler skipped each update and its scale fell to {scale:g}, below "
+            f"{MIN_LOSS_SCALE:g}: the model overflows fp16 at any scale and trains nothing. "
+            f"No final outputs were written; {kept}. Train in bf16 or fp32 (train.precision) "
+            f"where the hardware allows, or lower train.lr and add warm-up "
+            f"(train.warmup_steps), and run again"
+        )
