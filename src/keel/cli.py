@@ -13,7 +13,7 @@ from typing import NoReturn
 from keel.cli_convert import add_convert, run_convert, show_translation
 from keel.cli_serve import add_serve, parse_size, run_serve
 from keel.console import quiet_libraries, say
-from keel.errors import KeelError
+from keel.errors import ConfigError, KeelError
 
 EPILOG = "Overrides: any config key as key.sub=value, e.g. train.lr=1e-4 data.packing=true"
 
@@ -89,6 +89,18 @@ def _add_validate(sub) -> None:
     )
     check.add_argument("config")
     check.add_argument("overrides", nargs="*")
+    # The world `keel train` would get from the same flags: the steps line counts it (without
+    # train.global_batch_size, each process adds micro_batch_size x grad_accum rows a step).
+    check.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        metavar="N",
+        help="count steps as N processes per node would train (as keel train --nproc N)",
+    )
+    check.add_argument(
+        "--nnodes", type=int, default=1, metavar="N", help="with N nodes (as keel train)"
+    )
 
 
 def _add_chat(sub) -> None:
@@ -223,8 +235,12 @@ def _validate(args) -> int:
     cfg = load_config(
         args.config, args.overrides, on_translation=show_translation(args.config, print)
     )
+    if args.nproc < 1 or args.nnodes < 1:
+        raise ConfigError(
+            [f"--nproc and --nnodes must be at least 1 ({args.nproc}, {args.nnodes})"]
+        )
     checked = preflight(cfg, base_dir=Path.cwd(), source=args.config)
-    for line in checked.summary():
+    for line in checked.summary(processes=args.nproc * args.nnodes):
         print(line)
     print(f"{args.config}: config and data are valid")
     return 0

@@ -70,5 +70,13 @@ def test_good_config_prints_a_summary(tiny_model_dir, tmp_path):
     assert lines[-5].startswith("method:    lora: ") and "parameters trainable" in lines[-5]
     assert lines[-4].startswith("precision: fp32 on cpu (set by train.precision)")
     assert lines[-3] == "data:      120 rows read, 120 kept -> 33 train rows, 0 eval rows"
-    assert lines[-2] == "steps:     train.epochs=3: 27 steps (9 steps/epoch of 4 rows)"
+    steps = "steps:     train.epochs=3: 27 steps (9 steps/epoch of 4 rows), on 1 process"
+    assert lines[-2] == steps
     assert not (tmp_path / "out").exists()
+    # as `keel train --nproc 3` would count them: 3 x 4 rows a step
+    result = validate(tiny_model_dir, tmp_path, data, "train.precision=fp32", "--nproc", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = "steps:     train.epochs=3: 9 steps (3 steps/epoch of 12 rows), on 3 processes"
+    assert result.stdout.splitlines()[-2] == steps
+    fixed = validate(tiny_model_dir, tmp_path, data, "--nproc", "3", "train.global_batch_size=4")
+    assert fixed.stdout.splitlines()[-2].endswith("27 steps (9 steps/epoch of 4 rows)")

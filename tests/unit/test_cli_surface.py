@@ -15,7 +15,7 @@ EXPECTED = {
         "--max-restarts",
         "--force",
     },
-    "validate": {"config", "overrides"},
+    "validate": {"config", "overrides", "--nproc", "--nnodes"},
     "convert": {"config", "--out"},
     "chat": {
         "--model",

@@ -86,8 +86,8 @@ class Preflight:
     # an online-RL stage's (grpo) reward functions, user files imported before any model
     rewards: list[RewardFunction] = field(default_factory=list)
 
-    def summary(self) -> list[str]:
-        """One line per part, for `keel validate`."""
+    def summary(self, processes: int = 1) -> list[str]:
+        """One line per part, for `keel validate` (steps as `processes` would train)."""
         totals = self.data.report.totals()
         eval_rows = len(self.data.eval) if self.data.eval is not None else 0
         return [
@@ -97,7 +97,7 @@ class Preflight:
             f"data:      {totals.read} rows read, {totals.kept} kept -> "
             f"{len(self.data.train)} train rows, {eval_rows} eval rows",
             *(
-                [f"steps:     {_schedule(self.config, len(self.data.train))}"]
+                [f"steps:     {_schedule(self.config, len(self.data.train), processes)}"]
                 if self.config
                 else []
             ),
@@ -193,13 +193,17 @@ def _output_problems(cfg: RunConfig) -> list[str]:
     return [unwritable] if unwritable else []
 
 
-def _schedule(cfg: RunConfig, rows: int) -> str:
-    """Steps and epochs as one process would run them (without train.global_batch_size,
-    N processes take N times larger batches, so fewer steps per epoch)."""
+def _schedule(cfg: RunConfig, rows: int, processes: int) -> str:
+    """Steps and epochs as `processes` would run them: without train.global_batch_size,
+    N processes take N times larger batches, so fewer steps per epoch (said when that
+    applies)."""
     t = cfg.train
-    global_batch = t.global_batch_size or default_global_batch(t.micro_batch_size, t.grad_accum, 1)
-    plan = StepPlan.of(cfg, rows, global_batch)
-    return plan.schedule(t.epochs, t.max_steps)
+    per_step = default_global_batch(t.micro_batch_size, t.grad_accum, processes)
+    plan = StepPlan.of(cfg, rows, t.global_batch_size or per_step)
+    line = plan.schedule(t.epochs, t.max_steps)
+    if t.global_batch_size:
+        return line
+    return f"{line}, on {processes} process{'es' if processes > 1 else ''}"
 
 
 def check_model(
