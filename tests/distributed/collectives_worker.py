@@ -23,6 +23,7 @@ from keel.distributed.process_group import (
 )
 from keel.distributed.strategy import Strategy
 from keel.errors import KeelError
+from keel.train.same_data import check_same_data
 
 
 def wrapped(strategy: Strategy, ctx) -> nn.Module:
@@ -75,6 +76,13 @@ def main(out: Path) -> None:
         on_main(ctx, lambda: (_ for _ in ()).throw(KeelError("output.dir is not empty")))
     except KeelError as exc:
         seen["on_main_failure"] = str(exc)
+    # The same data everywhere passes; rank 1 with other rows stops every rank, named.
+    check_same_data("a" * 64, ctx)
+    try:
+        check_same_data("a" * 64 if ctx.is_main else "b" * 64, ctx)
+        seen["other_data"] = "no error"
+    except KeelError as exc:
+        seen["other_data"] = str(exc)
     (out / f"rank-{ctx.rank}.json").write_text(json.dumps(seen))
     shutdown(ctx)
 

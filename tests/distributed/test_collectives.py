@@ -41,3 +41,7 @@ def test_object_collectives_work_in_every_strategy(tmp_path):
         ranks[1]["rank0_failure"] == "rank 0 failed while preparing: ValueError: bad dataset row 7"
     )
     assert ranks[1]["on_main_failure"] == "rank 0 failed: KeelError: output.dir is not empty"
+    # A rank that prepared other data than rank 0: every rank refuses, naming it
+    for seen in ranks:
+        assert seen["other_data"].startswith("rank 1 (host "), seen["other_data"]
+        assert "prepared other data than rank 0" in seen["other_data"]

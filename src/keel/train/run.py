@@ -64,6 +64,7 @@ from keel.train.reference import (
 from keel.train.resume import ResumePoint, find_resume_point
 from keel.train.rollouts import RolloutBatchSource, RolloutContext, refuse_uneven_prompts
 from keel.train.run_loop import RunEnv, TrainingLoop
+from keel.train.same_data import check_same_data
 from keel.train.stops import Preemption
 from keel.train.threads import set_threads
 from keel.train.watch import PlannedRun, instrument, plan_memory, watching
@@ -217,6 +218,8 @@ def _check_inputs(run: _Run) -> Preflight:
             checked = preflight(
                 cfg, base_dir=run.base_dir, log=env.log, device=dist.device, model_dir=hub_dir
             )
+    with env.phase("prepare", cfg.distributed.preprocess_timeout_s):  # once all have prepared
+        check_same_data(checked.data.fingerprint, dist)
     return checked
 
 
