@@ -96,12 +96,7 @@ def check_finite(
             else None
         )
         if which:
-            kept_checkpoint = newest()
-            kept = (
-                f"the newest complete checkpoint, {kept_checkpoint}, is kept"
-                if kept_checkpoint
-                else "no checkpoint was saved before it"
-            )
+            kept = _kept(newest())
             raise Diverged(
                 f"training diverged at step {first_step + offset}: {which}. Nothing after "
                 f"it was saved and no final outputs were written; {kept}. Lower train.lr, "
@@ -138,12 +133,7 @@ class SkippedSteps:
         (every rank's: the scaler agrees on overflows) below MIN_LOSS_SCALE."""
         if self.since is None or scale >= MIN_LOSS_SCALE:
             return
-        kept_checkpoint = newest()
-        kept = (
-            f"the newest complete checkpoint, {kept_checkpoint}, is kept"
-            if kept_checkpoint
-            else "no checkpoint was saved before it"
-        )
+        kept = _kept(newest())
         raise Diverged(
             f"training diverged under fp16 at step {step}: every step since step "
             f"{self.since} had non-finite gradients (the last loss {self.loss}), so the loss "
@@ -153,3 +143,10 @@ class SkippedSteps:
             f"where the hardware allows, or lower train.lr and add warm-up "
             f"(train.warmup_steps), and run again"
         )
+
+
+def _kept(checkpoint: Path | None) -> str:
+    """What a diverged run leaves to resume from."""
+    if checkpoint is None:
+        return "no checkpoint was saved before it"
+    return f"the newest complete checkpoint, {checkpoint}, is kept"
