@@ -471,6 +471,10 @@ def test_special_tokens_equal_to_the_tokenizer_s_own_are_ignored_others_refused(
     assert fates["special_tokens.pad_token"].fate == "ignored"
     assert fates["special_tokens.sep_token"].fate == "refused"
     assert "it has no sep_token, this asks for '|'" in fates["special_tokens.sep_token"].why
+    (model / "tokenizer_config.json").unlink()  # an older tokenizer: its special tokens map
+    (model / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>"}))
+    older = _fates({"base_model": str(model), "special_tokens": {"bos_token": "<s>"}})
+    assert older["special_tokens.bos_token"].fate == "ignored"
     other = _fates({"base_model": str(model), "special_tokens": {"bos_token": "<|begin|>"}})
     refused = other["special_tokens.bos_token"]
     assert refused.fate == "refused"

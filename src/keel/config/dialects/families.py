@@ -29,21 +29,27 @@ class Model:
 
     def special_tokens(self) -> dict[str, str] | None:
         """The tokenizer's named special tokens (bos_token, eos_token, unk_token, ...) from
-        its tokenizer_config.json, None where that is not on this machine."""
-        found = _local_file(self.path, self.revision, "tokenizer_config.json")
-        try:
-            saved = json.loads(found.read_text(encoding="utf-8")) if found else None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            return None
-        if not isinstance(saved, dict):
-            return None
-        tokens = {}
-        for name, value in saved.items():
-            if isinstance(value, dict):  # an AddedToken as transformers saves it
-                value = value.get("content")
-            if name.endswith("_token") and isinstance(value, str):
-                tokens[name] = value
-        return tokens
+        its tokenizer_config.json and special_tokens_map.json (older tokenizers keep them
+        there), None where neither is on this machine."""
+        tokens, found_any = {}, False
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
+            saved = _json_file(_local_file(self.path, self.revision, name))
+            found_any = found_any or saved is not None
+            for key, value in (saved or {}).items():
+                if isinstance(value, dict):  # an AddedToken as transformers saves it
+                    value = value.get("content")
+                if key.endswith("_token") and isinstance(value, str):
+                    tokens[key] = value
+        return tokens if found_any else None
+
+
+def _json_file(path: Path | None) -> dict | None:
+    """A JSON object file's contents; None when it is absent or not one."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")) if path else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def model_of(raw: dict, key: str, revision_key: str, override: dict) -> Model:
@@ -60,13 +66,9 @@ def model_of(raw: dict, key: str, revision_key: str, override: dict) -> Model:
 
 
 def _model_type(path: str, revision: str) -> str | None:
-    config = _local_file(path, revision, "config.json")
-    if config is None:
-        return None
-    try:
-        found = json.loads(config.read_text(encoding="utf-8")).get("model_type")
-    except (AttributeError, OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None  # no config.json (or not one keel can read): keel's loader says so
+    """config.json's model_type where the file is on this machine (else keel's loader says
+    what is missing)."""
+    found = (_json_file(_local_file(path, revision, "config.json")) or {}).get("model_type")
     return str(found) if found else None
 
 
