@@ -148,3 +148,41 @@ def test_what_grpo_cannot_train_with_is_refused_at_once(tiny_model_dir, tmp_path
     assert "output.save_every" not in result.stderr
     assert "grpo.rewards.1 = 'rewards.py:missing'" in result.stderr
     assert not (folder / "out" / "metrics.jsonl").exists()
+
+
+def test_a_preemption_inside_a_rollout_saves_it_and_the_same_command_resumes_exactly(
+    tiny_model_dir, tmp_path, whole_runs, monkeypatch
+):
+    """SIGUSR1 (train.preempt_signal) after step 3, the first of the second rollout's 2
+    steps: the preemption checkpoint holds the rollout, and the same command then trains
+    step 4 on it, as the uninterrupted run did."""
+    import os
+    import signal
+
+    from keel.checkpoint.layout import PROCESS_DIR, complete_checkpoints
+    from keel.config import load_config
+    from keel.errors import Preempted
+    from keel.train.run import run_training
+
+    previous = signal.signal(signal.SIGUSR1, lambda _n, _f: None)  # never pytest's end
+    try:
+        folder = write_run(tmp_path / "preempted", tiny_model_dir, steps=4, every=1)
+        monkeypatch.chdir(folder)
+        overrides = ["grpo.num_iterations=2", "train.preempt_signal=SIGUSR1"]
+        cfg = load_config(folder / "grpo.yaml", overrides)
+
+        def signal_after_3(step, _record):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+        with pytest.raises(Preempted, match="SIGUSR1.*finished step 3"):
+            run_training(cfg, base_dir=folder, log=lambda _m: None, on_step_end=signal_after_3)
+        (saved,) = [p for p in complete_checkpoints(folder / "out") if p.name.endswith("3")]
+        assert (saved / PROCESS_DIR / "rank-00000.json").is_file()
+        run_training(load_config(folder / "grpo.yaml", overrides), base_dir=folder, log=print)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    resumed = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").open()]
+    whole = whole_runs("grpo.num_iterations=2")
+    for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
+        assert [r[key] for r in resumed] == [r[key] for r in whole], key
