@@ -28,12 +28,8 @@ from keel.train.batch_source import StepPlan
 from keel.train.completions_log import CompletionsLog
 from keel.train.grpo_objective import PolicyGradientObjective
 from keel.train.loop import Trainer
-from keel.train.rollouts import (
-    RolloutBatchSource,
-    RolloutContext,
-    refuse_uneven_prompts,
-    sample_seed,
-)
+from keel.train.rollout_rows import refuse_uneven_prompts, sample_seed
+from keel.train.rollouts import RolloutBatchSource, RolloutContext
 from tests.conftest import build_tiny_model
 
 GROUP = 4

@@ -14,7 +14,6 @@ steps on it, as the uninterrupted run does.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -23,17 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from keel.data.shared_prompt import PROMPT_LEN, can_share, unshare
-from keel.errors import CheckpointError, ConfigError
+from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
 from keel.losses.grpo import group_advantages, loss_unit
 from keel.rewards import RewardInputs, score_rewards, weighted_rewards
-from keel.stages.registry import get_stage
 from keel.train.batch_source import StepBatch, StepPlan
 from keel.train.completions_log import CompletionRecord
 from keel.train.rollout_generation import generation_ready
 from keel.train.rollout_metrics import RolloutTally, rollout_metrics
+from keel.train.rollout_rows import NO_TARGET, per_row, rank_block, rollout_row, sample_seed
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -43,64 +41,6 @@ if TYPE_CHECKING:
     from keel.stages.grpo import GrpoSettings
     from keel.train.completions_log import CompletionsLog
     from keel.train.loop import Trainer
-
-NO_TARGET = -100
-
-
-def sample_seed(seed: int, generation_step: int, row: int) -> int:
-    """The sampling seed of prompt row `row` at generation step `generation_step`: a stable
-    hash (never Python's salted hash(), never the rank); completion j draws from seed + j."""
-    digest = hashlib.blake2b(f"{seed}/{generation_step}/{row}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2  # room for + j below torch's 2**64 bound
-
-
-def rank_block(window: list[int], dp_rank: int, dp_size: int) -> list[int]:
-    """Data-parallel rank `dp_rank`'s contiguous share of the window's prompts."""
-    size = math.ceil(len(window) / dp_size)
-    return window[dp_rank * size : (dp_rank + 1) * size]
-
-
-def refuse_uneven_prompts(stage: str, global_batch: int, dp_size: int) -> None:
-    """A stage trained on prompts (grpo) gives each data-parallel process an equal,
-    contiguous block of a step's prompts, so that a group of completions lies on one process
-    and every process does the same work: refuse a global batch that does not divide."""
-    if get_stage(stage).unit != "prompt" or global_batch % dp_size == 0:
-        return
-    lower = max(dp_size, global_batch - global_batch % dp_size)
-    raise ConfigError(
-        [
-            f"train.global_batch_size = {global_batch} prompts is not a multiple of the "
-            f"{dp_size} data-parallel processes: {stage} gives each process an equal block "
-            f"of prompts; use {lower} or {lower + dp_size}"
-        ]
-    )
-
-
-def rollout_row(
-    prompt_ids: list[int], completion_ids: list[int], advantage: float, *, trained: bool
-) -> dict:
-    """A ROLLOUT row: prompt + completion, targets pre-shifted onto the completion's tokens.
-
-    A completion that is not `trained` (truncated, under mask_truncated_completions) keeps
-    its targets but has `kept` [0.0]: the objective weighs its tokens 0 and leaves them out of
-    every count. Its log-probs are still computed, so every micro-batch's loss reaches every
-    parameter the forward uses (a micro-batch of only such rows would otherwise have no
-    graph to run backward through, and DDP would wait for gradients that never come).
-    `num_targets` counts the trained target tokens (dapo's unit). `prompt_len` lets a
-    padding-free micro-batch compute a prompt once for all its completions
-    (keel.data.shared_prompt)."""
-    ids = [*prompt_ids, *completion_ids]
-    targets = [NO_TARGET] * len(ids)
-    targets[len(prompt_ids) - 1 : len(ids) - 1] = completion_ids
-    return {
-        "input_ids": ids,
-        "targets": targets,
-        "position_ids": list(range(len(ids))),
-        PROMPT_LEN: len(prompt_ids),
-        "num_targets": len(completion_ids) if trained else 0,
-        "advantages": [float(advantage)],
-        "kept": [1.0 if trained else 0.0],
-    }
 
 
 @dataclass(kw_only=True)
@@ -369,7 +309,7 @@ class RolloutBatchSource:
                 mask = batch["targets"] != NO_TARGET  # [B, T]
                 logps = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device)
                 logps[mask] = flat.float()
-                for row, values in zip(rows, _per_row(logps, rows, trainer.padding_free)):
+                for row, values in zip(rows, per_row(logps, rows, trainer.padding_free)):
                     row["old_logps"] = values
         # a filler of its own (this rank had no prompts) trains with weight zero: any values
         filler.setdefault("old_logps", [0.0] * len(filler["input_ids"]))
@@ -455,9 +395,9 @@ class RolloutBatchSource:
                 f"{len(window)} prompts x {self.group} make {len(window) * self.group}; set "
                 f"train.resume=never to start over, or resume from another checkpoint"
             )
-        block = math.ceil(len(window) / self.dist.dp_size)
-        start = self.dist.dp_rank * block
-        mine = rows[start * self.group : (start + block) * self.group]
+        groups = [rows[i * self.group : (i + 1) * self.group] for i in range(len(window))]
+        mine = [row for group in rank_block(groups, self.dist.dp_rank, self.dist.dp_size)
+                for row in group]  # fmt: skip
         filler = mine[0] if mine else self._filler_row(window[0])
         filler.setdefault("old_logps", [0.0] * len(filler["input_ids"]))
         samples = by_rank[0]["samples"] if self.ctx.completions is not None else []
@@ -504,18 +444,3 @@ def _at_step(record: CompletionRecord, step: int) -> CompletionRecord:
         reward=record.reward,
         advantage=record.advantage,
     )
-
-
-def _per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[list[float]]:
-    """Split a micro-batch's [B, T] per-token values back into its rows (padded: row b is
-    batch row b; padding-free: batch row 0 holds them, each prompt once, as
-    keel.data.shared_prompt lays them out, or end to end)."""
-    if padding_free and can_share(rows):
-        return unshare(logps[0].float().cpu().tolist(), rows)
-    values, start = [], 0
-    for b, row in enumerate(rows):
-        n = len(row["input_ids"])
-        line = logps[0, start : start + n] if padding_free else logps[b, :n]
-        values.append(line.float().cpu().tolist())
-        start += n
-    return values

@@ -62,7 +62,8 @@ from keel.train.reference import (
     precompute_reference,
 )
 from keel.train.resume import ResumePoint, find_resume_point
-from keel.train.rollouts import RolloutBatchSource, RolloutContext, refuse_uneven_prompts
+from keel.train.rollout_rows import refuse_uneven_prompts
+from keel.train.rollouts import RolloutBatchSource, RolloutContext
 from keel.train.run_loop import RunEnv, TrainingLoop
 from keel.train.same_data import check_same_data
 from keel.train.stops import Preemption
