@@ -266,14 +266,19 @@ def launch_smoke_test(
     timeout_s: float,
     collective_timeout_s: float,
     gpus: int,
-    environ: Mapping[str, str] = os.environ,
+    environ: Mapping[str, str] | None = None,
 ) -> dict:
     """Run the checks in NPROC processes through torchrun; never raises.
+
+    `environ` None: the process's environment at this call. Not bound as the default at
+    import: `datasets`' map with num_proc > 1 rebinds `os.environ` to a new object, and a
+    bound default would miss what was set since (keel.faults reads it the same way).
 
     Returns {"ok", "seconds", "detail", "processes", "checks"} plus "stderr_tail" on a
     failure. With one GPU the workers run on the CPU (keel gives each process its own GPU,
     so two cannot share one) and the detail says CUDA collectives were not tested.
     """
+    environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items() if k not in TORCHRUN_VARS}  # a job of its own
     env["OMP_NUM_THREADS"] = "1"
     untested = ""
