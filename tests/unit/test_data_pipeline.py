@@ -162,6 +162,26 @@ def test_all_labels_masked_after_truncation(run):
         run([GOOD[0], long_question], cutoff_len=48, overlength="truncate")
 
 
+def test_train_on_prompt_trains_the_prompt_tokens_as_well(run, tiny_tokenizer):
+    system = {"role": "system", "content": "be brief"}
+    rows = [{"messages": [system, *conversation(i)["messages"]]} for i in range(3)]
+    answers_only = run(rows)
+    everything = run(rows, train_on_prompt=True)
+    assert everything.fingerprint != answers_only.fingerprint  # not the other's cache
+    assert "train_on_prompt on" in everything.report.format()
+    assert "train_on_prompt" not in answers_only.report.format()
+    for masked, full in zip(answers_only.train, everything.train, strict=True):
+        ids = full["input_ids"]
+        assert masked["input_ids"] == ids  # the same tokens; only what trains differs
+        assert full["targets"] == ids[1:] + [-100]  # every next token, the prompt's too
+        trained = [t for t in masked["targets"] if t != -100]
+        # negative control: without it the prompt (system and user turns) does not train
+        assert "be brief" not in tiny_tokenizer.decode(trained)
+        assert "be brief" in tiny_tokenizer.decode([t for t in full["targets"] if t != -100])
+        assert 0 < full["num_targets"] - masked["num_targets"] < len(ids)
+    assert everything.report.train.targets == sum(r["num_targets"] for r in everything.train)
+
+
 # --- pretraining ----------------------------------------------------------------------
 
 
@@ -252,6 +272,8 @@ def test_cache_misses_when_inputs_change(run, tmp_path):
     assert run(GOOD, cutoff_len=512).fingerprint != first.fingerprint
     assert run(GOOD, packing=True).fingerprint != first.fingerprint
     assert run(GOOD, stage="pt").fingerprint != first.fingerprint
+    # settings added later leave older caches' fingerprints as they were when unset
+    assert run(GOOD, train_on_prompt=False).fingerprint == first.fingerprint
     changed = run(GOOD[:9])  # rewrites the file
     assert not changed.from_cache and len(changed.train) == 9
 

@@ -209,19 +209,33 @@ def test_prompts_are_never_packed_and_the_report_counts_prompts(run):
     assert "train: 4 prompts in 4 rows" in report and "trained tokens" not in report
 
 
-@pytest.mark.parametrize("stage", ["grpo", "sft"])
-def test_packing_is_refused_for_prompts_only(stage, tmp_path):
+def _data_problems(tmp_path, stage: str, key: str, **data) -> list[str]:
+    """check_config's problems about data.`key` for train.stage `stage` and these data settings."""
     cfg = RunConfig(
         model=ModelConfig(path=str(tmp_path / "model")),
-        data=DataConfig(datasets=[DatasetConfig(path="d.jsonl")], packing=True),
+        data=DataConfig(datasets=[DatasetConfig(path="d.jsonl")], **data),
         output=OutputConfig(dir=str(tmp_path / "run")),
         train=TrainConfig(stage=stage),
     )
-    packing = [p for p in check_config(cfg) if p.startswith("data.packing")]
+    return [p for p in check_config(cfg) if p.startswith(f"data.{key}")]
+
+
+@pytest.mark.parametrize("stage", ["grpo", "sft"])
+def test_packing_is_refused_for_prompts_only(stage, tmp_path):
+    packing = _data_problems(tmp_path, stage, "packing", packing=True)
     if stage == "grpo":
         assert len(packing) == 1 and "prompt rows are never packed" in packing[0]
     else:
         assert packing == []
+
+
+@pytest.mark.parametrize("stage", ["sft", "pt", "dpo", "kto", "grpo"])
+def test_train_on_prompt_is_refused_outside_sft(stage, tmp_path):
+    found = _data_problems(tmp_path, stage, "train_on_prompt", train_on_prompt=True)
+    if stage == "sft":
+        assert found == []
+    else:
+        assert len(found) == 1 and f"(it is {stage}: " in found[0]
 
 
 def test_the_second_prepare_loads_the_cache(run):

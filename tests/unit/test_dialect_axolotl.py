@@ -358,9 +358,23 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
 @pytest.mark.parametrize(
     ("keys", "fates"),
     [
-        ({"train_on_inputs": False}, {"train_on_inputs": "ignored"}),
-        ({"train_on_inputs": True}, {"train_on_inputs": "refused"}),
+        ({"train_on_inputs": False}, {"train_on_inputs": "mapped"}),
+        ({"train_on_inputs": True}, {"train_on_inputs": "mapped"}),
+        ({"train_on_inputs": True, "rl": "dpo"}, {"train_on_inputs": "ignored"}),
         ({"save_strategy": "steps", "save_steps": 10}, {"save_strategy": "ignored"}),
+        (
+            {"peft_use_rslora": True, "loraplus_lr_ratio": 16, "loraplus_lr_embedding": 1e-6},
+            {"peft_use_rslora": "mapped", "loraplus_lr_ratio": "mapped"},
+        ),
+        ({"cosine_min_lr_ratio": 0.1}, {"cosine_min_lr_ratio": "mapped"}),
+        (
+            {"cosine_min_lr_ratio": 0.1, "lr_scheduler": "linear"},
+            {"cosine_min_lr_ratio": "ignored"},
+        ),
+        (
+            {"lr_scheduler": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}},
+            {"lr_scheduler": "mapped", "lr_scheduler_kwargs": "mapped"},
+        ),
         ({"save_strategy": "epoch"}, {"save_strategy": "refused"}),
         ({"fsdp_version": 2}, {"fsdp_version": "ignored"}),
         ({"eot_tokens": ["<end_of_turn>"]}, {"eot_tokens": "ignored"}),
@@ -393,6 +407,25 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
 def test_keys_of_their_other_examples(keys, fates):
     found = _fates({"base_model": "m", **keys})
     assert {key: found[key].fate for key in fates} == fates
+
+
+def test_the_lora_variants_and_the_floor_land_in_keels_keys():
+    raw = {
+        "base_model": "m",
+        "adapter": "lora",
+        "lora_r": 8,
+        "lora_alpha": 16,
+        "peft_use_rslora": True,
+        "loraplus_lr_ratio": "16",
+        "learning_rate": "2e-4",
+        "lr_scheduler": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr": 2e-5},
+    }
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.refused() == []
+    lora, train = translation.config["method"]["lora"], translation.config["train"]
+    assert (lora["rslora"], lora["plus_lr_ratio"]) == (True, 16.0)
+    assert (train["scheduler"], train["min_lr_ratio"]) == ("cosine", pytest.approx(0.1))
 
 
 def test_their_8bit_optimizers_and_activation_offloading():

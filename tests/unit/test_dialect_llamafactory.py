@@ -344,6 +344,48 @@ def test_lora_rank_and_alpha_as_they_read_them(tmp_path):
     assert refused.key == "lora_rank" and "their default 8" in refused.why
 
 
+@pytest.mark.parametrize(("stage", "fate"), [("sft", "mapped"), ("dpo", "ignored")])
+def test_train_on_prompt_is_keels_for_sft_and_read_by_no_other_stage(stage, fate, tmp_path):
+    raw = {"model_name_or_path": "m", "do_train": True, "stage": stage, "train_on_prompt": True}
+    translation = translate(raw, tmp_path / "x.yaml")
+    found = {f.key: f for f in translation.fates}["train_on_prompt"]
+    assert found.fate == fate
+    data = translation.config.get("data", {})
+    assert data.get("train_on_prompt") is (True if stage == "sft" else None)
+
+
+def test_lora_variants_and_the_cosine_floor_are_keels(tmp_path):
+    raw = {
+        "model_name_or_path": "m",
+        "do_train": True,
+        "use_rslora": True,
+        "loraplus_lr_ratio": 16.0,
+        "loraplus_lr_embedding": 1e-6,
+        "learning_rate": 1e-4,
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr": 1e-5},
+    }
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.refused() == []
+    lora, train = translation.config["method"]["lora"], translation.config["train"]
+    assert (lora["rslora"], lora["plus_lr_ratio"]) == (True, 16.0)
+    assert (train["scheduler"], train["min_lr_ratio"]) == ("cosine", pytest.approx(0.1))
+    assert {f.key: f.fate for f in translation.fates}["loraplus_lr_embedding"] == "ignored"
+    raw["lr_scheduler_kwargs"] = {"min_lr_rate": 0.2}
+    assert translate(raw, tmp_path / "x.yaml").config["train"]["min_lr_ratio"] == 0.2
+    for kwargs in ({"num_cycles": 2, "min_lr_rate": 0.1}, {}, {"min_lr_rate": 0.1, "min_lr": 0}):
+        refused = {
+            f.key
+            for f in translate(
+                {**raw, "lr_scheduler_kwargs": kwargs}, tmp_path / "x.yaml"
+            ).refused()
+        }
+        assert refused == ({"lr_scheduler_type"} if not kwargs else {"lr_scheduler_kwargs"})
+    raw.update(lr_scheduler_type="linear", lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    (refused,) = translate(raw, tmp_path / "x.yaml").refused()
+    assert "keel's schedules take no arguments" in refused.why
+
+
 def test_keyfate_needs_a_why_for_ignored_and_refused():
     with pytest.raises(AssertionError):
         KeyFate("x", "ignored")

@@ -73,6 +73,8 @@ def test_the_same_run_resumes(finished, tmp_path):
         ("data.cutoff_len=60", "data.cutoff_len", "64", "60"),  # the key, not the fingerprint
         ("train.optimizer=adamw_8bit", "train.optimizer", "'adamw'", "'adamw_8bit'"),
         ("method.type=qlora", "method.type", "'lora'", "'qlora'"),
+        ("method.lora.rslora=true", "method.lora.rslora", "False", "True"),
+        ("train.min_lr_ratio=0.1", "train.min_lr_ratio", "0.0", "0.1"),
     ],
     ids=[
         "method",
@@ -84,6 +86,8 @@ def test_the_same_run_resumes(finished, tmp_path):
         "data",
         "optimizer",
         "lora-to-qlora",
+        "rslora",
+        "min-lr",
     ],
 )
 def test_a_changed_setting_is_refused_naming_the_key(finished, tmp_path, override, key, old, new):
@@ -220,6 +224,27 @@ def test_a_checkpoint_from_before_stage_sections_resumes(finished, tmp_path):
         meta["config"]["preference"] = {"beta": 0.1, "loss_type": "sigmoid", "gamma": 0.5}
         meta_path.write_text(json.dumps(meta))
     assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
+
+
+def _as_before_the_lora_variants(out):
+    """Edit the checkpoints' meta.json as keels before rsLoRA, LoRA+, the lr floor and
+    data.train_on_prompt wrote it."""
+    for meta_path in out.glob("checkpoints/*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        for lora in (meta["run"]["method"]["lora"], meta["config"]["method"]["lora"]):
+            del lora["rslora"], lora["plus_lr_ratio"]
+        del meta["config"]["train"]["min_lr_ratio"], meta["config"]["data"]["train_on_prompt"]
+        meta_path.write_text(json.dumps(meta))
+
+
+def test_a_checkpoint_from_before_the_lora_variants_resumes(finished, tmp_path):
+    out, base = copy_run(finished, tmp_path)
+    _as_before_the_lora_variants(out)
+    assert len(resume(base).losses) == 2  # steps 3 and 4, from step 2
+    out, base = copy_run(finished, tmp_path / "rslora")
+    _as_before_the_lora_variants(out)
+    with pytest.raises(CheckpointError, match="method.lora.rslora was False in the checkpoint"):
+        resume(base, "method.lora.rslora=true")  # it ran without: its default
 
 
 def test_rng_round_trip(tmp_path):

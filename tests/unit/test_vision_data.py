@@ -257,13 +257,24 @@ def test_image_tokens_are_never_targets(tmp_path, qwen):
         }
     ]
     sft = prepare(tmp_path / "sft", qwen, [write_json(tmp_path / "sft.json", sft_rows)])
-    for data in (pt, sft):
+    whole = prepare(
+        tmp_path / "whole",
+        qwen,
+        [write_json(tmp_path / "sft.json", sft_rows)],
+        train_on_prompt=True,
+    )
+    for data in (pt, sft, whole):
         row = data.train[0]
         assert len(row["image_blobs"]) == 2
         image_ids = _image_ids(tokenizer)
         assert sum(t in image_ids for t in row["input_ids"]) > 8
         assert not image_ids & set(row["targets"])
         assert any(t != -100 for t in row["targets"])
+    # data.train_on_prompt: the user's words train too, the images still do not
+    trained = [
+        tokenizer.decode([t for t in d.train[0]["targets"] if t != -100]) for d in (sft, whole)
+    ]
+    assert "look" not in trained[0] and "look" in trained[1]
 
 
 def test_placeholder_and_image_counts_must_match(tmp_path, qwen):

@@ -127,11 +127,16 @@ def _saved_settings(saved: dict) -> dict:
     return {name: value for name, value in (saved.get("preference") or {}).items() if name in knobs}
 
 
+# Method settings added after checkpoints recorded the method: a checkpoint of an older keel
+# holds none of them, and ran with what is now their default.
+_ADDED_LATER = {"method.lora.rslora": False, "method.lora.plus_lr_ratio": None}
+
+
 def _method_differences(old: dict, new: dict, prefix: str = "method") -> list[tuple[str, str]]:
     out = []
     for name in sorted(set(old) | set(new)):
         key = f"{prefix}.{name}"
-        a, b = old.get(name), new.get(name)
+        a, b = old.get(name, _ADDED_LATER.get(key)), new.get(name)
         if isinstance(a, dict) and isinstance(b, dict):
             out += _method_differences(a, b, key)
         elif a != b:

@@ -44,6 +44,9 @@ class LoraConfig:
     alpha: float = 32.0  # LoRA scale is alpha / r
     dropout: float = 0.05  # on the LoRA input; 0 costs no work at all
     targets: str | list[str] = "all-linear"  # "all-linear" or module names, e.g. [q_proj, v_proj]
+    rslora: bool = False  # rank-stabilised LoRA: the scale is alpha / sqrt(r), not alpha / r
+    # LoRA+: the B matrices learn at train.lr x this (their paper suggests 16); unset: one lr
+    plus_lr_ratio: float | None = None
 
 
 @dataclass(kw_only=True)
@@ -117,6 +120,10 @@ class DataConfig:
     # packed rows of pairs up to 2 x cutoff_len
     cutoff_len: int = 1024
     packing: bool = False  # several samples per row, attention kept within each sample
+    # sft only: the loss covers the prompt too (system, user and tool turns, the template's
+    # own tokens), not only the assistant turns (LLaMA-Factory's train_on_prompt, Axolotl's
+    # train_on_inputs); image tokens are never trained
+    train_on_prompt: bool = False
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
     overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
@@ -141,6 +148,7 @@ class TrainConfig:
     global_batch_size: int | None = None
     lr: float = 2e-4  # peak learning rate (AdamW)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = 0.0  # cosine and linear decay to lr x this (e.g. 0.1), not to 0
     warmup_steps: int = 0  # linear warmup from 0 to lr
     warmup_ratio: float = 0.0  # used when warmup_steps is 0
     weight_decay: float = 0.0

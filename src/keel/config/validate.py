@@ -124,6 +124,8 @@ def _check_method(cfg: RunConfig) -> list[str]:
     problems = _positive(lora.r, "method.lora.r") + _positive(lora.alpha, "method.lora.alpha")
     if not 0 <= lora.dropout < 1:
         problems.append(f"method.lora.dropout = {lora.dropout} must be in [0, 1)")
+    if lora.plus_lr_ratio is not None:
+        problems += _positive(lora.plus_lr_ratio, "method.lora.plus_lr_ratio")
     if cfg.method.type == "freeze":
         problems += _positive(
             freeze.trainable_layers,
@@ -172,6 +174,11 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"from one prompt at a time, so prompt rows are never packed; set data.packing=false "
             f"(train.padding_free already lays a micro-batch's completions end to end)"
         )
+    if stage and data.train_on_prompt and stage.unit != "conversation":
+        problems.append(
+            f"data.train_on_prompt = true applies to train.stage sft (it is {stage.name}: "
+            f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
+        )
     for index, ds in enumerate(data.datasets):
         if stage and ds.format != "auto" and ds.format not in stage.formats:
             problems.append(_format_problem(f"data.datasets.{index}.format", ds.format, stage))
@@ -185,6 +192,15 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"hold a dataset_info.json"
         )
     return problems
+
+
+# What each kind of stage trains on, for a data.train_on_prompt outside sft.
+_TRAINED_TOKENS = {
+    "text": "every token is trained already",
+    "pair": "it compares the answers to one prompt, so the prompt is never scored",
+    "sample": "it scores the answer to a prompt, so the prompt is never scored",
+    "prompt": "it trains on the completions it generates",
+}
 
 
 def _check_train(cfg: RunConfig) -> list[str]:
@@ -210,6 +226,8 @@ def _check_train(cfg: RunConfig) -> list[str]:
         problems += _positive(t.epochs, "train.epochs")
     else:
         problems += _positive(t.max_steps, "train.max_steps")
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
     if not 0 <= t.warmup_ratio < 1:
         problems.append(f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):

@@ -94,6 +94,8 @@ def fingerprint(
             for s in sources
         ],
     }
+    if cfg.train_on_prompt:  # added later: data prepared before it keeps its fingerprint
+        payload["train_on_prompt"] = True
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -60,6 +60,7 @@ class EncodeSettings:
     overlength: str  # drop, truncate or error
     vision: VisionProcessing | None = None  # the run's vision-language model, None for text
     media_dir: Path | None = None  # relative image paths are read from here
+    train_on_prompt: bool = False  # sft: every token trains, not only the assistant turns'
 
 
 class RowEncoder:
@@ -148,7 +149,8 @@ class RowEncoder:
         if get_stage(s.stage).unit == "text":  # a conversation pretrained on as plain text
             text = render(self.tokenizer, s.template, content, tools=example.tools)
             return encode_pt(self.tokenizer, text, special_tokens=False)
-        return encode_sft(self.tokenizer, s.template, content, tools=example.tools)
+        ids, mask = encode_sft(self.tokenizer, s.template, content, tools=example.tools)
+        return ids, [True] * len(ids) if s.train_on_prompt else mask
 
 
 def _has_tool_turns(example: Example) -> bool:

@@ -199,6 +199,7 @@ def _empty_report(cfg: DataConfig, stage: str) -> DataReport:
         overlength=cfg.overlength,
         on_invalid=cfg.on_invalid,
         packing=cfg.packing,
+        train_on_prompt=cfg.train_on_prompt,
     )
 
 
@@ -302,6 +303,7 @@ def _settings(run: _Encoding, src: Source, spec: FormatSpec) -> EncodeSettings:
         overlength=run.cfg.overlength,
         vision=run.vision,
         media_dir=src.media_dir,
+        train_on_prompt=run.cfg.train_on_prompt,
     )
 
 

@@ -68,6 +68,7 @@ class DataReport:
     overlength: str
     on_invalid: str
     packing: bool
+    train_on_prompt: bool = False  # sft: the prompt's tokens train as well
     files: list[FileStats] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     drops: list[Rejection] = field(default_factory=list)  # dropped rows that have a reason
@@ -94,6 +95,11 @@ class DataReport:
             f"data: stage {self.stage}, template {self.template}, cutoff_len {self.cutoff_len}, "
             f"overlength {self.overlength}, on_invalid {self.on_invalid}, "
             f"packing {'on' if self.packing else 'off'}"
+            + (
+                ", train_on_prompt on (the prompt's tokens train too)"
+                if self.train_on_prompt
+                else ""
+            )
         ]
         lines += _file_table([*self.files, self.totals()])
         stage_unit = get_stage(self.stage).unit

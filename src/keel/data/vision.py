@@ -110,6 +110,8 @@ def encode_with_images(
     prepared = prepare_images(settings.vision, example.images, settings.media_dir)
     expanded = expand_placeholders(content, prepared)
     text, ids, mask, offsets = _tokenize(tokenizer, settings, expanded, last_only)
+    if settings.train_on_prompt:
+        mask = [True] * len(ids)
     spans = image_spans(text, offsets, prepared)
     _check_image_tokens(tokenizer, settings.vision, ids, spans, prepared)
     for start, end in spans:

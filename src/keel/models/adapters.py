@@ -261,6 +261,7 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=_lora_targets(lora),
+        use_rslora=lora.rslora,
         task_type=TaskType.CAUSAL_LM,
         **vision_settings,
     )
@@ -268,7 +269,10 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
     # also names modules its exclude_modules then skipped: a vision tower's).
     wrapped = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
-    log(f"LoRA r={lora.r} alpha={lora.alpha} on: {', '.join(sorted(wrapped))}")
+    scale = (
+        f" (rsLoRA: scale alpha/sqrt(r) = {lora.alpha / lora.r**0.5:.3g})" if lora.rslora else ""
+    )
+    log(f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}")
     return peft_model
 
 

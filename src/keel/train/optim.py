@@ -13,8 +13,13 @@ from keel.quant import import_torchao
 from keel.quant.optim_state import LOW_BIT, MIN_NUMEL, adamw_state_bytes
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: TrainConfig, lora_plus_ratio: float | None = None
+) -> torch.optim.Optimizer:
     """AdamW over trainable parameters; biases and norm weights (1-D) get no weight decay.
+    `lora_plus_ratio` (method.lora.plus_lr_ratio, LoRA+): the LoRA B matrices' groups learn
+    at train.lr x this; each group's `lr_scale` is the multiple of train.lr it learns at,
+    which the schedule keeps (`build_scheduler`).
 
     train.optimizer adamw: torch's AdamW, moments in the parameters' dtype. adamw_8bit /
     adamw_4bit: torchao's AdamW8bit / AdamW4bit (keel.quant.optim_state), the same update
@@ -28,15 +33,24 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     torchao adds to torch's `weights_only` allow-list on import, so keel's loader reads
     them as it reads plain tensors.
     """
-    decay, no_decay = [], []
-    for param in model.parameters():
+    scales = (1.0, lora_plus_ratio or 1.0)
+    # (scale index, decays) -> params; the train.lr groups first, so param_groups[0] (the lr
+    # keel logs) is train.lr's
+    grouped: dict[tuple[int, bool], list] = {(i, d): [] for i in (0, 1) for d in (True, False)}
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            plus = lora_plus_ratio is not None and _is_lora_b(name)
+            grouped[(int(plus), param.ndim >= 2)].append(param)
     groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+        {
+            "params": params,
+            "weight_decay": cfg.weight_decay if decays else 0.0,
+            "lr": cfg.lr * scales[index],
+            "lr_scale": scales[index],
+        }
+        for (index, decays), params in grouped.items()
+        if params
     ]
-    groups = [g for g in groups if g["params"]]
     assert groups, "no trainable parameters"
     hyper = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     if cfg.optimizer == "adamw":
@@ -45,13 +59,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     return getattr(optim, LOW_BIT[cfg.optimizer].cls)(groups, **hyper)
 
 
+def _is_lora_b(name: str) -> bool:
+    """A LoRA B matrix (PEFT's names: lora_B for linear layers, lora_embedding_B)."""
+    return any(part in ("lora_B", "lora_embedding_B") for part in name.split("."))
+
+
 def describe_optimizer(optimizer: torch.optim.Optimizer, choice: str) -> str:
     """One line for the set-up log: which optimizer, what stays full precision, its bytes."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     local = [(_local_numel(p), p.element_size()) for p in params]
     full = sum(adamw_state_bytes("adamw", n, size) for n, size in local) / 2**20
+    scaled = [g for g in optimizer.param_groups if g.get("lr_scale", 1.0) != 1.0]
+    plus = ""
+    if scaled:
+        count, scale = sum(len(g["params"]) for g in scaled), scaled[0]["lr_scale"]
+        plus = f"; LoRA+: the {count} LoRA B matrices learn at {scale:g} x train.lr"
     if choice not in LOW_BIT:
-        return f"optimizer: AdamW (torch), moments in the parameters' dtype ({full:.1f} MiB)"
+        return f"optimizer: AdamW (torch), moments in the parameters' dtype ({full:.1f} MiB){plus}"
     low = LOW_BIT[choice]
     kept = sum(not low.quantised(n) for n, _ in local)
     held = sum(adamw_state_bytes(choice, n, size) for n, size in local) / 2**20
@@ -59,7 +83,7 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, choice: str) -> str:
         f"optimizer: AdamW {low.bits}-bit (torchao), moments in {low.bits}-bit blocks of "
         f"{low.block_size}; {kept} of {len(local)} tensors keep full-precision moments "
         f"(< {MIN_NUMEL} values or not whole blocks); state {held:.1f} MiB per process "
-        f"(AdamW: {full:.1f} MiB)"
+        f"(AdamW: {full:.1f} MiB){plus}"
     )
 
 
@@ -73,10 +97,11 @@ def warmup_steps_for(cfg: TrainConfig, total_steps: int) -> int:
     return int(cfg.warmup_ratio * total_steps)
 
 
-def lr_factor(step: int, *, total_steps: int, warmup: int, kind: str) -> float:
+def lr_factor(step: int, *, total_steps: int, warmup: int, kind: str, floor: float = 0.0) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based).
 
-    Linear warmup over `warmup` steps, then cosine to 0, linear to 0, or constant.
+    Linear warmup over `warmup` steps, then cosine or linear from 1 down to `floor`
+    (train.min_lr_ratio) at the last step, or constant.
     """
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -84,9 +109,8 @@ def lr_factor(step: int, *, total_steps: int, warmup: int, kind: str) -> float:
         return 1.0
     progress = (step - warmup) / max(1, total_steps - warmup)
     progress = min(1.0, progress)
-    if kind == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * decay
 
 
 def build_scheduler(
@@ -96,10 +120,16 @@ def build_scheduler(
     for group in optimizer.param_groups:
         # The schedule multiplies this; torchao's optimizers hold group["lr"] as a tensor,
         # which LambdaLR would copy (keep a float: the same value before and after resume).
-        group["initial_lr"] = cfg.lr
+        group["initial_lr"] = cfg.lr * group.get("lr_scale", 1.0)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: lr_factor(step, total_steps=total_steps, warmup=warmup, kind=cfg.scheduler),
+        lambda step: lr_factor(
+            step,
+            total_steps=total_steps,
+            warmup=warmup,
+            kind=cfg.scheduler,
+            floor=cfg.min_lr_ratio,
+        ),
     )
 
 

@@ -291,7 +291,8 @@ def _build_trainer(
 ) -> Trainer:
     """The optimizer, its learning-rate schedule over the run's steps, and the trainer."""
     cfg, env, dist = run.cfg, run.env, run.env.dist
-    optimizer = build_optimizer(built.objective, cfg.train)
+    plus = cfg.method.lora.plus_lr_ratio if cfg.method.uses_lora else None
+    optimizer = build_optimizer(built.objective, cfg.train, lora_plus_ratio=plus)
     env.detail(describe_optimizer(optimizer, cfg.train.optimizer))
     trainer = Trainer(
         objective=built.objective,

@@ -13,7 +13,13 @@ from pathlib import Path
 from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
-from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
+from keel.config.dialects.build import (
+    Build,
+    optimizer,
+    save_strategy,
+    scheduler,
+    scheduler_kwargs,
+)
 from keel.config.dialects.families import model_of
 from keel.config.dialects.report import Translation, unknown_key
 from keel.config.dialects.templates import axolotl_chat_template, axolotl_chat_template_jinja
@@ -26,6 +32,8 @@ DIRECT = {
     "lora_r": "method.lora.r",
     "lora_alpha": "method.lora.alpha",
     "lora_dropout": "method.lora.dropout",
+    "peft_use_rslora": "method.lora.rslora",
+    "loraplus_lr_ratio": "method.lora.plus_lr_ratio",
     "sequence_len": "data.cutoff_len",
     "val_set_size": "data.val_size",
     "micro_batch_size": "train.micro_batch_size",
@@ -50,6 +58,9 @@ DIRECT = {
 }
 _PER_EPOCH = "keel counts in steps; a count per epoch needs the dataset's size before it is read"
 IGNORED = {
+    "loraplus_lr_embedding": "keel's LoRA+ trains every LoRA B matrix at loraplus_lr_ratio, "
+    "embedding layers' too; this lr is theirs for LoRA on embedding layers, which "
+    "`lora_target_linear` does not adapt",
     "dataset_prepared_path": "keel tokenizes the datasets when the run starts (and caches "
     "them itself); there is no prepared-dataset folder",
     "skip_prepare_dataset": "keel tokenizes the datasets when the run starts",
@@ -352,11 +363,24 @@ def _datasets(build: Build, key: str, value) -> None:
     translate_datasets(build, value)
 
 
-def _train_on_inputs(build: Build, key: str, value) -> None:
-    if value:
-        build.refused(key, "keel trains on the responses only (the prompt is masked)")
+def _scheduler_kwargs(build: Build, key: str, value) -> None:
+    lr = build.raw.get("learning_rate")
+    lr = _number(lr) if isinstance(lr, str) else lr
+    scheduler_kwargs(build, key, value, lr=lr, scheduler_key="lr_scheduler")
+
+
+def _cosine_min_lr_ratio(build: Build, key: str, value) -> None:
+    if build.raw.get("lr_scheduler") in (None, "cosine"):  # their default is cosine
+        build.put(key, "train.min_lr_ratio", value)
     else:
-        build.ignored(key, "false: keel trains on the responses only, as this asks")
+        build.ignored(key, "Axolotl reads it with lr_scheduler: cosine only")
+
+
+def _train_on_inputs(build: Build, key: str, value) -> None:
+    if build.stage in (None, "sft"):
+        build.put(key, "data.train_on_prompt", bool(value))
+    else:  # their preference, KTO, GRPO and completion data ignore it
+        build.ignored(key, f"Axolotl's {build.stage} data does not read it, nor does keel's")
 
 
 def _defaults(build: Build) -> None:
@@ -404,6 +428,8 @@ _HANDLERS = {
     "lora_alpha": _lora_size,
     "optimizer": optimizer,
     "lr_scheduler": scheduler,
+    "lr_scheduler_kwargs": _scheduler_kwargs,
+    "cosine_min_lr_ratio": _cosine_min_lr_ratio,
     "bf16": _precision,
     "fp16": _precision,
     "gradient_checkpointing": _checkpointing,

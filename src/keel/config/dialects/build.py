@@ -90,14 +90,60 @@ def optimizer(build: Build, key: str, value) -> None:
         build.refused(key, why + "adamw_8bit, adamw_torch_4bit)")
 
 
+MIN_LR_SCHEDULER = "cosine_with_min_lr"
+
+
 def scheduler(build: Build, key: str, value) -> None:
-    """The Trainer's `lr_scheduler_type` name as train.scheduler (after train.warmup_*)."""
+    """The Trainer's `lr_scheduler_type` name as train.scheduler (after train.warmup_*);
+    cosine_with_min_lr is cosine with train.min_lr_ratio, from `lr_scheduler_kwargs`."""
     if value in _SCHEDULERS:
         why = "warmup, then constant" if value == "constant_with_warmup" else ""
         build.put(key, "train.scheduler", _SCHEDULERS[value], why)
+    elif value == MIN_LR_SCHEDULER and not build.raw.get("lr_scheduler_kwargs"):
+        why = "needs lr_scheduler_kwargs min_lr_rate or min_lr (the Trainer stops without)"
+        build.refused(key, f"{value}: {why}")
+    elif value == MIN_LR_SCHEDULER:
+        build.put(key, "train.scheduler", "cosine", "down to lr x train.min_lr_ratio")
     else:
-        names = ", ".join(_SCHEDULERS)
+        names = ", ".join([*_SCHEDULERS, MIN_LR_SCHEDULER])
         build.refused(key, f"{value!r}: keel's schedules are {names} (after train.warmup_*)")
+
+
+def scheduler_kwargs(build: Build, key: str, value, *, lr: float, scheduler_key: str) -> None:
+    """The Trainer's `lr_scheduler_kwargs`: cosine_with_min_lr's floor (min_lr_rate, or
+    min_lr over the peak `lr`) as train.min_lr_ratio; keel's other schedules take none."""
+    if not value:
+        build.ignored(key, "empty")
+        return
+    if not isinstance(value, dict):
+        build.refused(key, f"{value!r}: a mapping of the schedule's arguments")
+        return
+    if build.raw.get(scheduler_key) != MIN_LR_SCHEDULER:
+        build.refused(
+            key,
+            f"keel's schedules take no arguments; only {MIN_LR_SCHEDULER}'s "
+            f"min_lr_rate or min_lr are read (train.min_lr_ratio)",
+        )
+        return
+    floor = dict(value)
+    others = {k: v for k, v in floor.items() if k not in ("min_lr_rate", "min_lr", "num_cycles")}
+    if (
+        floor.get("num_cycles", 0.5) != 0.5
+        or others
+        or len(floor.keys() & {"min_lr_rate", "min_lr"}) != 1
+    ):
+        build.refused(
+            key,
+            f"{value!r}: keel reads one of min_lr_rate or min_lr (a half cosine, num_cycles "
+            f"0.5); write train.min_lr_ratio for the floor as a fraction of the peak lr",
+        )
+    elif "min_lr_rate" in floor:
+        build.put(key, "train.min_lr_ratio", floor["min_lr_rate"], "min_lr_rate")
+    elif not isinstance(lr, int | float) or not isinstance(floor["min_lr"], int | float):
+        build.refused(key, f"min_lr {floor['min_lr']!r} over a learning_rate of {lr!r}: numbers")
+    else:
+        ratio = floor["min_lr"] / lr
+        build.put(key, "train.min_lr_ratio", ratio, f"min_lr {floor['min_lr']} / lr {lr}")
 
 
 def save_strategy(build: Build, key: str, value) -> None:

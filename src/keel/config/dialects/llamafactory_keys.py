@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keel.config.dialects.build import Build
+from keel.config.dialects.build import Build, scheduler_kwargs
 from keel.config.dialects.templates import llamafactory_template
 
 
@@ -29,6 +29,8 @@ _DIRECT = {
     "freeze_vision_tower": "model.vision.freeze_tower",
     "freeze_multi_modal_projector": "model.vision.freeze_projector",
     "lora_dropout": "method.lora.dropout",
+    "use_rslora": "method.lora.rslora",
+    "loraplus_lr_ratio": "method.lora.plus_lr_ratio",
     "cutoff_len": "data.cutoff_len",
     "val_size": "data.val_size",
     "preprocessing_num_workers": "data.num_proc",
@@ -51,6 +53,9 @@ _DIRECT = {
 }
 
 _IGNORED = {
+    "loraplus_lr_embedding": "keel's LoRA+ trains every LoRA B matrix at loraplus_lr_ratio, "
+    "embedding layers' too; this lr is theirs for LoRA on embedding layers, which "
+    "`lora_target: all` does not adapt",
     "plot_loss": "keel writes the loss to metrics.jsonl in output.dir every output.log_every "
     "steps; plot it from there",
     "dataloader_num_workers": "keel tokenizes before training and builds batches in the "
@@ -77,7 +82,6 @@ _IGNORED = {
 # Feature switches keel has no counterpart for: off is keel's behaviour, on is refused.
 _SWITCHES = {
     "use_dora": "DoRA adapters are not available; use LoRA",
-    "use_rslora": "rank-stabilised LoRA scaling is not available; keel scales by alpha / r",
     "pissa_init": "PiSSA initialisation is not available",
     "use_galore": "GaLore is not available",
     "use_badam": "BAdam is not available",
@@ -85,7 +89,6 @@ _SWITCHES = {
     "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw or adamw_8bit",
     "use_muon": "Muon is not available",
     "use_llama_pro": "LLaMA Pro block expansion is not available",
-    "train_on_prompt": "keel trains on the responses only (the prompt is masked)",
     "mask_history": "keel trains on every assistant turn, not only the last one",
     "streaming": "keel reads the datasets whole (data.max_samples limits them)",
     "freeze_language_model": "keel trains the language model",
@@ -105,6 +108,18 @@ def _direct(build: Build, key: str, value) -> None:
         build.refused(key, f"{value}: a fraction of the run; keel saves every N steps")
     else:
         build.put(key, _DIRECT.get(key, "method.freeze.trainable_layers"), value)
+
+
+def _train_on_prompt(build: Build, key: str, value) -> None:
+    if build.stage in (None, "sft"):
+        build.put(key, "data.train_on_prompt", bool(value))
+    else:  # their pairwise, KTO and pretraining data ignore it
+        build.ignored(key, f"their {build.stage} stage does not read it, nor does keel's")
+
+
+def _scheduler_kwargs(build: Build, key: str, value) -> None:
+    lr = build.raw.get("learning_rate", 5e-5)  # HF's default
+    scheduler_kwargs(build, key, value, lr=lr, scheduler_key="lr_scheduler_type")
 
 
 def _switch(build: Build, key: str, value) -> None:
@@ -269,6 +284,8 @@ KEY_RULES: dict[str, Rule] = {
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
+    "train_on_prompt": _train_on_prompt,
+    "lr_scheduler_kwargs": _scheduler_kwargs,
     "flash_attn": _flash_attn,
     "template": llamafactory_template,
 }
