@@ -71,6 +71,8 @@ def _fill_data(text: str, dialect: str, data) -> str:
         text = text.replace("{dataset}", LLAMAFACTORY_DATASETS[raw["stage"]])
         return text.replace("{data}", str(data))
     kind = {"dpo": "pairs.jsonl", "kto": "kto.jsonl"}.get(raw.get("rl"), "alpaca.jsonl")
+    if raw.get("reward_model"):  # bradley_terry.chat_template: system/input/chosen/rejected
+        kind = "bradley_terry.jsonl"
     if raw["datasets"][0]["type"] == "chat_template":  # FineTome's ShareGPT-named messages
         kind = "conversations.jsonl"
     return text.replace("{data}", str(data / kind))  # Axolotl: {data} is a data file
@@ -79,7 +81,7 @@ def _fill_data(text: str, dialect: str, data) -> str:
 def _tiny_data(folder):
     """A few rows of each kind their configs read: LLaMA-Factory's dataset_info.json folder
     of the shipped examples plus a text corpus, and Axolotl's alpaca, conversation (from/value,
-    human/gpt), DPO and KTO files."""
+    human/gpt), DPO, KTO and Bradley-Terry (reward model) files."""
     shutil.copytree(ROOT / "examples" / "data" / "llamafactory", folder)
     info = json.loads((folder / "dataset_info.json").read_text())
     info["text_mini"] = {"file_name": "text_mini.jsonl", "columns": {"prompt": "text"}}
@@ -100,6 +102,18 @@ def _tiny_data(folder):
         ],
     )
     shutil.copy(ROOT / "examples" / "data" / "preference" / "kto.jsonl", folder / "kto.jsonl")
+    _jsonl(
+        folder / "bradley_terry.jsonl",  # the columns of argilla/distilabel-intel-orca-dpo-pairs
+        [
+            {
+                "system": "" if i % 2 else "Answer briefly.",
+                "input": q,
+                "chosen": a,
+                "rejected": "No.",
+            }
+            for i, (q, a) in enumerate(QA)
+        ],
+    )
     return folder
 
 

@@ -368,6 +368,18 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
         ),
         ({"cosine_min_lr_ratio": 0.1}, {"cosine_min_lr_ratio": "mapped"}),
         (
+            {"reward_model": True, "num_labels": 1, "center_rewards_coefficient": 0.01},
+            {"num_labels": "ignored", "center_rewards_coefficient": "mapped"},
+        ),
+        ({"num_labels": 2}, {"num_labels": "refused"}),
+        ({"reward_model": True, "num_labels": 2}, {"num_labels": "refused"}),
+        ({"center_rewards_coefficient": 0.01}, {"center_rewards_coefficient": "ignored"}),
+        ({"eval_batch_size": 4}, {"eval_batch_size": "ignored"}),
+        (
+            {"datasets": [{"path": "d.jsonl", "type": "bradley_terry.chat_template"}]},
+            {"datasets.0.type": "refused"},  # a reward model's pairs only
+        ),
+        (
             {"cosine_min_lr_ratio": 0.1, "lr_scheduler": "linear"},
             {"cosine_min_lr_ratio": "ignored"},
         ),
@@ -426,6 +438,24 @@ def test_the_lora_variants_and_the_floor_land_in_keels_keys():
     lora, train = translation.config["method"]["lora"], translation.config["train"]
     assert (lora["rslora"], lora["plus_lr_ratio"]) == (True, 16.0)
     assert (train["scheduler"], train["min_lr_ratio"]) == ("cosine", pytest.approx(0.1))
+
+
+def test_a_bradley_terry_reward_model_reads_their_columns_and_trims_as_they_do():
+    raw = {
+        "base_model": "m",
+        "reward_model": True,
+        "center_rewards_coefficient": 0.01,
+        "datasets": [{"path": "bt.jsonl", "type": "bradley_terry.chat_template"}],
+    }
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.refused() == []
+    config = translation.config
+    assert config["train"]["stage"] == "rm" and config["rm"] == {"center_rewards_coefficient": 0.01}
+    (dataset,) = config["data"]["datasets"]
+    assert dataset == {"path": "bt.jsonl", "format": "preference", "columns": {"prompt": "input"}}
+    assert config["data"]["overlength"] == "truncate"
+    raw["datasets"].append({"path": "pairs.jsonl", "type": "chat_template"})  # not theirs alone
+    assert "overlength" not in translate_axolotl(raw, FIXTURES).config["data"]
 
 
 def test_their_8bit_optimizers_and_activation_offloading():

@@ -15,7 +15,7 @@ class Crash(Exception):
     pass
 
 
-def run_config(model_dir, data_file, out, *overrides, method="lora"):
+def config(model_dir, data_file, out, *overrides, method="lora"):
     base = {
         "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
         "method": {"type": method, "lora": {"r": 4, "alpha": 8, "dropout": 0.1}},
@@ -48,17 +48,19 @@ METHOD_OVERRIDES = {
 
 @pytest.mark.parametrize("method", ["lora", "full", "lora-plus"])
 def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, method):
-    def config(model_dir, data_file, out, method):
+    def method_config(model_dir, data_file, out, method):
         overrides = METHOD_OVERRIDES[method]
-        return run_config(model_dir, data_file, out, *overrides, method=method.split("-")[0])
+        return config(model_dir, data_file, out, *overrides, method=method.split("-")[0])
 
-    full = run_training(config(tiny_model_dir, data_file, tmp_path / "a", method=method), log=quiet)
+    full = run_training(
+        method_config(tiny_model_dir, data_file, tmp_path / "a", method=method), log=quiet
+    )
     assert len(full.losses) == 6
     if method == "lora-plus":  # the ratio and the scale reach the run
         saved = json.loads((tmp_path / "a/adapter_config.json").read_text())
         assert saved["use_rslora"] is True
         plain = run_training(
-            run_config(tiny_model_dir, data_file, tmp_path / "p", "train.max_steps=2"), log=quiet
+            config(tiny_model_dir, data_file, tmp_path / "p", "train.max_steps=2"), log=quiet
         )
         assert plain.losses[1] != pytest.approx(full.losses[1], rel=1e-4)
 
@@ -66,7 +68,7 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
         if step == 5:
             raise Crash()
 
-    cfg_b = config(tiny_model_dir, data_file, tmp_path / "b", method=method)
+    cfg_b = method_config(tiny_model_dir, data_file, tmp_path / "b", method=method)
     with pytest.raises(Crash):
         run_training(cfg_b, log=quiet, on_step_end=crash_at_5)
     assert [p.name for p in complete_checkpoints(tmp_path / "b")] == [
@@ -85,7 +87,7 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
 def test_outputs_of_a_finished_run(tiny_model_dir, data_file, tmp_path):
     out = tmp_path / "run"
     result = run_training(
-        run_config(
+        config(
             tiny_model_dir,
             data_file,
             out,
@@ -118,11 +120,11 @@ def test_crash_mid_save_never_looks_complete(tiny_model_dir, data_file, tmp_path
 
     monkeypatch.setattr(commit, "commit_dir", broken_commit)
     with pytest.raises(OSError):
-        run_training(run_config(tiny_model_dir, data_file, out), log=quiet)
+        run_training(config(tiny_model_dir, data_file, out), log=quiet)
     assert complete_checkpoints(out) == []
     assert (out / "checkpoints/.tmp-step-00000002").is_dir()
     monkeypatch.undo()
-    result = run_training(run_config(tiny_model_dir, data_file, out), log=quiet)
+    result = run_training(config(tiny_model_dir, data_file, out), log=quiet)
     assert len(result.losses) == 6  # started over: the partial save was not a checkpoint
     assert not (out / "checkpoints/.tmp-step-00000002").exists()
 
@@ -132,7 +134,7 @@ def test_bad_data_leaves_no_output_dir(tiny_model_dir, tmp_path):
     bad.write_text('{"instruction": "hi", "output": "hello"}\n{"instruction": \n')
     out = tmp_path / "never"
     with pytest.raises(DataError, match="line 2"):
-        run_training(run_config(tiny_model_dir, bad, out), log=quiet)
+        run_training(config(tiny_model_dir, bad, out), log=quiet)
     assert not out.exists()
 
 
@@ -141,13 +143,13 @@ def test_non_empty_output_dir_is_refused(tiny_model_dir, data_file, tmp_path):
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     with pytest.raises(KeelError, match="not empty"):
-        run_training(run_config(tiny_model_dir, data_file, out, "train.resume=never"), log=quiet)
+        run_training(config(tiny_model_dir, data_file, out, "train.resume=never"), log=quiet)
     assert (out / "precious.txt").read_text() == "keep me"
 
 
 def test_bf16_autocast_training_runs(tiny_model_dir, data_file, tmp_path):
     result = run_training(
-        run_config(
+        config(
             tiny_model_dir,
             data_file,
             tmp_path / "bf16",
@@ -168,7 +170,7 @@ def test_the_saved_tokenizer_keeps_the_training_template(tiny_model_dir, data_fi
     from keel.data.template import CHATML_TEMPLATE
 
     out = tmp_path / "out"
-    cfg = run_config(tiny_model_dir, data_file, out, "data.template=chatml", "train.max_steps=1")
+    cfg = config(tiny_model_dir, data_file, out, "data.template=chatml", "train.max_steps=1")
     run_training(cfg, log=quiet)
     saved = AutoTokenizer.from_pretrained(out).chat_template
     assert saved == CHATML_TEMPLATE

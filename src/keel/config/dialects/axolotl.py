@@ -58,6 +58,7 @@ DIRECT = {
 }
 _PER_EPOCH = "keel counts in steps; a count per epoch needs the dataset's size before it is read"
 IGNORED = {
+    "eval_batch_size": "keel evaluates with train.micro_batch_size",
     "loraplus_lr_embedding": "keel's LoRA+ trains every LoRA B matrix at loraplus_lr_ratio, "
     "embedding layers' too; this lr is theirs for LoRA on embedding layers, which "
     "`lora_target_linear` does not adapt",

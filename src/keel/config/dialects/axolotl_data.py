@@ -19,6 +19,11 @@ _KTO_WHY = (
     "applies data.template"
 )
 _INTEL_WHY = "question/chosen/rejected/system rows: TRL's preference format with prompt=question"
+_BRADLEY_TERRY = "bradley_terry.chat_template"
+_BRADLEY_TERRY_WHY = (
+    "system/input/chosen/rejected rows: TRL's preference format with prompt=input, each "
+    "answer one assistant message, rendered through data.template"
+)
 _FILE_TYPES = ("json", "jsonl", "csv", "parquet", "arrow", "text")
 _ROLE_TAGS = {
     "system": "system_tag",
@@ -72,6 +77,10 @@ def translate_datasets(build: Build, value) -> None:
         else:
             build.refused(prefix, f"{entry!r} must be a mapping with path: and type:")
     build.set("data.datasets", out)
+    bradley_terry = [isinstance(e, dict) and e.get("type") == _BRADLEY_TERRY for e in value]
+    if build.stage == "rm" and all(bradley_terry):
+        why = f"Axolotl's {_BRADLEY_TERRY} trims each sequence to sequence_len"
+        build.kept("data.overlength", "truncate", why + " (keel cuts the answers, never a prompt)")
 
 
 def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
@@ -165,6 +174,8 @@ def _format_of(kind, stage: str) -> tuple[str | None, dict, str]:
         return "kto", {}, _KTO_WHY.format(t=kind)
     if kind in ("chatml.intel", "llama3.intel") and stage in PAIR_STAGES:
         return "preference", {"prompt": "question"}, _INTEL_WHY
+    if kind == _BRADLEY_TERRY and stage == "rm":
+        return "preference", {"prompt": "input"}, _BRADLEY_TERRY_WHY
     if kind == "chat_template.argilla":
         return (
             None,

@@ -16,6 +16,7 @@ _STAGE_KEYS = {
     "kto_undesirable_weight": ("kto", "undesirable_weight"),
     "simpo_gamma": ("simpo", "gamma"),
     "dpo_label_smoothing": ("dpo", "label_smoothing"),
+    "center_rewards_coefficient": ("rm", "center_rewards_coefficient"),
 }
 _TRL_DIRECT = (
     "beta",
@@ -30,7 +31,7 @@ _TRL_DIRECT = (
     "mask_truncated_completions",
 )
 # every top-level key translate_stage_key gives a fate
-STAGE_KEYS = ("rl", "reward_model", "rl_beta", *_STAGE_KEYS, "cpo_alpha", "trl")
+STAGE_KEYS = ("rl", "reward_model", "rl_beta", *_STAGE_KEYS, "cpo_alpha", "trl", "num_labels")
 _TRL_GENERATION = "keel generates the completions with its own engine in the training process"
 _TRL_IGNORED = {
     "use_vllm": _TRL_GENERATION,
@@ -64,6 +65,8 @@ def translate_stage_key(build: Build, key: str, value) -> bool:
         _in_stage(build, key, value, (stage,), name)
     elif key == "cpo_alpha":
         _cpo_alpha(build, key, value)
+    elif key == "num_labels":
+        _num_labels(build, key, value)
     elif key == "trl":
         _trl(build, key, value)
     else:
@@ -111,6 +114,17 @@ def _rl(build: Build, key: str, value) -> None:
             build.set("dpo.loss_type", "ipo")
     else:
         build.refused(key, f"rl: {value!r}; keel's RL stages are {', '.join(_RL)}")
+
+
+def _num_labels(build: Build, key: str, value) -> None:
+    if build.stage == "rm" and value in (None, 1):
+        build.ignored(key, "1: a reward model's one score (keel's score head: hidden -> 1)")
+    else:
+        build.refused(
+            key,
+            f"{value!r}: keel trains sequence classifiers with one score, reward models "
+            f"(reward_model: true) only",
+        )
 
 
 def _in_stage(build: Build, key: str, value, stages: tuple, name: str) -> None:
