@@ -23,15 +23,27 @@ from keel.precision import Precision
 from keel.train.model_setup import build_training_model
 from keel.train.optim import build_optimizer
 
-CASES = [("ddp", "full"), ("ddp", "lora"), ("fsdp", "full"), ("fsdp", "lora"), ("fsdp", "freeze")]
+CASES = [
+    ("ddp", "full"),
+    ("ddp", "lora"),
+    ("fsdp", "full"),
+    ("fsdp", "lora"),
+    ("fsdp", "freeze"),
+    ("fsdp", "lora+modules"),
+]
+# lora+modules: LoRA with the (untied) embeddings and output layer trained in full beside it
+FULL_MODULES = ["embed_tokens", "lm_head"]
 
 
 def run_config(model_dir: Path, strategy: str, method: str) -> dict:
+    lora = {"r": 4, "alpha": 8, "dropout": 0.0}
+    if method == "lora+modules":
+        method, lora["modules_to_save"] = "lora", FULL_MODULES
     return {
         "model": {"path": str(model_dir)},
         "method": {
             "type": method,
-            "lora": {"r": 4, "alpha": 8, "dropout": 0.0},
+            "lora": lora,
             "freeze": {"trainable_layers": 1},
         },
         "data": {"datasets": ["unused.json"], "cutoff_len": 16},

@@ -43,7 +43,27 @@ def assert_same_weights(got_dir, want_dir) -> None:
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
-    return Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)
+    space = Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)
+    _write_untied(tiny_model_dir, space.root / UNTIED)
+    return space
+
+
+UNTIED = "untied-model"  # under the workspace, which every run starts in
+
+
+def _write_untied(model_dir: Path, out: Path) -> None:
+    """The tiny model with an output layer of its own (a copy of the embeddings, moved off
+    them): under FSDP2 its embeddings are then a unit of their own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    tied = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tied.config.tie_word_embeddings = False
+    untied = LlamaForCausalLM(tied.config)
+    untied.load_state_dict(tied.state_dict())
+    with torch.no_grad():
+        untied.lm_head.weight.add_(0.01 * torch.randn(untied.lm_head.weight.shape))
+    untied.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +81,19 @@ CASES = {
     # NF4 base: each process quantises its rows to what one process quantises
     "ddp-qlora": ("ddp", "qlora", ()),
     "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
+    # the embeddings and the output layer trained in full beside LoRA (each sharded in a
+    # unit of its own with its frozen original), LoRA+'s groups and rsLoRA's scale
+    "fsdp-lora-untied-full-modules-merged": (
+        "fsdp",
+        "lora",
+        (
+            f"model.path={UNTIED}",
+            "method.lora.modules_to_save=[embed_tokens, lm_head]",
+            "method.lora.plus_lr_ratio=4",
+            "method.lora.rslora=true",
+            *MERGED,
+        ),
+    ),
 }
 
 

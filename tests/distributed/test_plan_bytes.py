@@ -39,7 +39,7 @@ def odd_model_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("method", ["full", "lora", "freeze"])
+@pytest.mark.parametrize("method", ["full", "lora", "freeze", "lora+modules"])
 def test_one_process_allocates_what_the_plan_says(odd_model_dir, method):
     cfg = load_config(None, base=run_config(odd_model_dir, "auto", method))
     got = measure(cfg, odd_model_dir, DistContext())

@@ -367,6 +367,8 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
             {"peft_use_rslora": "mapped", "loraplus_lr_ratio": "mapped"},
         ),
         ({"cosine_min_lr_ratio": 0.1}, {"cosine_min_lr_ratio": "mapped"}),
+        ({"lora_modules_to_save": ["embed_tokens", "lm_head"]}, {"lora_modules_to_save": "mapped"}),
+        ({"lora_modules_to_save": None}, {"lora_modules_to_save": "ignored"}),
         (
             {"reward_model": True, "num_labels": 1, "center_rewards_coefficient": 0.01},
             {"num_labels": "ignored", "center_rewards_coefficient": "mapped"},

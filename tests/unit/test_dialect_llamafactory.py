@@ -386,6 +386,25 @@ def test_lora_variants_and_the_cosine_floor_are_keels(tmp_path):
     assert "keel's schedules take no arguments" in refused.why
 
 
+@pytest.mark.parametrize(
+    ("value", "finetuning", "fate", "names"),
+    [
+        ("embed_tokens, lm_head", "lora", "mapped", ["embed_tokens", "lm_head"]),
+        ("lm_head", "lora", "mapped", ["lm_head"]),
+        ("", "lora", "ignored", None),
+        ("lm_head", "full", "ignored", None),
+    ],
+)
+def test_additional_target_trains_modules_in_full_beside_lora(
+    value, finetuning, fate, names, tmp_path
+):
+    raw = {"model_name_or_path": "m", "do_train": True, "finetuning_type": finetuning}
+    translation = translate({**raw, "additional_target": value}, tmp_path / "x.yaml")
+    assert {f.key: f.fate for f in translation.fates}["additional_target"] == fate
+    lora = translation.config.get("method", {}).get("lora", {})
+    assert lora.get("modules_to_save") == names
+
+
 def test_keyfate_needs_a_why_for_ignored_and_refused():
     with pytest.raises(AssertionError):
         KeyFate("x", "ignored")

@@ -223,3 +223,78 @@ def test_load_for_inference_from_output_dir(base, tiny_model_dir, tiny_tokenizer
 def test_load_for_inference_plain_dir(tiny_model_dir, tmp_path):
     model, _ = load_for_inference(str(tiny_model_dir), None, cache_dir=tmp_path, log=lambda s: None)
     assert not model.training and next(model.parameters()).dtype is torch.float32
+
+
+# --- method.lora.modules_to_save ---------------------------------------------------------
+
+
+def _full_modules_method(*names) -> MethodConfig:
+    lora = LoraConfig(r=4, alpha=8.0, dropout=0.0, modules_to_save=list(names))
+    return MethodConfig(type="lora", lora=lora)
+
+
+def _perturb_full_copies(model) -> None:
+    """Move the trained copies off the base's values, as training would."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".modules_to_save." in name:
+                p.add_(torch.randn_like(p) * 0.05)
+
+
+def _untied(model):
+    from transformers import LlamaForCausalLM
+
+    config = model.config
+    config.tie_word_embeddings = False
+    untied = LlamaForCausalLM(config)
+    untied.load_state_dict(model.state_dict())
+    return untied
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_modules_to_save_train_in_full_and_reload(tied, base, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    logs = []
+    source = base if tied else _untied(base)
+    if not tied:  # a base whose output layer is its own matrix
+        source.save_pretrained(tmp_path / "base")
+    live = apply_method(source, _full_modules_method("lm_head"), log=logs.append)
+    randomize_lora_b(live)
+    _perturb_full_copies(live)
+    trained = sorted(n for n, p in live.named_parameters() if p.requires_grad and "lora" not in n)
+    lm = live.get_base_model()
+    if tied:  # one matrix: naming the output layer trains the embeddings it is
+        assert trained == ["base_model.model.model.embed_tokens.modules_to_save.default.weight"]
+        assert lm.get_input_embeddings().weight is lm.get_output_embeddings().weight
+        assert any("embed_tokens and lm_head share one weight" in line for line in logs)
+    else:
+        assert trained == ["base_model.model.lm_head.modules_to_save.default.weight"]
+    assert any(line.endswith("trained in full: lm_head") for line in logs)
+    before = logits(live)
+    with live.disable_adapter():  # the reference: the base, not the trained copies
+        torch.testing.assert_close(logits(live), logits(source), atol=0, rtol=0)
+    save_model_dir(live, base_tokenizer := load_tokenizer(tiny_model_dir), tmp_path / "adapter")
+    base_dir = tiny_model_dir if tied else tmp_path / "base"
+    reloaded = PeftModel.from_pretrained(
+        load_model(base_dir, dtype=torch.float32), tmp_path / "adapter"
+    )
+    torch.testing.assert_close(logits(reloaded.eval()), before, atol=1e-6, rtol=0)
+    save_model_dir(live, base_tokenizer, tmp_path / "merged", merged=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(logits(merged), before, atol=1e-5, rtol=0)
+
+
+def test_modules_to_save_problems_name_the_key():
+    problems = method_problems(build_tiny_model(320), _full_modules_method("lm_haed", "norm"))
+    assert (
+        len(problems) == 1
+        and "method.lora.modules_to_save: no module named 'lm_haed'" in problems[0]
+    )
+    assert "did you mean lm_head" in problems[0]
+    both = MethodConfig(
+        type="lora", lora=LoraConfig(targets=["q_proj", "v_proj"], modules_to_save=["q_proj"])
+    )
+    (problem,) = method_problems(build_tiny_model(320), both)
+    assert "both name q_proj" in problem

@@ -400,3 +400,58 @@ def test_adapter_caps_on_rank_and_size(model, tmp_path):
         inspect_adapter("a", lora, AdapterCaps(max_rank=4))
     with pytest.raises(ModelError, match=r"over this server's limit of 100 \(--max-adapter-size"):
         inspect_adapter("a", lora, AdapterCaps(max_bytes=100))
+
+
+def _whole_module_lora(base, out_dir, *, seed: int):
+    """An adapter that also trains the (tied) embeddings in full: PEFT modules_to_save."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj"],
+        init_lora_weights=False,
+        modules_to_save=["embed_tokens", "lm_head"],
+        ensure_weight_tying=True,
+    )
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".modules_to_save." in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    peft_model.save_pretrained(out_dir)
+    return peft_model.eval()
+
+
+def test_an_adapter_that_trains_modules_in_full_is_served_alone(model, tiny_tokenizer, tmp_path):
+    """PEFT's mixed batch fails a row of another adapter in a module such an adapter trains
+    in full: keel serves it beside the base only, and says so when asked for more."""
+    import copy
+
+    live = _whole_module_lora(model, tmp_path / "whole", seed=3)
+    adapters = AdapterSet(copy.deepcopy(model), BASE)
+    adapters.load("whole", str(tmp_path / "whole"))
+    with pytest.raises(ModelError, match=r"the served adapter 'whole' trains embed_tokens"):
+        adapters.load("a", str(random_lora(model, tmp_path / "a", seed=1)))
+    engine = Engine(adapters, tiny_tokenizer, max_batch_size=8)
+    engine.eos_ids = set()
+    outcomes = [Outcome(), Outcome()]
+    jobs = [
+        make_job(tiny_tokenizer, PROMPTS[0], outcomes[0], model=name, max_tokens=12)
+        for name in (BASE, "whole")
+    ]
+    jobs[1] = make_job(tiny_tokenizer, PROMPTS[0], outcomes[1], model="whole", max_tokens=12)
+    run(engine, jobs, join_every=0)  # the base and the adapter share a batch
+    ids = torch.tensor([tiny_tokenizer.encode(PROMPTS[0])])  # [1, P]
+    out = live.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert outcomes[1].text == tiny_tokenizer.decode(
+        out[0, ids.shape[1] :], skip_special_tokens=True
+    )
+    assert outcomes[0].text != outcomes[1].text
+    adapters.unload("whole")
+    adapters.load("a", str(tmp_path / "a"))  # alone now, a plain adapter loads
+    with pytest.raises(ModelError, match=r"adapter 'whole2' trains embed_tokens.* in full"):
+        adapters.load("whole2", str(tmp_path / "whole"))

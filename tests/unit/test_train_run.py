@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import keel.checkpoint.commit as commit
 from keel.checkpoint.layout import complete_checkpoints
@@ -43,10 +44,12 @@ METHOD_OVERRIDES = {
     "lora": (),
     "full": (),
     "lora-plus": ("method.lora.plus_lr_ratio=16", "method.lora.rslora=true"),
+    # the tiny model's embeddings, tied to its output layer, trained in full beside LoRA
+    "lora-embeddings": ("method.lora.modules_to_save=[embed_tokens]",),
 }
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "lora-plus"])
+@pytest.mark.parametrize("method", ["lora", "full", "lora-plus", "lora-embeddings"])
 def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, method):
     def method_config(model_dir, data_file, out, method):
         overrides = METHOD_OVERRIDES[method]
@@ -63,6 +66,14 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
             config(tiny_model_dir, data_file, tmp_path / "p", "train.max_steps=2"), log=quiet
         )
         assert plain.losses[1] != pytest.approx(full.losses[1], rel=1e-4)
+    if method == "lora-embeddings":  # the adapter folder holds the trained matrix
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "a/adapter_model.safetensors", "pt") as f:
+            (name,) = [k for k in f.keys() if "embed_tokens" in k]
+            trained = f.get_tensor(name)
+        with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
+            assert not torch.equal(trained, f.get_tensor("model.embed_tokens.weight"))
 
     def crash_at_5(step, _record):
         if step == 5:

@@ -129,7 +129,11 @@ def _saved_settings(saved: dict) -> dict:
 
 # Method settings added after checkpoints recorded the method: a checkpoint of an older keel
 # holds none of them, and ran with what is now their default.
-_ADDED_LATER = {"method.lora.rslora": False, "method.lora.plus_lr_ratio": None}
+_ADDED_LATER = {
+    "method.lora.rslora": False,
+    "method.lora.plus_lr_ratio": None,
+    "method.lora.modules_to_save": [],
+}
 
 
 def _method_differences(old: dict, new: dict, prefix: str = "method") -> list[tuple[str, str]]:

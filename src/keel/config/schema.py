@@ -47,6 +47,10 @@ class LoraConfig:
     rslora: bool = False  # rank-stabilised LoRA: the scale is alpha / sqrt(r), not alpha / r
     # LoRA+: the B matrices learn at train.lr x this (their paper suggests 16); unset: one lr
     plus_lr_ratio: float | None = None
+    # modules that train in full beside the adapters, e.g. [embed_tokens, lm_head] (PEFT's
+    # modules_to_save); the adapter folder holds their trained weights. Tied input and
+    # output embeddings stay one matrix: naming either trains both
+    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -104,7 +104,7 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
     if method.type == "freeze":
         return _freeze_problems(model, method.freeze)
     if method.uses_lora:
-        return _lora_problems(model, method.lora)
+        return _lora_problems(model, method.lora) + _full_module_problems(model, method.lora)
     return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora"]
 
 
@@ -245,25 +245,77 @@ def _lora_problems(model, lora: LoraConfig) -> list[str]:
     ]
 
 
+def _full_module_problems(model, lora: LoraConfig) -> list[str]:
+    """method.lora.modules_to_save names modules of the model (outside a vision-language
+    model's tower and projector, which model.vision trains), none of them adapted by LoRA."""
+    wanted = lora.modules_to_save
+    if not wanted:
+        return []
+    names = [n for n, _ in model.named_modules() if n]
+    family = vision_family(model)
+    if family is not None:
+        names = outside_vision(family, names)
+    problems = []
+    unknown = _unknown_names(wanted, names)
+    if unknown:
+        problems.append(
+            f"method.lora.modules_to_save: no module named {'; '.join(unknown)} in "
+            f"{type(model).__name__}{' outside the vision parts' if family else ''}; this "
+            f"model has: {_short_names(names)}"
+        )
+    targets = _lora_targets(lora)
+    both = [] if targets == "all-linear" else sorted(set(wanted) & set(targets))
+    if both:
+        problems.append(
+            f"method.lora.modules_to_save and method.lora.targets both name {', '.join(both)}; "
+            f"a module trains in full or through LoRA, not both: remove it from one"
+        )
+    return problems
+
+
+def _full_modules(model, lora: LoraConfig, log: Log) -> tuple[list[str], bool]:
+    """(PEFT modules_to_save entries, whether they tie the output layer to the embeddings)
+    for method.lora.modules_to_save. With tied input and output embeddings, naming either
+    trains the one shared matrix: both are listed and PEFT keeps their copies tied (else the
+    saved model would tie them back, dropping the output layer's training)."""
+    wanted = list(lora.modules_to_save)
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if outputs is None or inputs.weight is not outputs.weight:
+        return wanted, False
+    tied = {name: m for name, m in model.named_modules() if m is inputs or m is outputs}
+    named = [n for n in tied if any(_matches(n, entry) for entry in wanted)]
+    if not named:
+        return wanted, False
+    missing = [n.rsplit(".", 1)[-1] for n in tied if n not in named]
+    if missing:
+        log(
+            f"note: {', '.join(missing)} and {named[0].rsplit('.', 1)[-1]} share one weight "
+            f"here, so both train (method.lora.modules_to_save)"
+        )
+    short = [n.rsplit(".", 1)[-1] for n in tied]
+    return wanted + [name for name in short if name not in wanted], True
+
+
 def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType, get_peft_model
 
     family = vision_family(model)
-    vision_settings = {}
+    full, tied = _full_modules(model, lora, log)
+    settings = {}
     if family is not None:
-        vision_settings = dict(
-            exclude_modules=lora_exclusions(family),
-            modules_to_save=modules_to_save(model, family, vision) or None,
-        )
+        settings["exclude_modules"] = lora_exclusions(family)
+        full = modules_to_save(model, family, vision) + full
     peft_config = PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=_lora_targets(lora),
         use_rslora=lora.rslora,
+        modules_to_save=full or None,
+        ensure_weight_tying=tied,
         task_type=TaskType.CAUSAL_LM,
-        **vision_settings,
+        **settings,
     )
     peft_model = get_peft_model(model, peft_config)
     # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
@@ -272,7 +324,10 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     scale = (
         f" (rsLoRA: scale alpha/sqrt(r) = {lora.alpha / lora.r**0.5:.3g})" if lora.rslora else ""
     )
-    log(f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}")
+    in_full = (
+        f"; trained in full: {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
+    )
+    log(f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}{in_full}")
     return peft_model
 
 

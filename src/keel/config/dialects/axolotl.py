@@ -34,6 +34,7 @@ DIRECT = {
     "lora_dropout": "method.lora.dropout",
     "peft_use_rslora": "method.lora.rslora",
     "loraplus_lr_ratio": "method.lora.plus_lr_ratio",
+    "lora_modules_to_save": "method.lora.modules_to_save",
     "sequence_len": "data.cutoff_len",
     "val_set_size": "data.val_size",
     "micro_batch_size": "train.micro_batch_size",

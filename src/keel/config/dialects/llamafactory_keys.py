@@ -247,10 +247,15 @@ def _freeze_modules(build: Build, key: str, value) -> None:
 
 
 def _additional_target(build: Build, key: str, value) -> None:
-    if value:
-        build.refused(key, "LoRA with fully trained extra modules is not available")
-    else:
+    names = [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else value
+    if not names:
         build.ignored(key, "empty")
+    elif build.raw.get("finetuning_type", "lora") != "lora":
+        build.ignored(key, "read by finetuning_type lora only")
+    elif isinstance(names, list) and all(isinstance(n, str) for n in names):
+        build.put(key, "method.lora.modules_to_save", names, "trained in full beside LoRA")
+    else:
+        build.refused(key, f"{value!r}: module names, comma-separated")
 
 
 def _flash_attn(build: Build, key: str, value) -> None:

@@ -106,6 +106,14 @@ def check_against_base(shapes: LoraShapes, base, where: str) -> None:
             )
 
 
+def trained_in_full(path: str) -> list[str]:
+    """The modules an adapter trains in full beside LoRA (its adapter_config.json's PEFT
+    modules_to_save), [] for a plain LoRA adapter; the folder passed `inspect_adapter`."""
+    config = _read_config(Path(path).expanduser(), f"adapter at {path}")
+    modules = config.get("modules_to_save") or []
+    return sorted(modules) if isinstance(modules, list) else [str(modules)]
+
+
 def _read_config(directory: Path, where: str) -> dict:
     config_file = directory / CONFIG_FILE
     if not config_file.is_file():

@@ -5,7 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from keel.errors import ModelError
-from keel.infer.serve.adapter_files import AdapterCaps, check_against_base, inspect_adapter
+from keel.infer.serve.adapter_files import (
+    AdapterCaps,
+    check_against_base,
+    inspect_adapter,
+    trained_in_full,
+)
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
 MAX_NAME_LENGTH = 200
@@ -31,6 +36,8 @@ class AdapterSet:
         # policy being trained); forward passes name no adapters and none can be loaded.
         self.per_row = per_row
         self._keys: dict[str, str] = {}  # served name -> PEFT adapter name
+        # served name -> the modules it trains in full (PEFT modules_to_save), where it has any
+        self._whole: dict[str, list[str]] = {}
         self._loaded = 0
 
     @property
@@ -50,7 +57,10 @@ class AdapterSet:
     def adopt(self, name: str, key: str) -> None:
         """Serve an adapter the model already holds (a keel output dir loaded as the model)."""
         self._check_name(name)
+        whole = sorted(getattr(self.model.peft_config[key], "modules_to_save", None) or [])
+        self._check_alone(name, whole)
         self._keys = {**self._keys, name: key}
+        self._whole = {**self._whole, name: whole} if whole else self._whole
 
     def load(self, name: str, path: str) -> None:
         """Load the LoRA adapter at `path` and serve it as `name`, after checking its files
@@ -61,6 +71,8 @@ class AdapterSet:
         self._check_name(name)
         path = str(Path(path).expanduser())
         shapes = inspect_adapter(name, path, self.caps)
+        whole = trained_in_full(path)
+        self._check_alone(name, whole)
         if len(self._keys) >= self.caps.max_adapters:
             raise ModelError(
                 f"this server holds at most {self.caps.max_adapters} adapters (--max-adapters) "
@@ -84,6 +96,7 @@ class AdapterSet:
             ) from e
         self.model.eval()
         self._keys = {**self._keys, name: key}
+        self._whole = {**self._whole, name: whole} if whole else self._whole
 
     def unload(self, name: str) -> None:
         """Stop serving adapter `name` and free its weights."""
@@ -93,6 +106,7 @@ class AdapterSet:
             raise ModelError(f"no adapter named {name!r} is loaded; loaded: {self._listing()}")
         key = self._keys[name]
         self._keys = {n: k for n, k in self._keys.items() if n != name}
+        self._whole = {n: m for n, m in self._whole.items() if n != name}
         if not self._keys:
             # PEFT keeps pointing at a deleted last adapter; unwrap to the plain model.
             self.model = self.model.unload()
@@ -100,6 +114,23 @@ class AdapterSet:
         self.model.delete_adapter(key)
         # PEFT needs a live active adapter; which one is irrelevant, rows name their own.
         self.model.set_adapter(next(iter(self._keys.values())), inference_mode=True)
+
+    def _check_alone(self, name: str, whole: list[str]) -> None:
+        """An adapter that trains modules in full is served alone (beside the base): PEFT's
+        mixed batch looks up every row's adapter in each such module, and a row of another
+        adapter, which has no copy there, fails the batch."""
+        if not self._keys or not (whole or self._whole):
+            return
+        if whole:
+            why = f"adapter {name!r} trains {', '.join(whole)} in full (PEFT modules_to_save)"
+        else:
+            (other, modules), *_ = self._whole.items()
+            why = f"the served adapter {other!r} trains {', '.join(modules)} in full (PEFT modules_to_save)"
+        raise ModelError(
+            f"{why}; PEFT cannot batch such an adapter with other adapters, so it is served "
+            f"alone beside the base (now serving {self._listing()}): unload the others first, "
+            f"or merge it into its base (keel train with output.merge_lora) and serve that"
+        )
 
     def _check_name(self, name: str) -> None:
         if not name or len(name) > MAX_NAME_LENGTH or name != name.strip():

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from keel.errors import KeelError, ModelError
-from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter
+from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter, trained_in_full
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job, SchedulerThread
 
 
@@ -120,6 +120,13 @@ class VllmAdapters:
                 "unload one first"
             )
         inspect_adapter(name, path, self.caps)  # safetensors only, rank and size capped
+        whole = trained_in_full(path)
+        if whole:
+            raise ModelError(
+                f"adapter {name!r} trains {', '.join(whole)} in full (PEFT modules_to_save), "
+                "which vLLM's LoRA does not run; merge it into its base (keel train with "
+                "output.merge_lora) and serve that, or serve it with --backend keel"
+            )
         self.requests[name] = LoRARequest(name, self._next_id, str(Path(path).expanduser()))
         self._next_id += 1
 
