@@ -182,6 +182,31 @@ def test_train_on_prompt_trains_the_prompt_tokens_as_well(run, tiny_tokenizer):
     assert everything.report.train.targets == sum(r["num_targets"] for r in everything.train)
 
 
+def test_mask_history_trains_the_last_answer_only(run, tiny_tokenizer):
+    turns = [
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "early answer"},
+        {"role": "user", "content": "second question"},
+        {"role": "assistant", "content": "final answer"},
+    ]
+    every_turn = run([{"messages": turns}])
+    last_turn = run([{"messages": turns}], mask_history=True)
+    assert last_turn.fingerprint != every_turn.fingerprint
+    assert "mask_history on" in last_turn.report.format()
+    (all_row,), (last_row,) = every_turn.train, last_turn.train
+    assert all_row["input_ids"] == last_row["input_ids"]
+
+    def trained(row):
+        return tiny_tokenizer.decode([t for t in row["targets"] if t != -100])
+
+    assert "early answer" in trained(all_row) and "final answer" in trained(all_row)
+    assert "early answer" not in trained(last_row) and "final answer" in trained(last_row)
+    # the last answer's tokens are trained exactly as without it
+    assert [t for t in last_row["targets"] if t != -100] == [
+        t for t in all_row["targets"] if t != -100
+    ][-last_row["num_targets"] :]
+
+
 # --- pretraining ----------------------------------------------------------------------
 
 

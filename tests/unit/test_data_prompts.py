@@ -229,13 +229,21 @@ def test_packing_is_refused_for_prompts_only(stage, tmp_path):
         assert packing == []
 
 
+@pytest.mark.parametrize("key", ["train_on_prompt", "mask_history"])
 @pytest.mark.parametrize("stage", ["sft", "pt", "dpo", "kto", "grpo"])
-def test_train_on_prompt_is_refused_outside_sft(stage, tmp_path):
-    found = _data_problems(tmp_path, stage, "train_on_prompt", train_on_prompt=True)
+def test_what_sft_trains_on_is_refused_outside_sft(key, stage, tmp_path):
+    found = _data_problems(tmp_path, stage, key, **{key: True})
     if stage == "sft":
         assert found == []
     else:
         assert len(found) == 1 and f"(it is {stage}: " in found[0]
+
+
+def test_train_on_prompt_and_mask_history_contradict(tmp_path):
+    found = _data_problems(
+        tmp_path, "sft", "train_on_prompt and", train_on_prompt=True, mask_history=True
+    )
+    assert len(found) == 1 and "set one of them" in found[0]
 
 
 def test_the_second_prepare_loads_the_cache(run):

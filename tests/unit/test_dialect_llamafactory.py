@@ -344,14 +344,23 @@ def test_lora_rank_and_alpha_as_they_read_them(tmp_path):
     assert refused.key == "lora_rank" and "their default 8" in refused.why
 
 
-@pytest.mark.parametrize(("stage", "fate"), [("sft", "mapped"), ("dpo", "ignored")])
-def test_train_on_prompt_is_keels_for_sft_and_read_by_no_other_stage(stage, fate, tmp_path):
-    raw = {"model_name_or_path": "m", "do_train": True, "stage": stage, "train_on_prompt": True}
+@pytest.mark.parametrize("key", ["train_on_prompt", "mask_history"])
+@pytest.mark.parametrize(
+    ("stage", "value", "fate"),
+    [
+        ("sft", True, "mapped"),
+        ("sft", False, "mapped"),
+        ("dpo", True, "refused"),
+        ("dpo", False, "ignored"),
+    ],
+)
+def test_what_sft_trains_on_is_keels_and_their_other_stages_refuse_it(
+    key, stage, value, fate, tmp_path
+):
+    raw = {"model_name_or_path": "m", "do_train": True, "stage": stage, key: value}
     translation = translate(raw, tmp_path / "x.yaml")
-    found = {f.key: f for f in translation.fates}["train_on_prompt"]
-    assert found.fate == fate
-    data = translation.config.get("data", {})
-    assert data.get("train_on_prompt") is (True if stage == "sft" else None)
+    assert {f.key: f for f in translation.fates}[key].fate == fate
+    assert translation.config.get("data", {}).get(key) is (value if stage == "sft" else None)
 
 
 def test_lora_variants_and_the_cosine_floor_are_keels(tmp_path):

@@ -234,6 +234,7 @@ def _as_before_the_lora_variants(out):
         for lora in (meta["run"]["method"]["lora"], meta["config"]["method"]["lora"]):
             del lora["rslora"], lora["plus_lr_ratio"]
         del meta["config"]["train"]["min_lr_ratio"], meta["config"]["data"]["train_on_prompt"]
+        del meta["config"]["data"]["mask_history"]
         meta_path.write_text(json.dumps(meta))
 
 

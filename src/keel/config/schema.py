@@ -128,6 +128,9 @@ class DataConfig:
     # own tokens), not only the assistant turns (LLaMA-Factory's train_on_prompt, Axolotl's
     # train_on_inputs); image tokens are never trained
     train_on_prompt: bool = False
+    # sft only: each conversation's last assistant turn trains, the turns before it are
+    # context (LLaMA-Factory's mask_history)
+    mask_history: bool = False
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
     overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows

@@ -174,10 +174,16 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"from one prompt at a time, so prompt rows are never packed; set data.packing=false "
             f"(train.padding_free already lays a micro-batch's completions end to end)"
         )
-    if stage and data.train_on_prompt and stage.unit != "conversation":
+    for key in ("train_on_prompt", "mask_history"):
+        if stage and getattr(data, key) and stage.unit != "conversation":
+            problems.append(
+                f"data.{key} = true applies to train.stage sft (it is {stage.name}: "
+                f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
+            )
+    if data.train_on_prompt and data.mask_history:
         problems.append(
-            f"data.train_on_prompt = true applies to train.stage sft (it is {stage.name}: "
-            f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
+            "data.train_on_prompt and data.mask_history are both true: one trains every token, "
+            "the other the last answer only; set one of them"
         )
     for index, ds in enumerate(data.datasets):
         if stage and ds.format != "auto" and ds.format not in stage.formats:

@@ -94,8 +94,9 @@ def fingerprint(
             for s in sources
         ],
     }
-    if cfg.train_on_prompt:  # added later: data prepared before it keeps its fingerprint
-        payload["train_on_prompt"] = True
+    for key in ("train_on_prompt", "mask_history"):  # added later: when unset, data
+        if getattr(cfg, key):  # prepared before them keeps its fingerprint
+            payload[key] = True
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

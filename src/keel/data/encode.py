@@ -61,6 +61,7 @@ class EncodeSettings:
     vision: VisionProcessing | None = None  # the run's vision-language model, None for text
     media_dir: Path | None = None  # relative image paths are read from here
     train_on_prompt: bool = False  # sft: every token trains, not only the assistant turns'
+    mask_history: bool = False  # sft: only the last assistant turn trains
 
 
 class RowEncoder:
@@ -103,7 +104,9 @@ class RowEncoder:
             elif example.tools or _has_tool_turns(example):
                 raise RowError("tool-calling rows are trained with text models only")
             else:
-                ids, mask, images = encode_with_images(self.tokenizer, s, example)
+                ids, mask, images = encode_with_images(
+                    self.tokenizer, s, example, last_only=s.mask_history
+                )
         except RowError as e:
             return {"status": "rejected", "reason": str(e)}
         except TemplateMismatch as e:
@@ -149,7 +152,9 @@ class RowEncoder:
         if get_stage(s.stage).unit == "text":  # a conversation pretrained on as plain text
             text = render(self.tokenizer, s.template, content, tools=example.tools)
             return encode_pt(self.tokenizer, text, special_tokens=False)
-        ids, mask = encode_sft(self.tokenizer, s.template, content, tools=example.tools)
+        ids, mask = encode_sft(
+            self.tokenizer, s.template, content, last_only=s.mask_history, tools=example.tools
+        )
         return ids, [True] * len(ids) if s.train_on_prompt else mask
 
 

@@ -200,6 +200,7 @@ def _empty_report(cfg: DataConfig, stage: str) -> DataReport:
         on_invalid=cfg.on_invalid,
         packing=cfg.packing,
         train_on_prompt=cfg.train_on_prompt,
+        mask_history=cfg.mask_history,
     )
 
 
@@ -304,6 +305,7 @@ def _settings(run: _Encoding, src: Source, spec: FormatSpec) -> EncodeSettings:
         vision=run.vision,
         media_dir=src.media_dir,
         train_on_prompt=run.cfg.train_on_prompt,
+        mask_history=run.cfg.mask_history,
     )
 
 

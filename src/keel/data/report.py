@@ -69,6 +69,7 @@ class DataReport:
     on_invalid: str
     packing: bool
     train_on_prompt: bool = False  # sft: the prompt's tokens train as well
+    mask_history: bool = False  # sft: only the last assistant turn trains
     files: list[FileStats] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     drops: list[Rejection] = field(default_factory=list)  # dropped rows that have a reason
@@ -100,6 +101,7 @@ class DataReport:
                 if self.train_on_prompt
                 else ""
             )
+            + (", mask_history on (only the last answer trains)" if self.mask_history else "")
         ]
         lines += _file_table([*self.files, self.totals()])
         stage_unit = get_stage(self.stage).unit

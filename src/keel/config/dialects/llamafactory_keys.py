@@ -89,7 +89,6 @@ _SWITCHES = {
     "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw or adamw_8bit",
     "use_muon": "Muon is not available",
     "use_llama_pro": "LLaMA Pro block expansion is not available",
-    "mask_history": "keel trains on every assistant turn, not only the last one",
     "streaming": "keel reads the datasets whole (data.max_samples limits them)",
     "freeze_language_model": "keel trains the language model",
     "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
@@ -110,11 +109,14 @@ def _direct(build: Build, key: str, value) -> None:
         build.put(key, _DIRECT.get(key, "method.freeze.trainable_layers"), value)
 
 
-def _train_on_prompt(build: Build, key: str, value) -> None:
+def _sft_masking(build: Build, key: str, value) -> None:
+    """train_on_prompt and mask_history: what their supervised data trains on."""
     if build.stage in (None, "sft"):
-        build.put(key, "data.train_on_prompt", bool(value))
-    else:  # their pairwise, KTO and pretraining data ignore it
-        build.ignored(key, f"their {build.stage} stage does not read it, nor does keel's")
+        build.put(key, f"data.{key}", bool(value))
+    elif value:
+        build.refused(key, f"true outside sft: their {build.stage} run stops (sft only)")
+    else:
+        build.ignored(key, "false")
 
 
 def _scheduler_kwargs(build: Build, key: str, value) -> None:
@@ -289,7 +291,8 @@ KEY_RULES: dict[str, Rule] = {
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
-    "train_on_prompt": _train_on_prompt,
+    "train_on_prompt": _sft_masking,
+    "mask_history": _sft_masking,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "flash_attn": _flash_attn,
     "template": llamafactory_template,
