@@ -377,6 +377,13 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
         ({"reward_model": True, "num_labels": 2}, {"num_labels": "refused"}),
         ({"center_rewards_coefficient": 0.01}, {"center_rewards_coefficient": "ignored"}),
         ({"eval_batch_size": 4}, {"eval_batch_size": "ignored"}),
+        ({"shuffle_merged_datasets": True}, {"shuffle_merged_datasets": "ignored"}),
+        ({"shuffle_merged_datasets": False}, {"shuffle_merged_datasets": "ignored"}),
+        ({"curriculum_sampling": True}, {"curriculum_sampling": "refused"}),
+        (
+            {"curriculum_sampling": True, "shuffle_merged_datasets": False},
+            {"curriculum_sampling": "mapped", "shuffle_merged_datasets": "ignored"},
+        ),
         (
             {"datasets": [{"path": "d.jsonl", "type": "bradley_terry.chat_template"}]},
             {"datasets.0.type": "refused"},  # a reward model's pairs only

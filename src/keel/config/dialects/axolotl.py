@@ -378,6 +378,30 @@ def _cosine_min_lr_ratio(build: Build, key: str, value) -> None:
         build.ignored(key, "Axolotl reads it with lr_scheduler: cosine only")
 
 
+def _shuffle_merged(build: Build, key: str, value) -> None:
+    if build.raw.get("curriculum_sampling"):
+        build.ignored(key, "read with curriculum_sampling (which see)")
+    else:
+        why = "their sampler draws the rows in a new random order each epoch either way, as keel"
+        build.ignored(key, why + " does (data.shuffle)")
+
+
+def _curriculum(build: Build, key: str, value) -> None:
+    if not value:
+        build.ignored(
+            key, "false: the rows in a new random order each epoch, as keel's data.shuffle"
+        )
+    elif build.raw.get("shuffle_merged_datasets", True):
+        build.refused(
+            key,
+            "true with shuffle_merged_datasets (their default): one shuffle, then that order "
+            "every epoch; keel shuffles every epoch (data.shuffle: true) or keeps the files' "
+            "order (false): set shuffle_merged_datasets: false to keep it",
+        )
+    else:
+        build.put(key, "data.shuffle", False, "the files' order, every epoch")
+
+
 def _train_on_inputs(build: Build, key: str, value) -> None:
     if build.stage in (None, "sft"):
         build.put(key, "data.train_on_prompt", bool(value))
@@ -432,6 +456,8 @@ _HANDLERS = {
     "lr_scheduler": scheduler,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "cosine_min_lr_ratio": _cosine_min_lr_ratio,
+    "shuffle_merged_datasets": _shuffle_merged,
+    "curriculum_sampling": _curriculum,
     "bf16": _precision,
     "fp16": _precision,
     "gradient_checkpointing": _checkpointing,
