@@ -207,6 +207,21 @@ def test_mask_history_trains_the_last_answer_only(run, tiny_tokenizer):
     ][-last_row["num_targets"] :]
 
 
+def test_deduplicate_drops_exact_copies_before_the_split(run):
+    rows = [conversation(i % 4) for i in range(12)]  # 4 distinct samples, each 3 times
+    rows.append({**conversation(1), "source": "elsewhere"})  # a column keel does not read
+    every = run(rows, val_size=2)
+    assert every.report.duplicates == 0 and len(every.train) + len(every.eval) == 13
+    unique = run(rows, val_size=2, deduplicate=True)
+    assert unique.fingerprint != every.fingerprint
+    assert unique.report.duplicates == 9
+    assert "9 duplicate samples dropped (data.deduplicate" in unique.report.format()
+    kept = [tuple(r["input_ids"]) for r in [*unique.train, *unique.eval]]
+    assert len(kept) == len(set(kept)) == 4  # and no eval sample is a copy of a training one
+    assert run(rows, val_size=2, deduplicate=True).from_cache  # the count survives the cache
+    assert run(rows, val_size=2, deduplicate=True).report.duplicates == 9
+
+
 # --- pretraining ----------------------------------------------------------------------
 
 

@@ -378,6 +378,7 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
         ({"center_rewards_coefficient": 0.01}, {"center_rewards_coefficient": "ignored"}),
         ({"eval_batch_size": 4}, {"eval_batch_size": "ignored"}),
         ({"shuffle_merged_datasets": True}, {"shuffle_merged_datasets": "ignored"}),
+        ({"dataset_exact_deduplication": True}, {"dataset_exact_deduplication": "mapped"}),
         ({"shuffle_merged_datasets": False}, {"shuffle_merged_datasets": "ignored"}),
         ({"curriculum_sampling": True}, {"curriculum_sampling": "refused"}),
         (

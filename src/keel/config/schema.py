@@ -131,6 +131,9 @@ class DataConfig:
     # sft only: each conversation's last assistant turn trains, the turns before it are
     # context (LLaMA-Factory's mask_history)
     mask_history: bool = False
+    # drop each sample identical to an earlier one (its tokens and what trains), before the
+    # split; the report counts them (Axolotl's dataset_exact_deduplication)
+    deduplicate: bool = False
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
     overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows

@@ -94,7 +94,7 @@ def fingerprint(
             for s in sources
         ],
     }
-    for key in ("train_on_prompt", "mask_history"):  # added later: when unset, data
+    for key in ("train_on_prompt", "mask_history", "deduplicate"):  # added later: when unset, data
         if getattr(cfg, key):  # prepared before them keeps its fingerprint
             payload[key] = True
     blob = json.dumps(payload, sort_keys=True, default=str)

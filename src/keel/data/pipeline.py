@@ -30,6 +30,7 @@ from keel.data.cache import (
     stale_image,
     vision_fingerprint,
 )
+from keel.data.dedupe import drop_duplicates
 from keel.data.detect import spec_for_stage
 from keel.data.encode import IGNORE_INDEX, KEPT, EncodeSettings, encode_dataset
 from keel.data.encode_preference import encoder_for
@@ -149,6 +150,8 @@ def prepare_data(
         if note:
             log(note)
     _check(cfg, report, overlong)
+    if cfg.deduplicate:
+        samples, report.duplicates = drop_duplicates(samples)
     train, eval_ = _rows(cfg, samples, stage=stage, seed=seed, report=report, log=log)
     save_cache(target, train, eval_, report, image_manifest(images))
     train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns

@@ -70,6 +70,7 @@ class DataReport:
     packing: bool
     train_on_prompt: bool = False  # sft: the prompt's tokens train as well
     mask_history: bool = False  # sft: only the last assistant turn trains
+    duplicates: int = 0  # samples dropped as copies of earlier ones (data.deduplicate)
     files: list[FileStats] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
     drops: list[Rejection] = field(default_factory=list)  # dropped rows that have a reason
@@ -118,6 +119,11 @@ class DataReport:
                     f"  {name}: {split.samples:,} {unit}{kto} in {split.rows:,} rows, "
                     f"{split.tokens:,} tokens{trained}"
                 )
+        if self.duplicates:
+            lines.append(
+                f"  {self.duplicates:,} duplicate {unit} dropped (data.deduplicate: each a copy of "
+                f"an earlier one)"
+            )
         if self.drops:
             lines.append("  dropped rows:")
             lines += list_capped([str(r) for r in self.drops], max_listed)

@@ -7,24 +7,22 @@ Translation's notes (no adapter: full fine-tuning; no output_dir: ./model-out).
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
+from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
 from keel.config.dialects.build import (
     Build,
     optimizer,
     save_strategy,
     scheduler,
-    scheduler_kwargs,
 )
 from keel.config.dialects.families import model_of
 from keel.config.dialects.report import Translation, unknown_key
 from keel.config.dialects.templates import axolotl_chat_template, axolotl_chat_template_jinja
 
-_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
 DIRECT = {
     "base_model": "model.path",
     "revision_of_model": "model.revision",
@@ -154,7 +152,7 @@ def _one_key(build: Build, key: str, value) -> None:
         build.put(
             key,
             DIRECT[key],
-            _number(value)
+            yaml_number(value)
             if isinstance(value, str) and key not in ("base_model", "output_dir", "wandb_name")
             else value,
         )
@@ -163,10 +161,6 @@ def _one_key(build: Build, key: str, value) -> None:
     else:
         why = "an Axolotl key keel has no counterpart for; remove it"
         build.refused(key, unknown_key(key, _KNOWN, why))
-
-
-def _number(value: str):
-    return float(value) if _NUMBER.match(value.strip()) else value
 
 
 def _adapter(build: Build, key: str, value) -> None:
@@ -276,8 +270,8 @@ def _packing(build: Build, key: str, value) -> None:
 
 def _betas(build: Build, key: str, value) -> None:
     betas = [
-        _number(str(build.raw.get("adam_beta1", 0.9))),
-        _number(str(build.raw.get("adam_beta2", 0.999))),
+        yaml_number(str(build.raw.get("adam_beta1", 0.9))),
+        yaml_number(str(build.raw.get("adam_beta2", 0.999))),
     ]
     build.put(key, "train.adam_betas", betas)
 
@@ -365,50 +359,6 @@ def _datasets(build: Build, key: str, value) -> None:
     translate_datasets(build, value)
 
 
-def _scheduler_kwargs(build: Build, key: str, value) -> None:
-    lr = build.raw.get("learning_rate")
-    lr = _number(lr) if isinstance(lr, str) else lr
-    scheduler_kwargs(build, key, value, lr=lr, scheduler_key="lr_scheduler")
-
-
-def _cosine_min_lr_ratio(build: Build, key: str, value) -> None:
-    if build.raw.get("lr_scheduler") in (None, "cosine"):  # their default is cosine
-        build.put(key, "train.min_lr_ratio", value)
-    else:
-        build.ignored(key, "Axolotl reads it with lr_scheduler: cosine only")
-
-
-def _shuffle_merged(build: Build, key: str, value) -> None:
-    if build.raw.get("curriculum_sampling"):
-        build.ignored(key, "read with curriculum_sampling (which see)")
-    else:
-        why = "their sampler draws the rows in a new random order each epoch either way, as keel"
-        build.ignored(key, why + " does (data.shuffle)")
-
-
-def _curriculum(build: Build, key: str, value) -> None:
-    if not value:
-        build.ignored(
-            key, "false: the rows in a new random order each epoch, as keel's data.shuffle"
-        )
-    elif build.raw.get("shuffle_merged_datasets", True):
-        build.refused(
-            key,
-            "true with shuffle_merged_datasets (their default): one shuffle, then that order "
-            "every epoch; keel shuffles every epoch (data.shuffle: true) or keeps the files' "
-            "order (false): set shuffle_merged_datasets: false to keep it",
-        )
-    else:
-        build.put(key, "data.shuffle", False, "the files' order, every epoch")
-
-
-def _train_on_inputs(build: Build, key: str, value) -> None:
-    if build.stage in (None, "sft"):
-        build.put(key, "data.train_on_prompt", bool(value))
-    else:  # their preference, KTO, GRPO and completion data ignore it
-        build.ignored(key, f"Axolotl's {build.stage} data does not read it, nor does keel's")
-
-
 def _defaults(build: Build) -> None:
     """Axolotl's defaults where they differ from keel's, written out and noted."""
     raw = build.raw
@@ -432,7 +382,7 @@ def _lora_size(build: Build, key: str, value, empty: str = "empty") -> None:
     """lora_r and lora_alpha have no default: Axolotl hands PEFT what the config holds, and
     with an adapter an empty one stops its run when the adapter is made."""
     if value is not None:
-        build.put(key, DIRECT[key], _number(value) if isinstance(value, str) else value)
+        build.put(key, DIRECT[key], yaml_number(value) if isinstance(value, str) else value)
     elif build.raw.get("adapter") in ("lora", "qlora"):
         example = "16" if key == "lora_r" else "2 x lora_r"
         why = (
@@ -444,6 +394,7 @@ def _lora_size(build: Build, key: str, value, empty: str = "empty") -> None:
 
 
 _HANDLERS = {
+    **TRAINING_HANDLERS,
     "adapter": _adapter,
     "load_in_4bit": _load_in_4bit,
     "load_in_8bit": _load_in_8bit,
@@ -454,10 +405,6 @@ _HANDLERS = {
     "lora_alpha": _lora_size,
     "optimizer": optimizer,
     "lr_scheduler": scheduler,
-    "lr_scheduler_kwargs": _scheduler_kwargs,
-    "cosine_min_lr_ratio": _cosine_min_lr_ratio,
-    "shuffle_merged_datasets": _shuffle_merged,
-    "curriculum_sampling": _curriculum,
     "bf16": _precision,
     "fp16": _precision,
     "gradient_checkpointing": _checkpointing,
@@ -478,7 +425,6 @@ _HANDLERS = {
     "chat_template_jinja": axolotl_chat_template_jinja,
     "special_tokens": _special_tokens,
     "datasets": _datasets,
-    "train_on_inputs": _train_on_inputs,
     "save_strategy": save_strategy,
     **RUNTIME_HANDLERS,
 }

@@ -1,0 +1,74 @@
+"""Axolotl's keys for the schedule's floor, the data's order and copies, and what SFT rows
+train on, as keel keys; and how their YAML's numbers are read."""
+
+from __future__ import annotations
+
+import re
+
+from keel.config.dialects.build import Build, scheduler_kwargs
+
+_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")  # YAML 1.1 reads 2e-5 as text
+
+
+def yaml_number(value: str):
+    """`value` as a float where it spells one (YAML 1.1 reads `2e-5` as text), else as is."""
+    return float(value) if _NUMBER.match(value.strip()) else value
+
+
+def _scheduler_kwargs(build: Build, key: str, value) -> None:
+    lr = build.raw.get("learning_rate")
+    lr = yaml_number(lr) if isinstance(lr, str) else lr
+    scheduler_kwargs(build, key, value, lr=lr, scheduler_key="lr_scheduler")
+
+
+def _cosine_min_lr_ratio(build: Build, key: str, value) -> None:
+    if build.raw.get("lr_scheduler") in (None, "cosine"):  # their default is cosine
+        build.put(key, "train.min_lr_ratio", value)
+    else:
+        build.ignored(key, "Axolotl reads it with lr_scheduler: cosine only")
+
+
+def _deduplication(build: Build, key: str, value) -> None:
+    why = "keel compares the prepared samples (their tokens and what trains), not the raw rows"
+    build.put(key, "data.deduplicate", bool(value), why if value else "")
+
+
+def _shuffle_merged(build: Build, key: str, value) -> None:
+    if build.raw.get("curriculum_sampling"):
+        build.ignored(key, "read with curriculum_sampling (which see)")
+    else:
+        why = "their sampler draws the rows in a new random order each epoch either way, as keel"
+        build.ignored(key, why + " does (data.shuffle)")
+
+
+def _curriculum(build: Build, key: str, value) -> None:
+    if not value:
+        build.ignored(
+            key, "false: the rows in a new random order each epoch, as keel's data.shuffle"
+        )
+    elif build.raw.get("shuffle_merged_datasets", True):
+        build.refused(
+            key,
+            "true with shuffle_merged_datasets (their default): one shuffle, then that order "
+            "every epoch; keel shuffles every epoch (data.shuffle: true) or keeps the files' "
+            "order (false): set shuffle_merged_datasets: false to keep it",
+        )
+    else:
+        build.put(key, "data.shuffle", False, "the files' order, every epoch")
+
+
+def _train_on_inputs(build: Build, key: str, value) -> None:
+    if build.stage in (None, "sft"):
+        build.put(key, "data.train_on_prompt", bool(value))
+    else:  # their preference, KTO, GRPO and completion data ignore it
+        build.ignored(key, f"Axolotl's {build.stage} data does not read it, nor does keel's")
+
+
+TRAINING_HANDLERS = {
+    "lr_scheduler_kwargs": _scheduler_kwargs,
+    "cosine_min_lr_ratio": _cosine_min_lr_ratio,
+    "dataset_exact_deduplication": _deduplication,
+    "shuffle_merged_datasets": _shuffle_merged,
+    "curriculum_sampling": _curriculum,
+    "train_on_inputs": _train_on_inputs,
+}
