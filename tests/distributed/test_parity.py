@@ -45,10 +45,24 @@ def assert_same_weights(got_dir, want_dir) -> None:
 def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
     space = Workspace(tmp_path_factory.mktemp("dist"), tiny_model_dir)
     _write_untied(tiny_model_dir, space.root / UNTIED)
+    _write_start_adapter(tiny_model_dir, space.root / START_ADAPTER)
     return space
 
 
 UNTIED = "untied-model"  # under the workspace, which every run starts in
+START_ADAPTER = "start-adapter"  # a LoRA adapter of the tiny model that runs keep training
+
+
+def _write_start_adapter(model_dir: Path, out: Path) -> None:
+    """A LoRA adapter (r 4, alpha 8, every linear layer, as the workspace's config) with
+    random A and B: a run that starts from it starts away from the base."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(out)
 
 
 def _write_untied(model_dir: Path, out: Path) -> None:
@@ -81,6 +95,8 @@ CASES = {
     # NF4 base: each process quantises its rows to what one process quantises
     "ddp-qlora": ("ddp", "qlora", ()),
     "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
+    # LoRA started from a saved adapter: each process reads its shards of the adapter's weights
+    "fsdp-lora-from-adapter": ("fsdp", "lora", (f"model.adapter={START_ADAPTER}",)),
     # the embeddings and the output layer trained in full beside LoRA (each sharded in a
     # unit of its own with its frozen original), LoRA+'s groups and rsLoRA's scale
     "fsdp-lora-untied-full-modules-merged": (

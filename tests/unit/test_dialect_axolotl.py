@@ -369,6 +369,7 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
         ({"cosine_min_lr_ratio": 0.1}, {"cosine_min_lr_ratio": "mapped"}),
         ({"lora_modules_to_save": ["embed_tokens", "lm_head"]}, {"lora_modules_to_save": "mapped"}),
         ({"lora_modules_to_save": None}, {"lora_modules_to_save": "ignored"}),
+        ({"lora_model_dir": "out/sft"}, {"lora_model_dir": "mapped"}),
         (
             {"reward_model": True, "num_labels": 1, "center_rewards_coefficient": 0.01},
             {"num_labels": "ignored", "center_rewards_coefficient": "mapped"},

@@ -449,3 +449,20 @@ def test_the_family_check_reads_the_model_a_model_path_override_names(tmp_path):
     config.write_text(config.read_text().replace(str(llama), str(qwen)))  # and the other way
     with pytest.raises(ConfigError, match=rf"model.path {llama} is a llama model"):
         load_config(config, [f"model.path={llama}"])
+
+
+@pytest.mark.parametrize(
+    ("keys", "fate"),
+    [
+        ({"adapter_name_or_path": "saves/sft"}, "mapped"),
+        ({"adapter_name_or_path": "saves/sft", "create_new_adapter": True}, "refused"),
+        ({"adapter_name_or_path": "saves/a,saves/b"}, "refused"),
+        ({"adapter_name_or_path": "saves/sft", "finetuning_type": "full"}, "refused"),
+    ],
+)
+def test_their_adapter_to_resume_is_keels_model_adapter(keys, fate, tmp_path):
+    raw = {"model_name_or_path": "m", "do_train": True, "stage": "dpo", **keys}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert {f.key: f.fate for f in translation.fates}["adapter_name_or_path"] == fate
+    if fate == "mapped":
+        assert translation.config["model"]["adapter"] == "saves/sft"

@@ -186,3 +186,40 @@ def test_the_saved_tokenizer_keeps_the_training_template(tiny_model_dir, data_fi
     saved = AutoTokenizer.from_pretrained(out).chat_template
     assert saved == CHATML_TEMPLATE
     assert AutoTokenizer.from_pretrained(tiny_model_dir).chat_template != CHATML_TEMPLATE
+
+
+def test_a_run_keeps_training_the_adapter_it_starts_from(tiny_model_dir, data_file, tmp_path):
+    from safetensors.torch import load_file
+
+    from keel.errors import ConfigError
+
+    first = tmp_path / "sft"  # LoRA, and the (tied) output layer trained in full
+    overrides = ("train.max_steps=3", "method.lora.modules_to_save=[lm_head]")
+    run_training(config(tiny_model_dir, data_file, first, *overrides), log=quiet)
+    start = load_file(first / "adapter_model.safetensors")
+    assert any(v.abs().max() > 0 for k, v in start.items() if "lora_B" in k)  # trained
+    assert "base_model.model.model.embed_tokens.weight" in start
+
+    def one_tiny_step(out, *overrides):
+        logs: list[str] = []
+        cfg = config(
+            tiny_model_dir, data_file, out, "train.max_steps=1", "train.lr=1e-12", *overrides
+        )
+        run_training(cfg, log=logs.append)
+        return load_file(out / "adapter_model.safetensors"), logs
+
+    kept, logs = one_tiny_step(tmp_path / "more", f"model.adapter={first}")
+    assert kept.keys() == start.keys()
+    for key, value in start.items():  # one step at lr 1e-12 leaves the start as it was
+        torch.testing.assert_close(kept[key], value, atol=1e-9, rtol=0, msg=key)
+    # negative control: without it the run starts from fresh adapters (B at zero)
+    fresh, _ = one_tiny_step(tmp_path / "fresh")
+    assert all(v.abs().max() < 1e-9 for k, v in fresh.items() if "lora_B" in k)
+    with pytest.raises(ConfigError, match=r"method.lora.r = 8, but model.adapter = .* has r 4"):
+        config(
+            tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={first}", "method.lora.r=8"
+        )
+    with pytest.raises(ConfigError, match=r"method.type = full; set method.type lora"):
+        config(tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={first}", method="full")
+    with pytest.raises(ConfigError, match=r"no adapter_config.json or adapter_model.safetensors"):
+        config(tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={tmp_path}")

@@ -55,6 +55,12 @@ def load_config(
         from keel.config.validate import check_config
 
         problems.extend(check_config(cfg))
+    if not problems:
+        from keel.config.start_adapter import with_start_adapter
+
+        given = ((raw.get("method") or {}).get("lora") or {}) if isinstance(raw, dict) else {}
+        cfg, adapter_problems = with_start_adapter(cfg, given)
+        problems.extend(adapter_problems)
     if problems:
         raise ConfigError(problems, source=source)
     return cfg

@@ -35,6 +35,10 @@ class ModelConfig:
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers)
+    # a PEFT LoRA adapter folder of this model to keep training (method lora or qlora; e.g.
+    # an sft run's output for a dpo run): its adapter_config.json fixes method.lora's r,
+    # alpha, targets, rslora and modules_to_save
+    adapter: str | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision-language models
 
 

@@ -317,20 +317,25 @@ def fill_weights(
     seed: int,
     region_of: Callable[[torch.Tensor], tuple[slice, ...] | None],
     local: Callable[[torch.Tensor], torch.Tensor],
+    adapter_dir: Path | None = None,
 ) -> list[str]:
     """Copy this process's part of each checkpoint tensor into the allocated model.
 
     `region_of(param)` says which part of the full tensor this process holds (None: all)
     and `local(param)` gives the tensor to write into. Only that region is read from disk.
-    Parameters missing from the checkpoint are initialised by `initial_value` (LoRA);
-    returns their names.
+    With `adapter_dir` (model.adapter) the adapter's weights (LoRA and modules trained in
+    full) come from its folder, every one of them; else parameters missing from the
+    checkpoint are initialised by `initial_value` (LoRA). Returns the initialised names.
     """
     reader = CheckpointReader(Path(model_dir))
+    adapter = _AdapterWeights(Path(adapter_dir)) if adapter_dir is not None else None
     initialised: list[str] = []
     try:
         key_of = stored_key_lookup(model, reader)
         with torch.no_grad():
             for name, tensor in materialized_tensors(model):
+                if adapter is not None and adapter.fill(name, tensor, region_of, local):
+                    continue
                 key = key_of(name)
                 custom = getattr(
                     model.get_submodule(name.rpartition(".")[0]), "keel_load_weight", None
@@ -362,6 +367,58 @@ def fill_weights(
                 else:
                     value = reader.get(key, region)
                 local(tensor).copy_(value)
+        if adapter is not None:
+            adapter.check_all_used(model)
     finally:
         reader.close()
+        if adapter is not None:
+            adapter.reader.close()
     return initialised
+
+
+class _AdapterWeights:
+    """A saved PEFT adapter's tensors (model.adapter), by the live parameter they fill."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.reader = CheckpointReader(folder)
+        self.used: set[str] = set()
+
+    def fill(self, name: str, tensor: torch.Tensor, region_of, local) -> bool:
+        """Fill parameter `name` from the adapter when it is an adapter weight (False: a
+        base weight, for the model's checkpoint); ModelError when the adapter lacks it."""
+        key = self.key_of(name)
+        if key is None:
+            return False
+        stored = self.reader.shape(key)
+        if stored is None or stored != tuple(tensor.shape):
+            found = "holds no" if stored is None else f"holds shape {stored} for"
+            raise ModelError(
+                f"model.adapter {self.folder} {found} {key} (this model's is "
+                f"{tuple(tensor.shape)}); was the adapter trained on this model, with these "
+                f"targets? (method.lora follows its adapter_config.json)"
+            )
+        local(tensor).copy_(self.reader.get(key, region_of(tensor)))
+        self.used.add(key)
+        return True
+
+    @staticmethod
+    def key_of(name: str) -> str | None:
+        """The adapter file's key of live parameter `name`; None for a base weight. PEFT
+        saves without the adapter's name: lora_A.default.weight -> lora_A.weight,
+        lm_head.modules_to_save.default.weight -> lm_head.weight."""
+        if ".lora_" not in name and ".modules_to_save.default." not in name:
+            return None
+        return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
+
+    def check_all_used(self, model: nn.Module) -> None:
+        """Every tensor of the adapter found its place (none belongs to another model); a
+        tied twin (PEFT saves the output layer's copy beside the embeddings') has one."""
+        names = (n for n, _ in model.named_parameters(remove_duplicate=False))
+        places = {self.key_of(n) for n in names} - {None}
+        unused = sorted(set(self.reader.keys()) - self.used - places)
+        if unused:
+            raise ModelError(
+                f"model.adapter {self.folder} holds {len(unused)} tensor(s) this model has no "
+                f"place for, e.g. {unused[0]}; was it trained on another model?"
+            )

@@ -104,6 +104,8 @@ def build_training_model(
     _materialize(build, model, objective, strategy)
     fast_head = _choose_loss_head(objective, dist, log)
     padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
+    if reference_source_of(cfg) == "adapters" and cfg.model.adapter:
+        _note_adapter_reference(cfg, log)
     if reference_source_of(cfg) == "copy":
         _attach_reference_copy(
             build, objective, sharded=strategy.shards, fast_head=fast_head, varlen=padding_free
@@ -183,7 +185,12 @@ def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy
     lm = causal_lm_of(model)
     init_computed_buffers(lm, dist.device)
     fill_weights(
-        model, build.model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor
+        model,
+        build.model_dir,
+        seed=cfg.train.seed,
+        region_of=local_region,
+        local=local_tensor,
+        adapter_dir=Path(cfg.model.adapter).expanduser() if cfg.model.adapter else None,
     )
     objective.init_new_weights(region_of=local_region, local=local_tensor)  # e.g. rm's head
 
@@ -197,6 +204,21 @@ def _choose_loss_head(objective: CausalLMObjective, dist: DistContext, log) -> b
     objective.fast_head = ok
     log(f"loss head: {'fast' if ok else 'full Hugging Face forward'} ({why})")
     return ok
+
+
+def _note_adapter_reference(cfg: RunConfig, log) -> None:
+    """With model.adapter, a live LoRA reference is the base without it: say so, and how to
+    compare with the adapter the run starts from instead."""
+    settings = cfg.stage_settings
+    choices = str(type(settings).__dataclass_fields__["reference"].type)
+    if "precompute" in choices:
+        instead = f"set {cfg.train.stage}.reference: precompute"
+    else:
+        instead = "merge it into the model (keel export) and train a new adapter on that"
+    log(
+        f"reference model: the base with every adapter off, model.adapter's too (as TRL and "
+        f"LLaMA-Factory do); to compare with the adapter the run starts from, {instead}"
+    )
 
 
 def _attach_reference_copy(

@@ -213,9 +213,7 @@ def _lora_model_dir(build: Build, key: str, value) -> None:
     if value is None:
         build.ignored(key, "empty: new adapters are trained")
     else:
-        build.refused(
-            key, "keel trains new adapters; starting from a saved adapter folder is not supported"
-        )
+        build.put(key, "model.adapter", value, "keeps training that adapter")
 
 
 def _precision(build: Build, key: str, value) -> None:

@@ -260,6 +260,31 @@ def _additional_target(build: Build, key: str, value) -> None:
         build.refused(key, f"{value!r}: module names, comma-separated")
 
 
+def _adapter_path(build: Build, key: str, value) -> None:
+    paths = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else []
+    if build.raw.get("finetuning_type", "lora") != "lora":
+        build.refused(key, "keel keeps training an adapter under finetuning_type lora only")
+    elif len(paths) != 1 or build.raw.get("create_new_adapter"):
+        build.refused(
+            key,
+            f"{value!r} with create_new_adapter {bool(build.raw.get('create_new_adapter'))}: "
+            f"they merge adapters into the base first; keel keeps training one adapter "
+            f"(model.adapter). Merge them into a model (keel export --model BASE --adapter "
+            f"ADAPTER --out DIR) and name that as model_name_or_path",
+        )
+    else:
+        build.put(key, "model.adapter", paths[0], "keeps training it (their resumed adapter)")
+
+
+def _create_new_adapter(build: Build, key: str, value) -> None:
+    if not value:
+        build.ignored(key, "false: the adapter of adapter_name_or_path keeps training")
+    elif not build.raw.get("adapter_name_or_path"):
+        build.ignored(key, "true without adapter_name_or_path: new adapters, as keel trains")
+    else:  # adapter_name_or_path says why it is refused
+        build.ignored(key, "read with adapter_name_or_path")
+
+
 def _flash_attn(build: Build, key: str, value) -> None:
     choices = {"auto": "auto", "sdpa": "sdpa", "fa2": "flash_attention_2", "disabled": "eager"}
     if value in choices:
@@ -291,6 +316,8 @@ KEY_RULES: dict[str, Rule] = {
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
+    "adapter_name_or_path": _adapter_path,
+    "create_new_adapter": _create_new_adapter,
     "train_on_prompt": _sft_masking,
     "mask_history": _sft_masking,
     "lr_scheduler_kwargs": _scheduler_kwargs,
