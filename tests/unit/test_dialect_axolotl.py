@@ -583,3 +583,11 @@ def test_a_dataset_name_is_the_hub_dataset_s_configuration():
     assert translation.refused() == []
     assert translation.config["data"]["datasets"][0]["subset"] == "en"
     assert load_config(None, base=translation.config).data.datasets[0].subset == "en"
+
+
+def test_lora_model_dir_decides_the_lora_shape_as_peft_loads_it():
+    raw = {"base_model": "m", "adapter": "lora", "lora_model_dir": "out/sft", "lora_dropout": 0.1}
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.refused() == []  # no lora_r / lora_alpha needed: the adapter has them
+    assert translation.config["model"]["adapter"] == "out/sft"
+    assert translation.config["method"]["lora"] == {"dropout": 0.1}

@@ -466,3 +466,21 @@ def test_their_adapter_to_resume_is_keels_model_adapter(keys, fate, tmp_path):
     assert {f.key: f.fate for f in translation.fates}["adapter_name_or_path"] == fate
     if fate == "mapped":
         assert translation.config["model"]["adapter"] == "saves/sft"
+
+
+def test_the_adapter_they_resume_decides_the_lora_shape(tmp_path):
+    raw = {
+        "model_name_or_path": "m",
+        "do_train": True,
+        "adapter_name_or_path": "saves/sft",
+        "lora_target": "all",
+        "lora_rank": 64,  # PEFT's from_pretrained reads the adapter's, as keel does
+    }
+    translation = translate(raw, tmp_path / "x.yaml")
+    fates = {f.key: f for f in translation.fates}
+    assert fates["lora_rank"].fate == fates["lora_target"].fate == "ignored"
+    assert "adapter_config.json" in fates["lora_rank"].why
+    lora = translation.config["method"]["lora"]
+    assert "r" not in lora and "alpha" not in lora and "targets" not in lora
+    assert lora["dropout"] == 0.0  # training settings stay theirs
+    assert not any(note.startswith("method.lora.alpha") for note in translation.notes)

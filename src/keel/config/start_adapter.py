@@ -16,8 +16,8 @@ from keel.config.schema import LoraConfig, RunConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# method.lora key -> what adapter_config.json calls it
-_SHAPE = {
+# method.lora key -> what adapter_config.json calls it (the keys a saved adapter fixes)
+SHAPE = {
     "r": "r",
     "alpha": "lora_alpha",
     "targets": "target_modules",
@@ -55,7 +55,7 @@ def with_start_adapter(cfg: RunConfig, given: dict) -> tuple[RunConfig, list[str
     shape = _shape_of(saved)
     problems = [
         f"method.lora.{key} = {given[key]!r}, but {where} has {key} {shape[key]!r} (its "
-        f"{_SHAPE[key]}); remove method.lora.{key}: the adapter's weights fix it"
+        f"{SHAPE[key]}); remove method.lora.{key}: the adapter's weights fix it"
         for key in shape
         if key in given and _normal(key, given[key]) != _normal(key, shape[key])
     ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from keel.config.dialects.report import Dialect, KeyFate, Translation
+from keel.config.start_adapter import SHAPE
 
 
 @dataclass(kw_only=True)
@@ -56,8 +57,32 @@ class Build:
         self.notes.append(f"{target} = {value}: {why}")
 
     def translation(self, dialect: Dialect) -> Translation:
+        if (self.config.get("model") or {}).get("adapter"):
+            self._defer_to_adapter()
         return Translation(dialect=dialect, config=self.config, fates=self.fates, notes=self.notes)
 
+    def _defer_to_adapter(self) -> None:
+        """With an adapter to keep training (model.adapter), its adapter_config.json decides
+        the LoRA shape, as they load it (PEFT's from_pretrained): their shape keys, given or
+        defaulted, are ignored and keel reads the adapter's (keel.config.start_adapter)."""
+        lora = (self.config.get("method") or {}).get("lora") or {}
+        for name in SHAPE:
+            lora.pop(name, None)
+        why = "the adapter it keeps training decides it (its adapter_config.json, model.adapter)"
+        self.fates = [
+            KeyFate(f.key, "ignored", why=why) if f.key in _THEIR_SHAPE_KEYS else f
+            for f in self.fates
+        ]
+        shaped = tuple(f"method.lora.{name} =" for name in SHAPE)
+        self.notes = [note for note in self.notes if not note.startswith(shaped)]
+
+
+# their keys for the LoRA shape a saved adapter fixes (keel.config.start_adapter.SHAPE)
+_THEIR_SHAPE_KEYS = (
+    *("lora_rank", "lora_alpha", "lora_target", "use_rslora", "additional_target"),
+    *("lora_r", "lora_target_modules", "lora_target_linear", "peft_use_rslora"),
+    "lora_modules_to_save",
+)
 
 # The Trainer's optimizer names keel has: name -> (keel's train.optimizer, a note)
 _8BIT = "torchao's block-quantised 8-bit moments, not bitsandbytes'"
