@@ -223,3 +223,35 @@ def test_a_run_keeps_training_the_adapter_it_starts_from(tiny_model_dir, data_fi
         config(tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={first}", method="full")
     with pytest.raises(ConfigError, match=r"no adapter_config.json or adapter_model.safetensors"):
         config(tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={tmp_path}")
+
+
+@pytest.mark.parametrize(
+    ("stage", "instead"),
+    [
+        (("train.stage=dpo",), "set dpo.reference: precompute"),
+        (("train.stage=grpo", "grpo.rewards=[keel.rewards:format]", "grpo.beta=0.04"), "merge it"),
+    ],
+    ids=["dpo", "grpo"],
+)
+def test_a_live_reference_says_it_is_the_base_without_the_start_adapter(
+    stage, instead, tiny_model_dir, data_file, tmp_path
+):
+    from keel.train.model_setup import _note_adapter_reference
+
+    adapter = tmp_path / "adapter"  # the folder's files, as the config check reads them
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8})
+    )
+    (adapter / "adapter_model.safetensors").touch()
+    cfg = config(
+        tiny_model_dir,
+        data_file,
+        tmp_path / "out",
+        f"model.adapter={adapter}",
+        *stage,
+    )
+    logs: list[str] = []
+    _note_adapter_reference(cfg, logs.append)
+    (line,) = logs
+    assert "the base with every adapter off, model.adapter's too" in line and instead in line

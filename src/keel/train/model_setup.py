@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import torch
 from torch import nn
@@ -209,8 +210,7 @@ def _choose_loss_head(objective: CausalLMObjective, dist: DistContext, log) -> b
 def _note_adapter_reference(cfg: RunConfig, log) -> None:
     """With model.adapter, a live LoRA reference is the base without it: say so, and how to
     compare with the adapter the run starts from instead."""
-    settings = cfg.stage_settings
-    choices = str(type(settings).__dataclass_fields__["reference"].type)
+    choices = get_args(get_type_hints(type(cfg.stage_settings))["reference"])
     if "precompute" in choices:
         instead = f"set {cfg.train.stage}.reference: precompute"
     else:
