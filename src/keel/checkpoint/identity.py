@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.config import RunConfig, config_to_dict
+from keel.config.schema import LoraConfig
 from keel.models.hub import hub_source
 from keel.precision import Precision
 from keel.stages.registry import STAGES, stage_sections
@@ -130,9 +131,8 @@ def _saved_settings(saved: dict) -> dict:
 # Method settings added after checkpoints recorded the method: a checkpoint of an older keel
 # holds none of them, and ran with what is now their default.
 _ADDED_LATER = {
-    "method.lora.rslora": False,
-    "method.lora.plus_lr_ratio": None,
-    "method.lora.modules_to_save": [],
+    f"method.lora.{name}": getattr(LoraConfig(), name)
+    for name in ("rslora", "plus_lr_ratio", "modules_to_save")
 }
 
 

@@ -200,7 +200,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
     return problems
 
 
-# What each kind of stage trains on, for a data.train_on_prompt outside sft.
+# What each kind of stage trains on, for data.train_on_prompt or mask_history outside sft.
 _TRAINED_TOKENS = {
     "text": "every token is trained already",
     "pair": "it compares the answers to one prompt, so the prompt is never scored",

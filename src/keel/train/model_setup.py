@@ -105,9 +105,10 @@ def build_training_model(
     _materialize(build, model, objective, strategy)
     fast_head = _choose_loss_head(objective, dist, log)
     padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
-    if reference_source_of(cfg) == "adapters" and cfg.model.adapter:
+    reference = reference_source_of(cfg)
+    if reference == "adapters" and cfg.model.adapter:
         _note_adapter_reference(cfg, log)
-    if reference_source_of(cfg) == "copy":
+    if reference == "copy":
         _attach_reference_copy(
             build, objective, sharded=strategy.shards, fast_head=fast_head, varlen=padding_free
         )

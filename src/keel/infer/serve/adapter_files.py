@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from keel.errors import ModelError
@@ -38,6 +38,8 @@ class LoraShapes:
     """The LoRA pairs an adapter file holds: module path -> (A shape, B shape)."""
 
     pairs: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
+    # the modules it trains in full beside LoRA (adapter_config.json's PEFT modules_to_save)
+    in_full: tuple[str, ...] = ()
 
 
 def within_root(root: Path, given: str) -> Path:
@@ -80,7 +82,9 @@ def inspect_adapter(name: str, path: str, caps: AdapterCaps) -> LoraShapes:
             f"{where}: {WEIGHTS_FILE} is {size} bytes, over this server's limit of "
             f"{caps.max_bytes} (--max-adapter-size)"
         )
-    return _lora_shapes(weights, where, caps)
+    modules = config.get("modules_to_save") or []
+    in_full = tuple(sorted(modules) if isinstance(modules, list) else [str(modules)])
+    return replace(_lora_shapes(weights, where, caps), in_full=in_full)
 
 
 def check_against_base(shapes: LoraShapes, base, where: str) -> None:
@@ -104,14 +108,6 @@ def check_against_base(shapes: LoraShapes, base, where: str) -> None:
                 f"the base layer needs A [r, {inputs}] and B [{outputs}, r]; was it trained "
                 "on this base model?"
             )
-
-
-def trained_in_full(path: str) -> list[str]:
-    """The modules an adapter trains in full beside LoRA (its adapter_config.json's PEFT
-    modules_to_save), [] for a plain LoRA adapter; the folder passed `inspect_adapter`."""
-    config = _read_config(Path(path).expanduser(), f"adapter at {path}")
-    modules = config.get("modules_to_save") or []
-    return sorted(modules) if isinstance(modules, list) else [str(modules)]
 
 
 def _read_config(directory: Path, where: str) -> dict:

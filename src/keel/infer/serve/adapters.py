@@ -9,7 +9,6 @@ from keel.infer.serve.adapter_files import (
     AdapterCaps,
     check_against_base,
     inspect_adapter,
-    trained_in_full,
 )
 
 BASE = "__base__"  # PEFT's name for "no adapter" in a mixed batch
@@ -71,7 +70,7 @@ class AdapterSet:
         self._check_name(name)
         path = str(Path(path).expanduser())
         shapes = inspect_adapter(name, path, self.caps)
-        whole = trained_in_full(path)
+        whole = list(shapes.in_full)
         self._check_alone(name, whole)
         if len(self._keys) >= self.caps.max_adapters:
             raise ModelError(

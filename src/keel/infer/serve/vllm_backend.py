@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from keel.errors import KeelError, ModelError
-from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter, trained_in_full
+from keel.infer.serve.adapter_files import AdapterCaps, inspect_adapter
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job, SchedulerThread
 
 
@@ -119,8 +119,8 @@ class VllmAdapters:
                 f"this server holds at most {self.caps.max_adapters} adapters (--max-adapters); "
                 "unload one first"
             )
-        inspect_adapter(name, path, self.caps)  # safetensors only, rank and size capped
-        whole = trained_in_full(path)
+        # safetensors only, rank and size capped
+        whole = inspect_adapter(name, path, self.caps).in_full
         if whole:
             raise ModelError(
                 f"adapter {name!r} trains {', '.join(whole)} in full (PEFT modules_to_save), "
