@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from keel.cli_convert import add_convert, run_convert, show_translation
 from keel.cli_serve import add_serve, parse_size, run_serve
+from keel.cli_their import add_their_config, fill_from_their_config
 from keel.console import quiet_libraries, say
 from keel.errors import ConfigError, KeelError
 
@@ -105,9 +106,9 @@ def _add_validate(sub) -> None:
 
 def _add_chat(sub) -> None:
     chat = sub.add_parser("chat", help="chat with a model (interactive, or one --prompt)")
+    add_their_config(chat)
     chat.add_argument(
         "--model",
-        required=True,
         help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
         "or bundled:smollm2-135m-instruct",
     )
@@ -122,9 +123,9 @@ def _add_chat(sub) -> None:
         "prompt, or placed before the text when it has none",
     )
     chat.add_argument("--system", help="system prompt (default: the template's own)")
-    chat.add_argument("--max-new-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--max-new-tokens", type=int, help="default 256")
+    chat.add_argument("--temperature", type=float, help="0 (the default) means greedy")
+    chat.add_argument("--top-p", type=float, help="default 1")
     chat.add_argument(
         "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
@@ -176,9 +177,9 @@ def _add_export(sub) -> None:
         "export",
         help="merge an adapter or checkpoint into its base; write one Hugging Face model dir",
     )
+    add_their_config(export)
     export.add_argument(
         "--model",
-        required=True,
         help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
         "checkpoints/step-N dir, or bundled:NAME",
     )
@@ -187,7 +188,7 @@ def _add_export(sub) -> None:
         help="PEFT adapter dir, keel output dir of a LoRA run, or checkpoints/step-N dir "
         "to merge into --model",
     )
-    export.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    export.add_argument("--out", help="folder to write; must not exist or be empty")
     export.add_argument(
         "--dtype",
         metavar="DTYPE",
@@ -196,7 +197,6 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--max-shard-size",
         type=parse_size,
-        default="5GB",
         metavar="SIZE",
         help="largest safetensors file, e.g. 5GB or 2GiB (default 5GB)",
     )
@@ -250,6 +250,7 @@ def _chat(args) -> int:
     from keel.infer.chat import chat_images, chat_once, interactive_chat
     from keel.models import load_for_inference
 
+    fill_from_their_config(args, "chat")
     model, tokenizer = load_for_inference(args.model, args.adapter, cache_dir=args.cache_dir)
     gen = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
     if args.image:
@@ -304,6 +305,7 @@ def _doctor(args) -> int:
 def _export(args) -> int:
     from keel.export import ExportRequest, export_model
 
+    fill_from_their_config(args, "export")
     request = ExportRequest(
         model=args.model,
         adapter=args.adapter,

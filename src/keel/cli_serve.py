@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import argparse
 
+from keel.cli_their import add_their_config, fill_from_their_config
+
 
 def add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (continuous batching, LoRA adapters) and a web chat",
     )
+    add_their_config(serve)
     serve.add_argument(
         "--model",
-        required=True,
         help="HF model dir, Hugging Face Hub id (owner/name), keel output dir, "
         "or bundled:smollm2-135m-instruct",
     )
@@ -62,7 +64,6 @@ def _add_serve_engine(serve) -> None:
     serve.add_argument(
         "--backend",
         choices=["keel", "vllm"],
-        default="keel",
         help="keel (default, any device) or vllm (needs vLLM and a CUDA GPU)",
     )
     serve.add_argument(
@@ -125,6 +126,7 @@ def run_serve(args) -> int:
     from keel.infer.serve.limits import ServeLimits
     from keel.infer.serve.server import ServeOptions, run_server
 
+    fill_from_their_config(args, "serve")
     limits = ServeLimits(
         max_batch_size=args.max_batch_size,
         max_concurrency=args.max_concurrency,

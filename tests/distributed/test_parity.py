@@ -110,6 +110,16 @@ CASES = {
             *MERGED,
         ),
     ),
+    # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
+    "fsdp-freeze-patterns": (
+        "fsdp",
+        "freeze",
+        (
+            "method.freeze.trainable_layers=0",
+            r"method.freeze.trainable_params=['model\.layers\.0\.mlp\.', "
+            r"'.*\.1\.self_attn\.q_proj', 'model\.norm']",
+        ),
+    ),
 }
 
 

@@ -42,7 +42,7 @@ from keel.distributed.parallelize import (  # noqa: E402
 )
 from keel.distributed.process_group import DistContext  # noqa: E402
 from keel.distributed.strategy import Strategy  # noqa: E402
-from keel.models.adapters import decoder_layers  # noqa: E402
+from keel.models.trainable import decoder_layers  # noqa: E402
 from keel.models.vision import blobs, family_of  # noqa: E402
 from keel.precision import resolve_precision  # noqa: E402
 from keel.train.loop import Trainer  # noqa: E402

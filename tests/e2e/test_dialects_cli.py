@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+import torch
 import yaml
 from cli_support import ROOT, keel_in_process
 from conftest import QA
@@ -213,3 +214,144 @@ def test_their_own_jinja_template_trains_and_is_saved_with_the_model(filled, tmp
     if found is None:  # older transformers keep it in tokenizer_config.json
         found = json.loads((out / "tokenizer_config.json").read_text())["chat_template"]
     assert found == text
+
+
+def test_their_unfrozen_parameters_train_only_what_they_match(filled, tiny_model_dir, tmp_path):
+    """Axolotl's full fine-tuning with unfrozen_parameters: the matched parameters (the last
+    layer, and the head tied to the embeddings) move, every other one stays the base's."""
+    from safetensors.torch import load_file
+
+    their = filled["axolotl/llama-3-fft-8b.yaml"]
+    raw = yaml.safe_load(their.read_text())
+    raw["unfrozen_parameters"] = ["model.layers.1.*", "lm_head"]
+    partial = their.with_name("unfrozen.yaml")
+    partial.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    result = keel_in_process("train", str(partial), f"output.dir={out}", *RUN, cwd=their.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "unfrozen_parameters -> method.freeze.trainable_params" in result.stdout + result.stderr
+    base, trained = (
+        load_file(tiny_model_dir / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    moved = {name for name in base if not torch.equal(base[name], trained[name])}
+    want = {n for n in base if n.startswith("model.layers.1.")} | {"model.embed_tokens.weight"}
+    assert moved == want
+
+
+def test_their_eval_dataset_is_evaluated_apart_from_the_training_data(filled, tmp_path):
+    """The eval block their examples ship commented out, switched on with eval_dataset (a
+    dataset of its own, not val_size): keel prepares it as evaluation data and reports its
+    loss."""
+    their = filled["llamafactory/qwen3_lora_sft.yaml"]
+    text = their.read_text().replace("# eval_dataset: alpaca_en_demo", "eval_dataset: chat_mini")
+    for key in ("per_device_eval_batch_size", "eval_strategy", "eval_steps"):
+        text = text.replace(f"# {key}:", f"{key}:")
+    evaluated = their.with_name("with_eval.yaml")
+    evaluated.write_text(text)
+    out = tmp_path / "out"
+    result = keel_in_process("train", str(evaluated), f"output.dir={out}", *RUN, cwd=their.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
+    assert "eval_dataset -> data.eval_datasets" in printed
+    assert "chat_mini.json (eval)" in printed
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]
+
+
+# Their quickstarts after training: LLaMA-Factory's `chat examples/inference/X.yaml` and
+# `export examples/merge_lora/X.yaml` (the shape of their files, the paths swapped for the
+# tiny model and the run's output), Axolotl's inference and merge-lora with the training
+# config itself
+LF_INFERENCE = """model_name_or_path: {model}
+adapter_name_or_path: {adapter}
+template: llama3
+infer_backend: huggingface  # choices: [huggingface, vllm, sglang, ktransformers]
+trust_remote_code: true
+"""
+LF_MERGE = """### Note: DO NOT use quantized model or quantization_bit when merging lora adapters
+
+### model
+model_name_or_path: {model}
+adapter_name_or_path: {adapter}
+template: llama3
+trust_remote_code: true
+
+### export
+export_dir: {out}
+export_size: 5
+export_device: cpu  # choices: [cpu, auto]
+export_legacy_format: false
+"""
+
+
+@pytest.fixture(scope="module")
+def lf_trained(filled, tiny_model_dir, tmp_path_factory):
+    """The LLaMA-Factory LoRA example trained 2 steps: its output folder."""
+    their = filled["llamafactory/qwen3_lora_sft.yaml"]
+    out = tmp_path_factory.mktemp("lf") / "saves"
+    result = keel_in_process("train", str(their), f"output.dir={out}", *RUN, cwd=their.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_their_chat_config_chats_as_the_flags_would(lf_trained, tiny_model_dir, tmp_path):
+    inference = tmp_path / "qwen3_lora_sft.yaml"
+    inference.write_text(LF_INFERENCE.format(model=tiny_model_dir, adapter=lf_trained))
+    greedy = ("do_sample=false", "max_new_tokens=6")  # their key=value settings
+    theirs = keel_in_process("chat", str(inference), "--prompt", "Hello", *greedy)
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert "LLaMA-Factory config translated to keel" in theirs.stderr
+    assert "adapter_name_or_path -> --adapter" in theirs.stderr
+    assert "do_sample -> --temperature  (false: greedy decoding)" in theirs.stderr
+    flags = ("--model", str(tiny_model_dir), "--adapter", str(lf_trained), "--max-new-tokens", "6")
+    ours = keel_in_process("chat", *flags, "--prompt", "Hello")
+    assert ours.returncode == 0 and theirs.stdout == ours.stdout and ours.stdout.strip()
+
+
+def test_their_export_config_merges_as_the_flags_would(lf_trained, tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    merge = tmp_path / "merge.yaml"
+    merge.write_text(LF_MERGE.format(model=tiny_model_dir, adapter=lf_trained, out=tmp_path / "m"))
+    theirs = keel_in_process("export", str(merge))
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert "export_size -> --max-shard-size" in theirs.stderr
+    flags = ("--model", str(tiny_model_dir), "--adapter", str(lf_trained))
+    ours = keel_in_process("export", *flags, "--out", str(tmp_path / "ours"))
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    got, want = (
+        load_file(tmp_path / "m" / "model.safetensors"),
+        load_file(tmp_path / "ours" / "model.safetensors"),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_their_refused_chat_settings_stop_before_loading(tiny_model_dir, tmp_path):
+    inference = tmp_path / "bad.yaml"
+    text = LF_INFERENCE.format(model=tiny_model_dir, adapter="a,b")
+    inference.write_text(text.replace("huggingface  #", "sglang  #") + "top_k: 5\nlora_rnak: 8\n")
+    result = keel_in_process("chat", str(inference), "--prompt", "Hello")
+    assert result.returncode == 2
+    for key in ("adapter_name_or_path", "infer_backend", "top_k", "lora_rnak"):
+        assert f"{key} (LLaMA-Factory) is refused" in result.stderr, key
+    assert "Traceback" not in result.stderr and not result.stdout
+
+
+def test_axolotl_merge_and_chat_take_their_training_config(filled, tmp_path):
+    """`keel export their.yml` merges what it trained into output_dir/merged (where axolotl
+    merge-lora writes), and `keel chat their.yml` chats with the adapter on base_model."""
+    their = filled["axolotl/llama-3-lora-1b.yml"]
+    raw = yaml.safe_load(their.read_text())
+    raw["output_dir"] = str(tmp_path / "lora-out")
+    config = tmp_path / "lora-1b.yml"
+    config.write_text(yaml.safe_dump(raw))
+    trained = keel_in_process("train", str(config), *RUN, cwd=their.parent)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    merged = keel_in_process("export", str(config), cwd=their.parent)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert "output_dir -> --adapter  (the trained adapter)" in merged.stderr
+    assert (tmp_path / "lora-out" / "merged" / "model.safetensors").is_file()
+    chat = ("chat", str(config), "--prompt", "Hi", "--max-new-tokens", "4")
+    answered = keel_in_process(*chat, cwd=their.parent)
+    assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr[-3000:]

@@ -18,6 +18,8 @@ EXPECTED = {
     "validate": {"config", "overrides", "--nproc", "--nnodes"},
     "convert": {"config", "--out"},
     "chat": {
+        "config",  # their chat config (LLaMA-Factory), or their training config (Axolotl)
+        "overrides",
         "--model",
         "--adapter",
         "--prompt",
@@ -31,6 +33,8 @@ EXPECTED = {
     "plan": {"config", "overrides", "--gpus", "--nodes", "--gpu-memory", "--json"},
     "doctor": {"--json"},
     "export": {
+        "config",
+        "overrides",
         "--model",
         "--adapter",
         "--out",
@@ -39,6 +43,8 @@ EXPECTED = {
         "--cache-dir",
     },
     "serve": {
+        "config",
+        "overrides",
         "--model",
         "--adapter",
         "--host",

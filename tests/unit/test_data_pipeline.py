@@ -314,6 +314,9 @@ def test_cache_misses_when_inputs_change(run, tmp_path):
     assert run(GOOD, stage="pt").fingerprint != first.fingerprint
     # settings added later leave older caches' fingerprints as they were when unset
     assert run(GOOD, train_on_prompt=False).fingerprint == first.fingerprint
+    # which rows are refused as too large decides what is kept
+    assert run(GOOD, max_row_bytes=4096).fingerprint != first.fingerprint
+    assert run(GOOD, max_row_bytes=16 * 2**20).fingerprint == first.fingerprint
     changed = run(GOOD[:9])  # rewrites the file
     assert not changed.from_cache and len(changed.train) == 9
 

@@ -111,6 +111,56 @@ def test_freeze_refuses_modules_without_weights():
         apply_method(build_tiny_model(320), method)
 
 
+def freeze_patterns(*patterns: str, layers: int = 0) -> MethodConfig:
+    return MethodConfig(
+        type="freeze", freeze=FreezeConfig(trainable_layers=layers, trainable_params=list(patterns))
+    )
+
+
+def test_freeze_patterns_train_exactly_the_parameters_they_match_from_the_start():
+    model = build_tiny_model(320, layers=3)
+    # "up_proj" alone would match no name from its start; ".*" reaches inside names
+    method = freeze_patterns(r"model\.layers\.[01]\.mlp\.", r".*\.2\.self_attn\.q_proj")
+    model = apply_method(model, method, log=lambda s: None)
+    expected = {
+        n
+        for n, _ in model.named_parameters()
+        if n.startswith(("model.layers.0.mlp.", "model.layers.1.mlp."))
+    } | {"model.layers.2.self_attn.q_proj.weight"}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == expected
+    model(IDS, labels=IDS).loss.backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is not None) == (name in expected), name
+
+
+def test_freeze_patterns_add_to_the_last_layers():
+    model = build_tiny_model(320, layers=3)
+    model = apply_method(model, freeze_patterns(r"model\.norm\.", layers=1), log=lambda s: None)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.norm.weight" in trained
+    assert {n.split(".")[2] for n in trained if n.startswith("model.layers.")} == {"2"}
+
+
+def test_freeze_pattern_on_a_tied_output_layer_trains_the_shared_matrix():
+    model = build_tiny_model(320)  # tied: named_parameters() lists only the embeddings
+    logs = []
+    model = apply_method(model, freeze_patterns("lm_head"), log=logs.append)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.requires_grad
+    assert count_parameters(model)[0] == model.lm_head.weight.numel()
+    assert any("share one weight" in line for line in logs)
+
+
+def test_freeze_patterns_refused_when_broken_or_matching_nothing():
+    model = build_tiny_model(320)
+    problems = method_problems(model, freeze_patterns("model.layers.[0", "up_proj", "lm_head"))
+    assert len(problems) == 2, problems
+    assert "'model.layers.[0' is not a regular expression" in problems[0]
+    assert "'up_proj' matches no parameter name" in problems[1]
+    assert "names look like model." in problems[1] and ".*" in problems[1]
+    assert count_parameters(model)[0] == count_parameters(model)[1]  # nothing was changed
+
+
 def test_lora_empty_targets_refused():
     with pytest.raises(ModelError, match="method.lora.targets is empty"):
         apply_method(build_tiny_model(320), lora_method([]))

@@ -10,7 +10,7 @@ from vlm_support import write_tiny_llava_dir, write_tiny_qwen2_vl_dir
 
 from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, VisionConfig
 from keel.errors import ModelError
-from keel.models.adapters import apply_method, decoder_layers, load_for_inference, save_model_dir
+from keel.models.adapters import apply_method, load_for_inference, save_model_dir
 from keel.models.loading import load_model, load_tokenizer
 from keel.models.materialize import (
     allocate,
@@ -19,6 +19,7 @@ from keel.models.materialize import (
     fill_weights,
     init_computed_buffers,
 )
+from keel.models.trainable import decoder_layers
 from keel.models.vision_parts import part_counts, vision_family
 
 WRITERS = {"qwen2_vl": write_tiny_qwen2_vl_dir, "llava": write_tiny_llava_dir}

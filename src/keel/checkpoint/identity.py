@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.config import RunConfig, config_to_dict
-from keel.config.schema import LoraConfig
+from keel.config.schema import FreezeConfig, LoraConfig
 from keel.models.hub import hub_source
 from keel.precision import Precision
 from keel.stages.registry import STAGES, stage_sections
@@ -133,7 +133,7 @@ def _saved_settings(saved: dict) -> dict:
 _ADDED_LATER = {
     f"method.lora.{name}": getattr(LoraConfig(), name)
     for name in ("rslora", "plus_lr_ratio", "modules_to_save")
-}
+} | {"method.freeze.trainable_params": FreezeConfig().trainable_params}
 
 
 def _method_differences(old: dict, new: dict, prefix: str = "method") -> list[tuple[str, str]]:

@@ -42,6 +42,7 @@ def load_config(
     if path is not None:
         raw, where.lines, problems = _read_yaml(Path(path))
         raw = _from_dialect(raw, Path(path), overrides, where, problems, on_translation)
+    problems += _repeated_overrides(overrides)
     for item in overrides:
         problem = apply_override(raw, item)
         if problem:
@@ -64,6 +65,32 @@ def load_config(
     if problems:
         raise ConfigError(problems, source=source)
     return cfg
+
+
+def _repeated_overrides(overrides) -> list[str]:
+    """A key set twice on the command line: the later value would silently win."""
+    given: dict[str, list[str]] = {}
+    for item in overrides:
+        if "=" in item:
+            given.setdefault(item.split("=", 1)[0].strip(), []).append(item)
+    return [
+        f"{key} is given {len(items)} times on the command line ({', '.join(items)}); the last "
+        f"would silently win: keep one"
+        for key, items in given.items()
+        if len(items) > 1
+    ]
+
+
+def read_their_config(path: Path, overrides: list[str]) -> dict:
+    """Their YAML (a LLaMA-Factory or Axolotl file) as a mapping, with `key=value` settings
+    of the command line laid over it as their CLIs do (`infer_backend=vllm`); ConfigError
+    for a missing or malformed file, a key set twice, or a malformed setting."""
+    raw, _lines, problems = _read_yaml(path)
+    problems += _repeated_overrides(overrides)
+    problems += [p for p in (apply_override(raw, item) for item in overrides) if p]
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return raw
 
 
 def _read_yaml(path: Path) -> tuple[dict, dict[str, int], list[str]]:
@@ -326,7 +353,7 @@ def _required_hint(key: str) -> str:
         "output": ": add an output section with dir: <where results go>",
         "output.dir": " (the folder for checkpoints, metrics and the trained model)",
     }
-    if key.startswith("data.datasets.") and key.endswith(".path"):
+    if key.startswith(("data.datasets.", "data.eval_datasets.")) and key.endswith(".path"):
         return " (a data file, folder, or a name in dataset_info.json)"
     return hints.get(key, "")
 

@@ -61,6 +61,11 @@ class LoraConfig:
 class FreezeConfig:
     trainable_layers: int = 2  # train the last N decoder layers
     trainable_modules: list[str] = field(default_factory=list)  # extra names, e.g. [lm_head, norm]
+    # regular expressions over parameter names as the model spells them (e.g.
+    # model.layers.3.mlp.up_proj.weight): a parameter trains when one matches from the
+    # name's start (Python's re.match), e.g. ['lm_head', 'model\.layers\.1[0-5]\.mlp\.'];
+    # these train beside the last trainable_layers (set it to 0 to train only what they match)
+    trainable_params: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -139,6 +144,9 @@ class DataConfig:
     # split; the report counts them (Axolotl's dataset_exact_deduplication)
     deduplicate: bool = False
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
+    # evaluation data of its own, read as data.datasets are (the same formats, the stage's
+    # data), instead of rows held out by val_size (LLaMA-Factory's eval_dataset)
+    eval_datasets: list[DatasetConfig] = field(default_factory=list)
     overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
     shuffle: bool = True  # shuffle the rows each epoch (with train.seed)

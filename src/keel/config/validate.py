@@ -130,7 +130,7 @@ def _check_method(cfg: RunConfig) -> list[str]:
         problems += _positive(
             freeze.trainable_layers,
             "method.freeze.trainable_layers",
-            allow_zero=bool(freeze.trainable_modules),
+            allow_zero=bool(freeze.trainable_modules or freeze.trainable_params),
         )
     if cfg.output.merge_lora and not cfg.method.uses_lora:
         problems.append(
@@ -164,6 +164,11 @@ def _check_data(cfg: RunConfig) -> list[str]:
         problems.append(
             f"data.val_size = {data.val_size} must be a fraction in [0, 1) "
             f"or a whole number of samples"
+        )
+    if data.val_size and data.eval_datasets:
+        problems.append(
+            f"data.val_size = {data.val_size} and data.eval_datasets both choose the evaluation "
+            f"data; keep one (val_size holds rows of data.datasets out)"
         )
     problems += _positive(data.num_proc, "data.num_proc")
     problems += _positive(data.max_row_bytes, "data.max_row_bytes")

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from keel.config.schema import DataConfig
@@ -60,6 +60,9 @@ def tokenizer_identity(tokenizer) -> dict:
     }
 
 
+_DEFAULT_ROW_BYTES = next(f.default for f in fields(DataConfig) if f.name == "max_row_bytes")
+
+
 def fingerprint(
     cfg: DataConfig,
     sources: list[Source],
@@ -68,7 +71,8 @@ def fingerprint(
     stage: str,
     seed: int,
 ) -> str:
-    """sha256 over everything that can change the prepared rows or the report."""
+    """sha256 over everything that can change the prepared rows or the report; `sources`:
+    the training data's, then the evaluation data's (data.eval_datasets)."""
     payload = {
         "version": DATA_FORMAT_VERSION,
         "stage": stage,
@@ -80,25 +84,30 @@ def fingerprint(
         "val_size": cfg.val_size,
         "template": template.text,
         "tokenizer": tokenizer_identity(tokenizer),
-        "sources": [
-            {
-                "config": _entry_identity(s.config),
-                "entry": s.entry,
-                "format": s.format,
-                "columns": s.columns,
-                "tags": s.tags,
-                "split": s.split,
-                "num_samples": s.num_samples,
-                "files": _files_identity(s),
-            }
-            for s in sources
-        ],
+        "sources": [_source_identity(s) for s in sources],
     }
     for key in ("train_on_prompt", "mask_history", "deduplicate"):  # added later: when unset, data
         if getattr(cfg, key):  # prepared before them keeps its fingerprint
             payload[key] = True
+    if cfg.max_row_bytes != _DEFAULT_ROW_BYTES:  # it decides which rows are refused
+        payload["max_row_bytes"] = cfg.max_row_bytes
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _source_identity(source: Source) -> dict:
+    held_out = {"key": source.key} if source.key.startswith("data.eval_datasets.") else {}
+    return {
+        **held_out,  # added later: the training data's sources keep their identity
+        "config": _entry_identity(source.config),
+        "entry": source.entry,
+        "format": source.format,
+        "columns": source.columns,
+        "tags": source.tags,
+        "split": source.split,
+        "num_samples": source.num_samples,
+        "files": _files_identity(source),
+    }
 
 
 def vision_fingerprint(data_fingerprint: str, vision) -> str:

@@ -76,7 +76,7 @@ class PreparedData:
     (kl_input_ids, kl_targets, kl_position_ids). See `prepare_data`."""
 
     train: Dataset
-    eval: Dataset | None  # None when data.val_size == 0
+    eval: Dataset | None  # None without evaluation data (data.val_size 0, no eval_datasets)
     report: DataReport
     fingerprint: str
     from_cache: bool = False  # True when loaded from <cache_dir>/data/<fingerprint>
@@ -126,8 +126,9 @@ def prepare_data(
     _check_tokenizer(tokenizer, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
     sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
+    held_out = _sources(cfg, base_dir, stage, text_only=vision is None, log=log, held_out=True)
     template, note = resolve_template(cfg.template, tokenizer, base_dir)
-    fp = fingerprint(cfg, sources, template, tokenizer, stage, seed)
+    fp = fingerprint(cfg, sources + held_out, template, tokenizer, stage, seed)
     fp = vision_fingerprint(fp, vision) if vision is not None else fp
     target = cache_dir / "data" / fp
     if (cached := _load_cache(target, log)) is not None:
@@ -145,14 +146,22 @@ def prepare_data(
     load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
     encoding = _Encoding(cfg, tokenizer, template, stage, vision, fp)
     samples, overlong, used_template, images = _encode_sources(encoding, sources, load, report)
+    units = _Units(samples)
+    if held_out:  # encoded after the training data: LLaMA-Factory's num_samples draws in order
+        eval_samples, eval_overlong, eval_template, eval_images = _encode_sources(
+            encoding, held_out, load, report
+        )
+        units = _Units(samples, eval_samples)
+        overlong, used_template = overlong + eval_overlong, used_template or eval_template
+        images |= eval_images
     if used_template:
         report.template = template.name
         if note:
             log(note)
     _check(cfg, report, overlong)
     if cfg.deduplicate:
-        samples, report.duplicates = drop_duplicates(samples)
-    train, eval_ = _rows(cfg, samples, stage=stage, seed=seed, report=report, log=log)
+        units = _deduplicated(units, report)
+    train, eval_ = _rows(cfg, units, stage=stage, seed=seed, report=report, log=log)
     save_cache(target, train, eval_, report, image_manifest(images))
     train, eval_, report = load_cached(target)  # serve the cached copy: identical on reruns
     log(f"data: prepared and cached at {target}")
@@ -160,9 +169,12 @@ def prepare_data(
     return PreparedData(train, eval_, report, fp, from_cache=False)
 
 
-def _sources(cfg: DataConfig, base_dir: Path, stage: str, *, text_only: bool, log) -> list:
-    """The run's data sources, their notes logged; image entries refused for a text model."""
-    sources = resolve_sources(cfg, base_dir, stage=stage)
+def _sources(
+    cfg: DataConfig, base_dir: Path, stage: str, *, text_only: bool, log, held_out: bool = False
+) -> list:
+    """The run's data sources (held_out: its evaluation data's, data.eval_datasets), their
+    notes logged; image entries refused for a text model."""
+    sources = resolve_sources(cfg, base_dir, stage=stage, held_out=held_out)
     if text_only:
         _refuse_image_entries(sources)
     for note in (n for src in sources for n in src.notes):
@@ -170,26 +182,47 @@ def _sources(cfg: DataConfig, base_dir: Path, stage: str, *, text_only: bool, lo
     return sources
 
 
+@dataclass(frozen=True)
+class _Units:
+    """The encoded units (samples, pairs, prompts) of the training data, and of the
+    evaluation data when it has its own (data.eval_datasets; else None: val_size splits)."""
+
+    train: pa.Table
+    eval: pa.Table | None = None
+
+
+def _deduplicated(units: _Units, report: DataReport) -> _Units:
+    """Each split without its repeated samples, counted in the report; a training sample
+    may also be an evaluation one (as Axolotl deduplicates test_datasets)."""
+    train, report.duplicates = drop_duplicates(units.train)
+    if units.eval is None:
+        return _Units(train)
+    held_out, copies = drop_duplicates(units.eval)
+    report.duplicates += copies
+    return _Units(train, held_out)
+
+
 def _rows(
     cfg: DataConfig,
-    samples: pa.Table,
+    units: _Units,
     *,
     stage: str,
     seed: int,
     report: DataReport,
     log: Callable[[str], None],
 ) -> tuple[Dataset, Dataset | None]:
-    """The encoded samples as train and eval rows of the stage's unit, packed up to its
+    """The encoded units as train and eval rows of the stage's unit, packed up to its
     capacity (cutoff_len per sequence of a row); prompts (grpo) one per row, never packed:
     each is answered online, and its completions make the rows trained on."""
     if STAGES[stage].unit == "prompt":
-        return _split_and_pack(cfg, samples, seed, report, lambda units, _seed: prompt_rows(units))
+        return _split_and_pack(cfg, units, seed, report, lambda table, _seed: prompt_rows(table))
     if STAGES[stage].unit == "sample":  # labelled: KTO's mismatched sequences for its KL estimate
-        samples = add_kl_sequences(samples, cfg.cutoff_len)
-        _note_one_sided(samples, log)
+        kl = partial(add_kl_sequences, cutoff_len=cfg.cutoff_len)  # within each split
+        units = _Units(kl(units.train), None if units.eval is None else kl(units.eval))
+        _note_one_sided(units.train, log)
     capacity = cfg.cutoff_len * STAGES[stage].sequences_per_row
     return _split_and_pack(
-        cfg, samples, seed, report, lambda units, s: make_rows(units, cfg.packing, capacity, s)
+        cfg, units, seed, report, lambda table, s: make_rows(table, cfg.packing, capacity, s)
     )
 
 
@@ -262,11 +295,11 @@ def _load_cache(target: Path, log: Callable[[str], None]):
 
 def _refuse_image_entries(sources: list[Source]) -> None:
     """A text model's run: a dataset_info.json entry that declares images is refused whole."""
-    for i, src in enumerate(sources):
+    for src in sources:
         col = src.columns.get("images") if src.entry is not None else None
         if col:
             raise DataError(
-                f"data.datasets[{i}] ({src.config.path}) is multimodal (columns.images: "
+                f"{src.where} is multimodal (columns.images: "
                 f"'{col}'), but model.path is a text model; images need a vision-language "
                 f"model (e.g. Qwen2-VL, LLaVA), or use an entry without images"
             )
@@ -280,14 +313,15 @@ def _encode_sources(run: _Encoding, sources, load, report):
     tables, overlong, used_template, images = [], [], False, set()
     for i, src in enumerate(sources):
         units = load(src)
-        spec = _spec_for(src, units, run.stage, f"data.datasets[{i}] ({src.config.path})")
+        spec = _spec_for(src, units, run.stage, src.where)
+        split = "eval" if src.key.startswith("data.eval_datasets.") else "train"
         used_template |= spec.format != "text"
         encoder = encoder_for(run.tokenizer, _settings(run, src, spec))
         for j, unit in enumerate(units):
-            stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections))
+            stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections), split=split)
             report.rejections += unit.rejections
             if unit.dataset is not None and len(unit.dataset):
-                fp = f"keel-{run.fingerprint[:40]}-{i}-{j}"
+                fp = f"keel-{run.fingerprint[:40]}-{'eval-' if split == 'eval' else ''}{i}-{j}"
                 encoded = encode_dataset(unit.dataset, encoder, run.cfg.num_proc, fp)
                 table = encoded.with_format("arrow")[:]
                 if "image_files" in table.column_names:
@@ -372,29 +406,36 @@ def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
             f"(data.overlength=error):\n{lines}\nraise data.cutoff_len, or set "
             f"data.overlength: truncate (cut them) or drop (skip them)"
         )
-    if report.totals().kept == 0:
+    if report.totals("train").kept == 0:
         raise DataError(f"no usable samples in the training data\n{report.format()}")
+    if cfg.eval_datasets and report.totals("eval").kept == 0:
+        raise DataError(f"no usable samples in data.eval_datasets\n{report.format()}")
 
 
 def _split_and_pack(
     cfg: DataConfig,
-    samples: pa.Table,
+    units: _Units,
     seed: int,
     report: DataReport,
     rows_of: Callable[[pa.Table, int], pa.Table],
 ):
-    """Split the units (samples, pairs, prompts) and make each split's rows with
-    `rows_of(units, seed)` (e.g. packed into rows of cutoff_len tokens)."""
+    """Split the units (samples, pairs, prompts) by data.val_size, unless the evaluation
+    data has its own, and make each split's rows with `rows_of(units, seed)` (e.g. packed
+    into rows of cutoff_len tokens)."""
     from datasets import Dataset
     from datasets.table import InMemoryTable
 
-    train_idx, eval_idx = split_indices(samples.num_rows, cfg.val_size, seed)
-    train = rows_of(samples.take(train_idx), seed)
-    report.train = _split_stats(len(train_idx), train)
+    if units.eval is None:
+        train_idx, eval_idx = split_indices(units.train.num_rows, cfg.val_size, seed)
+        train_units, eval_units = units.train.take(train_idx), units.train.take(eval_idx)
+    else:
+        train_units, eval_units = units.train, units.eval
+    train = rows_of(train_units, seed)
+    report.train = _split_stats(train_units.num_rows, train)
     eval_ = None
-    if len(eval_idx):
-        eval_ = rows_of(samples.take(eval_idx), seed + 1)
-        report.eval = _split_stats(len(eval_idx), eval_)
+    if eval_units.num_rows:
+        eval_ = rows_of(eval_units, seed + 1)
+        report.eval = _split_stats(eval_units.num_rows, eval_)
         eval_ = Dataset(InMemoryTable(eval_))
     return Dataset(InMemoryTable(train)), eval_
 

@@ -45,6 +45,7 @@ class FileStats:
     truncated: int = 0
     dropped: int = 0  # over cutoff_len with data.overlength=drop
     rejected: int = 0
+    split: str = "train"  # eval: a file of data.eval_datasets
 
 
 @dataclass
@@ -81,9 +82,12 @@ class DataReport:
     def num_rejected(self) -> int:
         return sum(f.rejected for f in self.files)
 
-    def totals(self) -> FileStats:
+    def totals(self, split: str | None = None) -> FileStats:
+        """The files' counts added up; `split` (train, eval): that split's files only."""
         total = FileStats(file="total")
         for f in self.files:
+            if split is not None and f.split != split:
+                continue
             total.read += f.read
             total.kept += f.kept
             total.truncated += f.truncated
@@ -164,7 +168,10 @@ def list_capped(items: list[str], max_listed: int = MAX_LISTED, indent: str = " 
 def _file_table(rows: list[FileStats]) -> list[str]:
     heads = ("file", "read", "kept", "truncated", "dropped", "rejected")
     cells = [heads] + [
-        (r.file, str(r.read), str(r.kept), str(r.truncated), str(r.dropped), str(r.rejected))
+        (
+            f"{r.file} (eval)" if r.split == "eval" else r.file,
+            *map(str, (r.read, r.kept, r.truncated, r.dropped, r.rejected)),
+        )
         for r in rows
     ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]

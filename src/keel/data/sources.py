@@ -62,6 +62,17 @@ class Source:
     # relative image paths are read from here: data.dataset_dir for a dataset_info.json
     # entry (as LLaMA-Factory's media_dir defaults to it), else the data file's folder
     media_dir: Path | None = None
+    key: str = "data.datasets.0"  # its config key: data.datasets.N or data.eval_datasets.N
+
+    @property
+    def where(self) -> str:
+        return entry_where(self.key, self.config.path)
+
+
+def entry_where(key: str, path: str) -> str:
+    """How messages name the dataset entry at config key `key`: data.datasets[N] (its path)."""
+    entries, index = key.rsplit(".", 1)
+    return f"{entries}[{index}] ({path})"
 
 
 @dataclass
@@ -87,26 +98,35 @@ def _label(path: Path, base_dir: Path) -> str:
         return str(path)
 
 
-def resolve_sources(cfg: DataConfig, base_dir: Path, *, stage: str | None = None) -> list[Source]:
-    """Resolve every `data.datasets` entry; all problems are DataErrors naming the entry.
+def resolve_sources(
+    cfg: DataConfig, base_dir: Path, *, stage: str | None = None, held_out: bool = False
+) -> list[Source]:
+    """Resolve every `data.datasets` entry (held_out: every `data.eval_datasets` entry,
+    which may be none); all problems are DataErrors naming the entry.
 
     stage (pt, sft, dpo, orpo, simpo, kto) completes the checks that depend on it: a
     LLaMA-Factory entry means different text in pretraining and in SFT, and ranking or
     kto_tag entries train only their stages. None leaves them to a later call.
     """
-    if not cfg.datasets:
+    entries = cfg.eval_datasets if held_out else cfg.datasets
+    if not entries and not held_out:
         raise DataError("data.datasets is empty; list at least one dataset file")
     dataset_dir = info = None
-    if cfg.dataset_dir:
+    if cfg.dataset_dir and entries:
         dataset_dir = _absolute(cfg.dataset_dir, base_dir)
         info = load_dataset_info(dataset_dir)
+    prefix = "data.eval_datasets" if held_out else "data.datasets"
     return [
-        _resolve(i, dc, base_dir, dataset_dir, info, stage) for i, dc in enumerate(cfg.datasets)
+        _resolve(f"{prefix}.{i}", dc, base_dir, (dataset_dir, info), stage)
+        for i, dc in enumerate(entries)
     ]
 
 
-def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> Source:
-    where = f"data.datasets[{i}] ({dc.path})"
+def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Source:
+    """The entry at config key `key` (data.datasets.N); `listing`: data.dataset_dir and its
+    dataset_info.json (None, None without one)."""
+    dataset_dir, info = listing
+    where = entry_where(key, dc.path)
     check_overrides(dc.columns, dc.tags, where)
     if dc.format != "auto" and dc.format not in FORMATS:
         raise DataError(f"{where}: format '{dc.format}' is unknown; use auto or one of {FORMATS}")
@@ -121,7 +141,7 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
         if entry.hub_id is not None:
             reading = _Reading(fmt, columns, tags, split, num_samples, raw, notes)
             part = HubPart(dc.subset or entry.subset, entry.folder, key=f"{where}'s subset")
-            return _resolve_hub(i, dc, where, entry.hub_id, reading, part)
+            return _resolve_hub(key, dc, where, entry.hub_id, reading, part)
     else:
         path = _absolute(dc.path, base_dir)
         if not path.exists():
@@ -129,18 +149,18 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
                 reading = _Reading(
                     dc.format, dict(dc.columns), dict(dc.tags), dc.split, num_samples, None, []
                 )
-                part = HubPart(dc.subset, key=f"data.datasets.{i}.subset")
-                return _resolve_hub(i, dc, where, dc.path, reading, part)
+                part = HubPart(dc.subset, key=f"{key}.subset")
+                return _resolve_hub(key, dc, where, dc.path, reading, part)
             if info is not None:
                 raise unknown_name_error(dc.path, info, dataset_dir)
             raise DataError(f"{where}: file not found: {path}")
         fmt, split, raw, notes = dc.format, dc.split, None, []
         columns, tags = dict(dc.columns), dict(dc.tags)
-    for key, value, default in (("revision", dc.revision, "main"), ("subset", dc.subset, None)):
+    for name, value, default in (("revision", dc.revision, "main"), ("subset", dc.subset, None)):
         if value != default:
             raise DataError(
-                f"{where}: {key} = {value!r} applies to Hugging Face Hub datasets only, and "
-                f"this path is local; remove data.datasets.{i}.{key}"
+                f"{where}: {name} = {value!r} applies to Hugging Face Hub datasets only, and "
+                f"this path is local; remove {key}.{name}"
             )
     files, saved = _data_files(path, where)
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
@@ -161,6 +181,7 @@ def _resolve(i, dc: DatasetConfig, base_dir: Path, dataset_dir, info, stage) -> 
         num_samples,
         notes,
         media_dir=media_dir,
+        key=key,
     )
 
 
@@ -184,11 +205,11 @@ class _Reading:
 
 
 def _resolve_hub(
-    i: int, dc: DatasetConfig, where: str, repo_id: str, reading: _Reading, part: HubPart
+    key: str, dc: DatasetConfig, where: str, repo_id: str, reading: _Reading, part: HubPart
 ) -> Source:
     """A Hub dataset: its snapshot in the hub cache (downloaded when missing and online)
     and the files of the splits that the reading's split names, in `part` of the repo."""
-    hub = fetch_hub_dataset(repo_id, dc.revision, where, f"data.datasets.{i}", part)
+    hub = fetch_hub_dataset(repo_id, dc.revision, where, key, part)
     names, split = list(hub.splits), reading.split
     check_split(split, tuple(names), where, "")
     used = {name for name, _, _ in split_ranges(split, dict.fromkeys(names, 0), where)}
@@ -222,6 +243,7 @@ def _resolve_hub(
         notes=[*reading.notes, note],
         hub=hub,
         media_dir=hub.folder,
+        key=key,
     )
 
 

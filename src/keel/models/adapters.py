@@ -7,7 +7,6 @@ full Hugging Face model directory in safetensors.
 from __future__ import annotations
 
 import copy
-import difflib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,6 @@ import torch
 
 from keel.config.schema import (
     BUNDLED_PREFIX,
-    FreezeConfig,
     LoraConfig,
     MethodConfig,
     VisionConfig,
@@ -26,6 +24,13 @@ from keel.models.bundled import resolve_model_path
 from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import copy_processor_files, load_model, load_tokenizer
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
+from keel.models.trainable import (
+    apply_freeze,
+    freeze_problems,
+    matches,
+    short_names,
+    unknown_names,
+)
 from keel.models.vision_parts import (
     apply_vision_switches,
     describe_parts,
@@ -62,7 +67,7 @@ def apply_method(
     """Mark what trains according to `method.type` and return the model to train.
 
     full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
-    modules named in `trainable_modules`. lora and qlora: a PEFT LoRA wrapper (a new
+    modules named in `trainable_modules` and the parameters `trainable_params` match. lora and qlora: a PEFT LoRA wrapper (a new
     PeftModel around `model`; qlora's base is quantised later, by keel.quant). Anything `method_problems` finds raises one ModelError listing it all.
     A vision-language model's tower and projector train as `vision` (model.vision; None:
     its defaults) says, and LoRA adapts its language model only (keel.models.vision_parts).
@@ -81,7 +86,7 @@ def apply_method(
     if method.type == "full":
         model.requires_grad_(True)
     elif method.type == "freeze":
-        _apply_freeze(model, method.freeze, log)
+        apply_freeze(model, method.freeze, log)
     else:
         model = _apply_lora(model, method.lora, log, vision=vision)
     if family is not None:
@@ -102,109 +107,10 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
     if method.type == "full":
         return []
     if method.type == "freeze":
-        return _freeze_problems(model, method.freeze)
+        return freeze_problems(model, method.freeze)
     if method.uses_lora:
         return _lora_problems(model, method.lora) + _full_module_problems(model, method.lora)
     return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora"]
-
-
-_WHERE_LAYERS = "looked at model.get_decoder().layers and model.model.layers"
-
-
-def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's list of transformer blocks, in order, or None where keel finds none."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if layers is None:
-        layers = getattr(getattr(model, "model", None), "layers", None)
-    return layers if isinstance(layers, torch.nn.ModuleList) else None
-
-
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The model's list of transformer blocks, in order; ModelError where keel finds none."""
-    layers = find_decoder_layers(model)
-    if layers is None:
-        raise ModelError(
-            f"cannot find the decoder layers of {type(model).__name__} ({_WHERE_LAYERS}); "
-            "use method.type full or lora"
-        )
-    return layers
-
-
-def _matches(name: str, entry: str) -> bool:
-    # PEFT's rule, used for both freeze and LoRA: the exact qualified name or a dotted suffix.
-    return name == entry or name.endswith("." + entry)
-
-
-def _unknown_names(entries: list[str], names: list[str]) -> list[str]:
-    """One problem line per entry matching none of `names`, with the closest existing ones."""
-    suffixes = sorted({n.rsplit(".", 1)[-1] for n in names} | set(names))
-    problems = []
-    for entry in entries:
-        if not any(_matches(n, entry) for n in names):
-            close = difflib.get_close_matches(entry, suffixes, n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            problems.append(f"{entry!r}{hint}")
-    return problems
-
-
-def _short_names(names: list[str]) -> str:
-    # Layer indices ("0", "1", ...) are not names anyone types on their own.
-    short = {n.rsplit(".", 1)[-1] for n in names}
-    return ", ".join(sorted(s for s in short if not s.isdigit()))
-
-
-def _freeze_problems(model, freeze: FreezeConfig) -> list[str]:
-    problems = []
-    layers = find_decoder_layers(model)
-    if layers is None:
-        problems.append(
-            f"method.type = freeze trains the last decoder layers, but keel cannot find those "
-            f"of {type(model).__name__} ({_WHERE_LAYERS}); use method.type full or lora"
-        )
-    elif not 0 <= freeze.trainable_layers <= len(layers):
-        problems.append(
-            f"method.freeze.trainable_layers = {freeze.trainable_layers} is outside "
-            f"0..{len(layers)} (the model has {len(layers)} decoder layers); set it to at most "
-            f"{len(layers)}, or use method.type full to train every layer"
-        )
-    names = [n for n, _ in model.named_modules() if n]
-    unknown = _unknown_names(freeze.trainable_modules, names)
-    if unknown:
-        problems.append(
-            f"method.freeze.trainable_modules: no module named {'; '.join(unknown)} in "
-            f"{type(model).__name__}; this model has: {_short_names(names)}"
-        )
-    if not problems and not any(
-        True for m in _freeze_trainable(model, freeze) for _ in m.parameters()
-    ):
-        problems.append(
-            f"method.freeze: nothing would train (trainable_layers = "
-            f"{freeze.trainable_layers}, trainable_modules = {freeze.trainable_modules} hold no "
-            f"parameters); set trainable_layers > 0 or list modules with weights"
-        )
-    return problems
-
-
-def _freeze_trainable(model, freeze: FreezeConfig) -> list[torch.nn.Module]:
-    """The modules that train under `freeze` (checked by `_freeze_problems` first)."""
-    layers = list(decoder_layers(model))
-    chosen = layers[len(layers) - freeze.trainable_layers :]
-    return chosen + [
-        m
-        for name, m in model.named_modules()
-        if any(_matches(name, entry) for entry in freeze.trainable_modules)
-    ]
-
-
-def _apply_freeze(model, freeze: FreezeConfig, log: Log) -> None:
-    model.requires_grad_(False)
-    for module in _freeze_trainable(model, freeze):
-        module.requires_grad_(True)
-    if getattr(model.config, "tie_word_embeddings", False) and any(
-        _matches("lm_head", e) or e.endswith("embed_tokens") for e in freeze.trainable_modules
-    ):
-        log("note: lm_head and the input embeddings share one weight here, so both train")
 
 
 def lora_target_names(model: torch.nn.Module) -> list[str]:
@@ -235,7 +141,7 @@ def _lora_problems(model, lora: LoraConfig) -> list[str]:
     if family is not None:  # LoRA adapts a vision-language model's language model only
         wrappable = outside_vision(family, wrappable)
         where = " outside the vision tower and projector"
-    unknown = _unknown_names(targets, wrappable)
+    unknown = unknown_names(targets, wrappable)
     if not unknown:
         return []
     names = sorted({n.rsplit(".", 1)[-1] for n in wrappable})
@@ -256,12 +162,12 @@ def _full_module_problems(model, lora: LoraConfig) -> list[str]:
     if family is not None:
         names = outside_vision(family, names)
     problems = []
-    unknown = _unknown_names(wanted, names)
+    unknown = unknown_names(wanted, names)
     if unknown:
         problems.append(
             f"method.lora.modules_to_save: no module named {'; '.join(unknown)} in "
             f"{type(model).__name__}{' outside the vision parts' if family else ''}; this "
-            f"model has: {_short_names(names)}"
+            f"model has: {short_names(names)}"
         )
     targets = _lora_targets(lora)
     both = [] if targets == "all-linear" else sorted(set(wanted) & set(targets))
@@ -283,7 +189,7 @@ def _full_modules(model, lora: LoraConfig, log: Log) -> tuple[list[str], bool]:
     if outputs is None or inputs.weight is not outputs.weight:
         return wanted, False
     tied = {name: m for name, m in model.named_modules() if m is inputs or m is outputs}
-    named = [n for n in tied if any(_matches(n, entry) for entry in wanted)]
+    named = [n for n in tied if any(matches(n, entry) for entry in wanted)]
     if not named:
         return wanted, False
     missing = [n.rsplit(".", 1)[-1] for n in tied if n not in named]

@@ -288,7 +288,7 @@ def _with_nf4(census: Census, model: nn.Module, compute_itemsize: int) -> Census
     """QLoRA: the frozen nn.Linear weights inside the decoder layers (LoRA's base layers and
     the linears LoRA does not target; not the embeddings or the output layer) in NF4, as
     keel.quant stores them."""
-    from keel.models.adapters import decoder_layers
+    from keel.models.trainable import decoder_layers
 
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model
@@ -311,7 +311,7 @@ def method_variants(method: MethodConfig) -> list[MethodConfig]:
 
 
 def _count(model: nn.Module, method: str) -> Census:
-    from keel.models.adapters import decoder_layers
+    from keel.models.trainable import decoder_layers
 
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model  # the *ForCausalLM inside PEFT

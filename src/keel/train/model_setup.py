@@ -27,12 +27,12 @@ from keel.distributed.parallelize import (
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
 from keel.models import apply_method, torch_dtype
-from keel.models.adapters import decoder_layers
 from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
 from keel.models.offload import offload_activations
 from keel.models.qlora import quantize_base, quantized_names
+from keel.models.trainable import decoder_layers
 from keel.models.vision import VisionFamily, family_of
 from keel.precision import Precision
 from keel.stages.base import (

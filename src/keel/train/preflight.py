@@ -25,9 +25,10 @@ from keel.data.template import resolve_template
 from keel.distributed.process_group import choose_device
 from keel.errors import ConfigError, DataError, ModelError
 from keel.models import count_parameters, load_tokenizer, resolve_model_path, torch_dtype
-from keel.models.adapters import apply_method, find_decoder_layers, method_problems
+from keel.models.adapters import apply_method, method_problems
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
+from keel.models.trainable import find_decoder_layers
 from keel.models.vision import VisionProcessing, vision_processing
 from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
@@ -437,10 +438,11 @@ def _vision(cfg: RunConfig, model_dir: Path, log: Log) -> tuple[VisionProcessing
 def _data_settings(cfg: RunConfig, tokenizer, base_dir: Path) -> list[str]:
     """Data paths and the template: checked without reading a row."""
     problems = []
-    try:
-        resolve_sources(cfg.data, Path(base_dir), stage=cfg.train.stage)
-    except DataError as exc:
-        problems.append(str(exc))
+    for held_out in (False, True):
+        try:
+            resolve_sources(cfg.data, Path(base_dir), stage=cfg.train.stage, held_out=held_out)
+        except DataError as exc:
+            problems.append(str(exc))
     if tokenizer is not None:
         try:
             resolve_template(cfg.data.template, tokenizer, Path(base_dir))
@@ -463,11 +465,14 @@ def _online_rl(
             f"train.stage = {stage!r} with a vision-language model ({vision.family.name}): "
             "keel generates rollouts from text prompts only; use a text model"
         )
-    if cfg.data.val_size:
+    if cfg.data.val_size or cfg.data.eval_datasets:
+        setting = (
+            f"data.val_size = {cfg.data.val_size!r}" if cfg.data.val_size else "data.eval_datasets"
+        )
         problems.append(
-            f"data.val_size = {cfg.data.val_size!r}: {stage} has no eval loss (its loss "
-            "depends on sampled completions); set data.val_size=0 and score held-out "
-            "prompts with the trained model instead (keel chat, or a reward over them)"
+            f"{setting}: {stage} has no eval loss (its loss depends on sampled completions); "
+            "leave the evaluation data out and score held-out prompts with the trained model "
+            "instead (keel chat, or a reward over them)"
         )
     problems += _iteration_problems(cfg)
     try:

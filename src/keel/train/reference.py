@@ -38,8 +38,8 @@ from keel.distributed.parallelize import (
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
 from keel.models import torch_dtype
-from keel.models.adapters import decoder_layers
 from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.models.trainable import decoder_layers
 from keel.models.vision import family_of
 from keel.precision import Precision
 from keel.train.batch_source import split_for_rank

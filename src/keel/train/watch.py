@@ -20,7 +20,7 @@ from keel.distributed.strategy import Strategy
 from keel.distributed.watchdog import DIAGNOSTICS, Watchdog, WatchdogSettings
 from keel.errors import KeelError, OutOfMemory
 from keel.faults import Fault
-from keel.models.adapters import decoder_layers
+from keel.models.trainable import decoder_layers
 from keel.plan import DoesNotFit, decide, devices_for_run, lighter, plan_run
 from keel.precision import Precision
 from keel.train.objective import causal_lm_of

@@ -97,6 +97,11 @@ IGNORED = {
     "ddp_find_unused_parameters": "keel's DDP wraps only the weights that train",
     "save_only_model": "keel's checkpoints always hold the optimizer and data state, so a "
     "resumed run continues exactly; the final model is saved in Hugging Face format",
+    "low_cpu_mem_usage": "keel always builds the model empty (on the meta device) and fills "
+    "each process's shards from the weight files, never a full copy in host memory first",
+    "resize_token_embeddings_to_32x": "keel adds no tokens and keeps the model's embeddings "
+    "as they are; Axolotl pads them, for speed, only where they hold fewer rows than the "
+    "tokenizer's length rounded up to 32",
 }
 _ATTENTION = {
     "flash_attention_2": (
@@ -166,6 +171,8 @@ def _one_key(build: Build, key: str, value) -> None:
 def _adapter(build: Build, key: str, value) -> None:
     if value in ("lora", "qlora"):
         build.put(key, "method.type", value)
+    elif value is None and build.raw.get("unfrozen_parameters"):
+        build.mapped(key, "method.type", "no adapter: unfrozen_parameters choose what trains")
     elif value is None:
         build.put(key, "method.type", "full", "no adapter: every weight trains")
     else:
@@ -217,7 +224,15 @@ def _lora_model_dir(build: Build, key: str, value) -> None:
 
 
 def _precision(build: Build, key: str, value) -> None:
-    """bf16 and fp16 together decide train.precision (bf16 first, as in Axolotl)."""
+    """bf16 and fp16 together decide train.precision (bf16 first, as in Axolotl), unless
+    their non-AMP bfloat16 or float16 does."""
+    pure = next((k for k in ("bfloat16", "float16") if build.raw.get(k)), None)
+    if pure is not None:
+        if value and (key == "bf16") != (pure == "bfloat16"):
+            build.refused(key, f"{key} and {pure} ask for different precisions; keep one")
+        else:
+            build.ignored(key, f"{pure}: true decides the precision")
+        return
     bf16, fp16 = build.raw.get("bf16"), build.raw.get("fp16")
     if key == "fp16" and bf16 not in (None, False):
         if value:
@@ -235,6 +250,20 @@ def _precision(build: Build, key: str, value) -> None:
         build.ignored(key, "false: fp16 decides the precision")
     else:
         build.put(key, "train.precision", "fp32", "neither bf16 nor fp16")
+
+
+def _pure_half(build: Build, key: str, value) -> None:
+    """Their non-AMP bfloat16 / float16: the weights themselves in that dtype."""
+    other = "float16" if key == "bfloat16" else "bfloat16"
+    if not value:
+        build.ignored(key, "false: bf16 and fp16 decide the precision")
+    elif build.raw.get(other):
+        build.refused(key, f"{key} and {other} are both set; keep one")
+    else:
+        dtype, precision = ("bfloat16", "bf16") if key == "bfloat16" else ("float16", "fp16")
+        build.set("train.precision", precision)
+        why = f"the weights are stored and trained in {dtype}, no float32 copy, and train.precision = {precision}"
+        build.put(key, "model.dtype", dtype, why)
 
 
 def _checkpointing(build: Build, key: str, value) -> None:
@@ -354,13 +383,13 @@ def _special_token_refusal(name: str, token, model, own: dict[str, str] | None) 
 
 
 def _datasets(build: Build, key: str, value) -> None:
-    translate_datasets(build, value)
+    translate_datasets(build, value, key)
 
 
 def _defaults(build: Build) -> None:
     """Axolotl's defaults where they differ from keel's, written out and noted."""
     raw = build.raw
-    if "adapter" not in raw:
+    if "adapter" not in raw and not raw.get("unfrozen_parameters"):
         build.kept("method.type", "full", "no adapter: Axolotl trains every weight")
     if raw.get("output_dir") is None:
         build.kept("output.dir", "./model-out", "Axolotl's default output_dir")
@@ -405,6 +434,8 @@ _HANDLERS = {
     "lr_scheduler": scheduler,
     "bf16": _precision,
     "fp16": _precision,
+    "bfloat16": _pure_half,
+    "float16": _pure_half,
     "gradient_checkpointing": _checkpointing,
     "attn_implementation": _attention,
     "flash_attention": _attention,
@@ -423,6 +454,7 @@ _HANDLERS = {
     "chat_template_jinja": axolotl_chat_template_jinja,
     "special_tokens": _special_tokens,
     "datasets": _datasets,
+    "test_datasets": _datasets,
     "save_strategy": save_strategy,
     **RUNTIME_HANDLERS,
 }

@@ -61,31 +61,34 @@ def dataset_stage(datasets) -> str | None:
     return "pt" if all(kind == "completion" for kind in kinds) else None
 
 
-def translate_datasets(build: Build, value) -> None:
-    """`datasets:` -> data.datasets, one keel dataset per entry."""
+def translate_datasets(build: Build, value, key: str = "datasets") -> None:
+    """`datasets:` -> data.datasets (key test_datasets: -> data.eval_datasets), one keel
+    dataset per entry."""
+    keel_key = "data.eval_datasets" if key == "test_datasets" else "data.datasets"
     if not isinstance(value, list) or not value:
-        build.refused("datasets", f"{value!r} must be a list of datasets (path:, type:)")
+        build.refused(key, f"{value!r} must be a list of datasets (path:, type:)")
         return
     out = []
     for index, entry in enumerate(value):
-        prefix = f"datasets.{index}"
+        prefix, target = f"{key}.{index}", f"{keel_key}.{index}"
         if isinstance(entry, str):
-            build.mapped(prefix, f"data.datasets.{index}.path")
+            build.mapped(prefix, f"{target}.path")
             out.append({"path": entry})
         elif isinstance(entry, dict):
-            out.append(_dataset(build, prefix, index, entry))
+            out.append(_dataset(build, prefix, target, entry))
         else:
             build.refused(prefix, f"{entry!r} must be a mapping with path: and type:")
-    build.set("data.datasets", out)
+    build.set(keel_key, out)
+    if key == "test_datasets":
+        return
     bradley_terry = [isinstance(e, dict) and e.get("type") == _BRADLEY_TERRY for e in value]
     if build.stage == "rm" and all(bradley_terry):
         why = f"Axolotl's {_BRADLEY_TERRY} trims each sequence to sequence_len"
         build.kept("data.overlength", "truncate", why + " (keel cuts the answers, never a prompt)")
 
 
-def _dataset(build: Build, prefix: str, index: int, entry: dict) -> dict:
+def _dataset(build: Build, prefix: str, target: str, entry: dict) -> dict:
     ds: dict = {}
-    target = f"data.datasets.{index}"
     for key, value in entry.items():
         name = f"{prefix}.{key}"
         if key == "path":

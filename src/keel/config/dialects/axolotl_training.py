@@ -64,7 +64,44 @@ def _train_on_inputs(build: Build, key: str, value) -> None:
         build.ignored(key, f"Axolotl's {build.stage} data does not read it, nor does keel's")
 
 
+# Their pattern syntax (axolotl.utils.freeze.LayerNamePattern): a trailing [start:end] picks
+# rows of the parameter, and a dot is literal unless a + follows it.
+_ROW_RANGE = re.compile(r"^(.+)\[([0-9]*)(?::([0-9]*))?\]$")
+_LITERAL_DOT = re.compile(r"\.(?!\+)")
+
+
+def _unfrozen_parameters(build: Build, key: str, value) -> None:
+    patterns = [value] if isinstance(value, str) else value
+    if not patterns:
+        build.ignored(key, "empty: the adapter setting decides what trains")
+    elif build.raw.get("adapter") in ("lora", "qlora"):
+        build.refused(
+            key,
+            "with an adapter keel trains the LoRA adapters and lora_modules_to_save only: "
+            "list modules to train in full under lora_modules_to_save (keel's LoRA adapts a "
+            "vision-language model's language model only, its vision tower stays frozen)",
+        )
+    elif not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        build.refused(key, f"{value!r}: a list of regular expressions over parameter names")
+    elif ranged := [p for p in patterns if _ROW_RANGE.match(p)]:
+        build.refused(
+            key,
+            f"{', '.join(ranged)}: keel trains whole parameters, not ranges of their rows; "
+            f"remove the [start:end] (the whole parameter trains) or the pattern",
+        )
+    else:
+        build.set("method.type", "freeze")
+        build.set("method.freeze.trainable_layers", 0)
+        why = (
+            "method freeze trains only the parameters these match from the start of their "
+            "names; a dot is literal unless a + follows it, as Axolotl reads them"
+        )
+        keel_patterns = [_LITERAL_DOT.sub(r"\\.", p) for p in patterns]
+        build.put(key, "method.freeze.trainable_params", keel_patterns, why)
+
+
 TRAINING_HANDLERS = {
+    "unfrozen_parameters": _unfrozen_parameters,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "cosine_min_lr_ratio": _cosine_min_lr_ratio,
     "dataset_exact_deduplication": _deduplication,

@@ -45,16 +45,27 @@ def _dataset_keys(build: Build, key: str, value) -> None:
 
 
 def _datasets(build: Build) -> None:
-    names = build.raw.get("dataset")
-    if names is None:
-        return
-    listed = names if isinstance(names, list) else str(names).split(",")
-    limit = build.raw.get("max_samples")
-    entries = [{"path": str(name).strip()} for name in listed if str(name).strip()]
-    for entry in entries:
-        if limit is not None:
-            entry["max_samples"] = limit
-    build.set("data.datasets", entries)
+    """dataset and eval_dataset (names, a list or comma-separated) as data.datasets and
+    data.eval_datasets; their max_samples cuts each dataset of both, as theirs does."""
+    for key, target in (("dataset", "data.datasets"), ("eval_dataset", "data.eval_datasets")):
+        names = build.raw.get(key)
+        if names is None:
+            continue
+        listed = names if isinstance(names, list) else str(names).split(",")
+        limit = build.raw.get("max_samples")
+        entries = [{"path": str(name).strip()} for name in listed if str(name).strip()]
+        for entry in entries:
+            if limit is not None:
+                entry["max_samples"] = limit
+        build.set(target, entries)
+
+
+def _eval_dataset(build: Build, key: str, value) -> None:
+    if value is None:
+        build.ignored(key, "null: val_size (if any) holds rows out for evaluation")
+    else:  # written by _datasets once every key is read
+        why = "names in dataset_dir's dataset_info.json, evaluated instead of rows held out"
+        build.mapped(key, "data.eval_datasets", why)
 
 
 def _dataset_dir(build: Build, key: str, value) -> None:
@@ -138,7 +149,10 @@ def _eval_strategy(build: Build, key: str, value) -> None:
     if value == "steps":
         build.ignored(key, "steps: eval_steps sets train.eval_every")
     elif value == "no":
-        build.ignored(key, "no: keel evaluates at the end when data.val_size holds rows out")
+        build.ignored(
+            key,
+            "no: keel evaluates at the end when there is evaluation data (val_size, eval_dataset)",
+        )
     else:
         build.refused(key, f"{value}: keel evaluates every train.eval_every steps (eval_steps)")
 
@@ -146,7 +160,9 @@ def _eval_strategy(build: Build, key: str, value) -> None:
 def _flag(build: Build, key: str, value) -> None:
     """do_train / do_eval: what keel train does anyway, or refused when switched off."""
     if key == "do_eval":
-        build.ignored(key, "keel evaluates on data.val_size's rows whenever it holds some")
+        build.ignored(
+            key, "keel evaluates whenever there is evaluation data (val_size, eval_dataset)"
+        )
     elif value:
         build.ignored(key, "keel train always trains")
     else:
@@ -183,7 +199,7 @@ RULES: dict[str, Rule] = {
     "evaluation_strategy": _eval_strategy,
     "do_train": _flag,
     "do_eval": _flag,
-    "eval_dataset": _refuse("keel evaluates on rows held out by data.val_size (val_size)"),
+    "eval_dataset": _eval_dataset,
     "ray_num_workers": _refuse("keel launches its own processes: keel train --nproc N"),
     "ref_model": _refuse("the reference is the policy's start (adapters off, or a copy)"),
 }

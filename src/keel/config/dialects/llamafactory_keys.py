@@ -77,6 +77,9 @@ _IGNORED = {
     "enable_liger_kernel": "keel computes the output layer and cross-entropy in chunks itself "
     "(train.loss_chunk_size)",
     "use_unsloth": "keel uses its own training step; Unsloth's patches are not applied",
+    "use_reentrant_gc": "keel's activation checkpointing is non-reentrant (no setting)",
+    "gradient_checkpointing_kwargs": "keel's activation checkpointing is non-reentrant and "
+    "takes no options",
 }
 
 # Feature switches keel has no counterpart for: off is keel's behaviour, on is refused.

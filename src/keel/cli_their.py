@@ -1,0 +1,73 @@
+"""`keel chat|serve|export THEIR.yaml`: a LLaMA-Factory chat or export config, or an Axolotl
+training config, fills the flags the command line leaves unset (split from cli.py, which
+registers and calls these; like cli.py: parse, then call, no logic)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from keel.errors import ConfigError
+
+# keel's own defaults for the flags their configs may set, applied after theirs
+_DEFAULTS = {
+    "chat": {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0},
+    "serve": {"backend": "keel"},
+    "export": {"max_shard_size": "5GB"},
+}
+_REQUIRED = {"chat": ("model",), "serve": ("model",), "export": ("model", "out")}
+
+
+def add_their_config(parser) -> None:
+    """The optional config positional, and their `key=value` settings after it."""
+    parser.add_argument(
+        "config",
+        nargs="?",
+        help="their config: LLaMA-Factory's chat or export YAML, or an Axolotl training "
+        "YAML (flags given here win over it)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value settings of their config, as their CLIs take"
+    )
+
+
+def fill_from_their_config(args, command: str) -> None:
+    """Set `args`' unset flags from their config (its mapping report to stderr, a refused key
+    stops here), then keel's defaults; ConfigError when a required flag is still unset."""
+    from keel.cli_convert import mapping_report
+
+    if args.config is not None and "=" in args.config and not Path(args.config).is_file():
+        args.overrides, args.config = [args.config, *args.overrides], None
+    if args.config is not None:
+        from keel.config.dialects.commands import translate_command
+        from keel.config.dialects.report import refusal_problems
+        from keel.config.load import read_their_config
+
+        raw = read_their_config(Path(args.config), args.overrides)
+        translation = translate_command(raw, Path(args.config), command)
+        print(mapping_report(args.config, translation), file=sys.stderr)
+        if problems := refusal_problems(translation):
+            raise ConfigError(problems, source=args.config)
+        for name, value in translation.config.items():
+            if getattr(args, name) in (None, []):
+                setattr(args, name, value)
+            else:
+                flag = "--" + name.replace("_", "-")
+                print(f"note: {flag} as the command line gives it", file=sys.stderr)
+    elif args.overrides:
+        raise ConfigError([f"{' '.join(args.overrides)}: settings of a config; name the config"])
+    for name, value in _DEFAULTS[command].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if isinstance(getattr(args, "max_shard_size", None), str):
+        from keel.config.sizes import parse_memory
+
+        try:
+            args.max_shard_size = parse_memory(args.max_shard_size)
+        except ValueError as exc:
+            raise ConfigError([f"export_size: {exc}"], source=args.config) from None
+    missing = ["--" + n for n in _REQUIRED[command] if getattr(args, n) is None]
+    if missing:
+        raise ConfigError(
+            [f"keel {command} needs {' and '.join(missing)}, or a config of theirs that names it"]
+        )

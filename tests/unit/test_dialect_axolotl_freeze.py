@@ -1,0 +1,102 @@
+"""Axolotl's unfrozen_parameters as keel's method freeze: their patterns keep their meaning
+(matched from the start of a name, dots literal unless a + follows) and train exactly the
+parameters Axolotl's freeze_layers_except would leave unfrozen."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import build_tiny_model
+from vlm_support import build_qwen2_vl_tokenizer, build_tiny_qwen2_vl
+
+from keel.config import load_config
+from keel.config.dialects.axolotl import translate_axolotl
+from keel.models.adapters import apply_method
+
+BASE = {"base_model": "bundled:smollm2-135m-instruct", "datasets": [{"path": "d.jsonl"}]}
+
+
+def _translate(**keys):
+    return translate_axolotl({**BASE, **keys}, Path(__file__))
+
+
+def _their_unfrozen(model, patterns: list[str]) -> set[str]:
+    """What Axolotl leaves unfrozen (axolotl.utils.freeze.LayerNamePattern, restated):
+    re.match with every dot not before a + made literal."""
+    compiled = [re.compile(re.sub(r"\.(?!\+)", "\\.", p)) for p in patterns]
+    return {n for n, _ in model.named_parameters() if any(c.match(n) for c in compiled)}
+
+
+def _trained(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _apply(translation, model):
+    """`model` trained as the translated config says (keel's loader reads it first)."""
+    # any file that exists: the loader checks the data path, nothing here reads the data
+    config = {**translation.config, "data": {"datasets": [{"path": __file__}]}}
+    cfg = load_config(None, base=config)
+    return apply_method(model, cfg.method, log=lambda s: None, vision=cfg.model.vision)
+
+
+def test_patterns_become_method_freeze_with_their_dots():
+    translation = _translate(unfrozen_parameters=["model.layers.[0-1]+.mlp", "lm_head.*"])
+    method = translation.config["method"]
+    assert method == {
+        "type": "freeze",
+        "freeze": {
+            "trainable_layers": 0,
+            "trainable_params": [r"model\.layers\.[0-1]+\.mlp", r"lm_head\.*"],
+        },
+    }
+    assert translation.refused() == []
+    assert not any("method.type = full" in note for note in translation.notes)
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        ["model.layers.1.*", "lm_head"],  # a text model: the last layer and the tied head
+        ["model.layers.[0-1]+.self_attn.q_proj", "model.norm"],
+        ["model.layers.1+.mlp.up_proj"],  # "1+": the dot before it stays a wildcard
+    ],
+)
+def test_a_text_model_trains_what_axolotl_leaves_unfrozen(patterns):
+    model = build_tiny_model(320)
+    want = _their_unfrozen(build_tiny_model(320), patterns)
+    model = _apply(_translate(unfrozen_parameters=patterns, adapter=None), model)
+    trained = _trained(model)
+    if "lm_head" in patterns:  # tied: named_parameters lists the shared matrix once
+        want |= {"model.embed_tokens.weight"}
+    assert trained == want and want
+
+
+def test_their_qwen35_example_trains_the_language_model_and_not_the_vision_tower():
+    """examples/qwen3.5/27b-fft.yaml's patterns ("Freeze vision encoder") on a tiny Qwen2-VL,
+    whose language model and tower are named as Qwen3.5's."""
+    patterns = ["model.language_model.*", "lm_head.*"]
+    model = build_tiny_qwen2_vl(build_qwen2_vl_tokenizer())
+    model = _apply(_translate(unfrozen_parameters=patterns), model)
+    trained = _trained(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert trained == {n for n in names if n.startswith(("model.language_model.", "lm_head."))}
+    assert any(n.startswith("model.visual.") for n in names)
+    assert not any(n.startswith("model.visual.") for n in trained)
+
+
+def test_with_an_adapter_or_row_ranges_they_are_refused_with_the_fix():
+    fates = {
+        f.key: f
+        for f in _translate(
+            adapter="lora", lora_r=8, lora_alpha=16, unfrozen_parameters=["lm_head"]
+        ).fates
+    }
+    assert fates["unfrozen_parameters"].fate == "refused"
+    assert "lora_modules_to_save" in fates["unfrozen_parameters"].why
+    ranged = {f.key: f for f in _translate(unfrozen_parameters=["^lm_head.weight$[:32000]"]).fates}
+    assert ranged["unfrozen_parameters"].fate == "refused"
+    assert "ranges of their rows" in ranged["unfrozen_parameters"].why
+    empty = _translate(unfrozen_parameters=[])
+    assert empty.config["method"] == {"type": "full"} and empty.refused() == []
