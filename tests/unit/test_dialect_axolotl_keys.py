@@ -1,0 +1,49 @@
+"""Axolotl keys whose fate depends on the others beside them: their non-AMP bfloat16 and
+float16 against bf16 and fp16, and keys keel does another way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keel.config.dialects.axolotl import translate_axolotl
+
+BASE = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
+
+
+def _translate(**keys):
+    translation = translate_axolotl({**BASE, **keys}, Path("x.yml"))
+    return translation, {f.key: f for f in translation.fates}
+
+
+@pytest.mark.parametrize(
+    ("keys", "dtype", "precision"),
+    [
+        ({"bfloat16": True}, "bfloat16", "bf16"),
+        ({"bfloat16": True, "bf16": True, "fp16": None}, "bfloat16", "bf16"),  # phi lora-3.5
+        ({"float16": True, "fp16": True}, "float16", "fp16"),
+        ({"bfloat16": False, "bf16": "auto"}, None, "auto"),
+    ],
+)
+def test_their_non_amp_half_precision_stores_the_weights_in_it(keys, dtype, precision):
+    translation, fates = _translate(**keys)
+    assert translation.refused() == []
+    assert translation.config.get("model", {}).get("dtype") == dtype
+    assert translation.config["train"]["precision"] == precision
+    if dtype and "bf16" in keys:
+        assert fates["bf16"].fate == "ignored" and "decides the precision" in fates["bf16"].why
+
+
+def test_contradicting_precisions_are_refused():
+    _, fates = _translate(bfloat16=True, fp16=True)
+    assert fates["fp16"].fate == "refused" and "different precisions" in fates["fp16"].why
+    _, fates = _translate(bfloat16=True, float16=True)
+    assert fates["bfloat16"].fate == fates["float16"].fate == "refused"
+
+
+def test_keys_keel_does_another_way_are_ignored_saying_how():
+    translation, fates = _translate(low_cpu_mem_usage=True, resize_token_embeddings_to_32x=True)
+    assert translation.refused() == []
+    assert "meta device" in fates["low_cpu_mem_usage"].why
+    assert "rounded up to 32" in fates["resize_token_embeddings_to_32x"].why
