@@ -23,19 +23,28 @@ def varied_tiny_model(vocab_size: int, seed: int = 0):
     return model.eval()
 
 
-def random_lora(base, out_dir: Path, *, seed: int, targets=("q_proj", "v_proj")) -> Path:
+def random_lora(
+    base, out_dir: Path, *, seed: int, targets=("q_proj", "v_proj"), dora: bool = False
+) -> Path:
     """Save a PEFT LoRA adapter for `base` with random, non-zero A and B (not trained).
 
     PEFT's init_lora_weights=False draws B at random too, so the adapter changes answers.
-    `base` is left as it was (the adapter is built on a copy).
+    `base` is left as it was (the adapter is built on a copy). `dora`: a DoRA adapter, its
+    magnitudes moved off the weights' norms too.
     """
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=list(targets), init_lora_weights=False)
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules=list(targets), init_lora_weights=False, use_dora=dora
+    )
     peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(1 + 0.2 * torch.rand(param.shape))
     peft_model.save_pretrained(out_dir)
     return out_dir
 

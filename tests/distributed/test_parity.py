@@ -110,6 +110,8 @@ CASES = {
             *MERGED,
         ),
     ),
+    # DoRA: each process starts its magnitudes' rows from the weight rows it holds
+    "fsdp-dora-merged": ("fsdp", "lora", ("method.lora.dora=true", *MERGED)),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
     "fsdp-freeze-patterns": (
         "fsdp",

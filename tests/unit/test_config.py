@@ -52,14 +52,6 @@ def test_overrides_set_nested_and_list_values(tmp_path):
     assert cfg.train.max_steps == 7
 
 
-def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.lr is given 2 times on the command line "
-                       r"\(train.lr=1e-4, train.lr =3e-4\); the last would silently win"):  # fmt: skip
-        load_config(write(tmp_path, minimal(tmp_path)), ["train.lr=1e-4", "train.lr =3e-4"])
-    cfg = load_config(write(tmp_path, minimal(tmp_path)), ["train.lr=1e-4", "train.seed=3"])
-    assert cfg.train.seed == 3
-
-
 def test_all_problems_reported_at_once_with_lines_and_suggestions(tmp_path):
     text = """model:
   path: bundled:smollm2-135m-instruct

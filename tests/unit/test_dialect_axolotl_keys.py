@@ -47,3 +47,28 @@ def test_keys_keel_does_another_way_are_ignored_saying_how():
     assert translation.refused() == []
     assert "meta device" in fates["low_cpu_mem_usage"].why
     assert "rounded up to 32" in fates["resize_token_embeddings_to_32x"].why
+
+
+def test_dora_in_either_dialect_is_method_lora_dora(tmp_path):
+    from keel.config import load_config
+    from keel.config.dialects.llamafactory import translate_llamafactory
+    from keel.errors import ConfigError
+
+    axolotl, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16, peft_use_dora=True)
+    assert axolotl.config["method"]["lora"]["dora"] is True and axolotl.refused() == []
+    their = {"model_name_or_path": "m", "do_train": True, "finetuning_type": "lora"}
+    llamafactory = translate_llamafactory({**their, "use_dora": True}, Path("x.yaml"))
+    assert llamafactory.config["method"]["lora"]["dora"] is True
+    # their 4-bit base with DoRA: keel's default NF4 (torchao) cannot, bitsandbytes can
+    data = tmp_path / "d.jsonl"
+    data.write_text("{}\n")
+    base = {
+        "model": {"path": "bundled:smollm2-135m-instruct"},
+        "data": {"datasets": [str(data)]},
+        "output": {"dir": str(tmp_path / "out")},
+        "method": {"type": "qlora", "lora": {"dora": True}},
+    }
+    with pytest.raises(ConfigError, match="PEFT's DoRA cannot read torchao's NF4"):
+        load_config(None, base=base)
+    base["method"]["qlora"] = {"quant_backend": "bnb"}
+    assert load_config(None, base=base).method.lora.dora

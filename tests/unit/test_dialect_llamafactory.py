@@ -189,7 +189,7 @@ def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
         "quantization_bit": 8,
         "template": "alpaca",
         "lr_scheduler_type": "polynomial",
-        "use_dora": True,
+        "use_galore": True,
         "report_to": "mlflow",
         "deepspeed": "missing.json",
         "not_a_key": 1,

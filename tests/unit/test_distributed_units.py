@@ -151,3 +151,59 @@ def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
     for name, half in halves.items():
         torch.testing.assert_close(half, reference[name][-half.shape[0] :])
     assert isinstance(model.lm_head, nn.Linear)
+
+
+def _dora_on_meta(model_dir):
+    from keel.config.schema import LoraConfig, MethodConfig
+    from keel.models import apply_method
+
+    model = build_empty_model(model_dir, dtype=torch.float32)
+    method = MethodConfig(type="lora", lora=LoraConfig(r=4, dora=True, dropout=0.0))
+    with torch.device("meta"):
+        return apply_method(model, method, log=lambda _m: None)
+
+
+def test_dora_starts_from_the_base_model_exactly(tiny_model_dir):
+    """Each magnitude starts at its weight rows' norms (B is zero): the base's logits."""
+    from keel.models import load_model
+
+    reference = load_model(tiny_model_dir, dtype=torch.float32)
+    model = _dora_on_meta(tiny_model_dir)
+    allocate(model, torch.device("cpu"))
+    init_computed_buffers(model.get_base_model())
+    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: None, local=lambda p: p)
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    torch.testing.assert_close(
+        q.lora_magnitude_vector["default"].weight, q.base_layer.weight.norm(dim=1)
+    )
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+
+
+def test_a_shard_computes_the_magnitudes_of_the_rows_it_holds(tiny_model_dir):
+    """FSDP2 splits a weight and its magnitude by the same rows: the second half's norms."""
+    from keel.models import load_model
+
+    reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
+    model = _dora_on_meta(tiny_model_dir)
+    halves = {
+        n: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:]) for n, p in model.named_parameters()
+    }
+    by_id = {id(p): halves[n] for n, p in model.named_parameters()}
+    regions = {
+        id(p): (slice(p.shape[0] - (p.shape[0] + 1) // 2, p.shape[0]),) for p in model.parameters()
+    }
+    fill_weights(
+        model,
+        tiny_model_dir,
+        seed=0,
+        region_of=lambda p: regions[id(p)],
+        local=lambda p: by_id[id(p)],
+    )
+    name = "base_model.model.model.layers.1.mlp.down_proj"
+    weight = reference["model.layers.1.mlp.down_proj.weight"]
+    want = weight[-halves[f"{name}.lora_magnitude_vector.default.weight"].shape[0] :].norm(dim=1)
+    torch.testing.assert_close(halves[f"{name}.lora_magnitude_vector.default.weight"], want)

@@ -313,3 +313,33 @@ def test_preference_stages_plan_pairs_and_the_reference_copy(tmp_path):
     assert option("lora", "train.stage=dpo").params == option("lora").params
     kto = option("full", "train.stage=kto")
     assert kto.params == 2 * sft.params and kto.activations == sft.activations
+
+
+def test_dora_plans_its_magnitudes_activations_and_its_moment_in_forward(tmp_path):
+    """DoRA over LoRA: a magnitude per output feature of each adapted layer, two more saved
+    outputs per token and layer, and PEFT's moment in forward that builds LoRA's weight from
+    an identity matrix (down_proj reads 704 features: a 704^2 fp32 identity)."""
+    import torch
+
+    from keel.plan.activations import dora_transient_bytes
+    from keel.plan.census import build_meta_model, read_architecture, take_census
+
+    model_dir = config_only_dir(tmp_path, "small", SMALL)
+    path = run_yaml(tmp_path, model_dir, method="lora", precision="fp32")
+    plans = {
+        dora: plan_run(
+            load_config(path, [f"method.lora.dora={dora}"]),
+            devices=detect_devices(gpus=1, memory="80GiB"),
+        )
+        for dora in (False, True)
+    }
+    lora, dora = (plans[d].option_for("single", "lora", False).per_device for d in (False, True))
+    layer_outputs = 256 + 128 + 128 + 256 + 704 + 704 + 256  # q k v o gate up down
+    assert plans[True].trainable_params - plans[False].trainable_params == 4 * layer_outputs
+    assert dora.activations > lora.activations
+    cfg = load_config(path, ["method.lora.dora=true"])
+    meta = build_meta_model(read_architecture(cfg), dtype=torch.float32)
+    census = take_census(meta, cfg.method, precision=Precision("bf16", "test"))
+    moment = dora_transient_bytes(census)
+    assert moment == 4 * 704**2 + 3 * 4 * 704 * 256
+    assert dora.total >= lora.total - lora.logits + moment

@@ -7,6 +7,8 @@ within 3% of that count, for each method and dtype regime.
 """
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
@@ -37,14 +39,14 @@ def llama_config():
 
 
 def saved_bytes(model, batch, autocast) -> int:
-    """Bytes of the distinct storages autograd saves during the forward (no parameters)."""
+    """Bytes of the distinct storages autograd saves during the forward (no parameters)
+    and still holds when it ends: a graph dropped in forward (DoRA's detached weight norm)
+    frees what it saved."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
+    saved = []
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        saved.append(weakref.ref(tensor))
         return tensor
 
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -54,10 +56,18 @@ def saved_bytes(model, batch, autocast) -> int:
             input_ids=batch["input_ids"], use_cache=False, position_ids=batch["position_ids"]
         ).last_hidden_state
         mask = batch["targets"] != IGNORE_INDEX  # [B, T]
-        chunked_cross_entropy(
+        loss = chunked_cross_entropy(
             hidden[mask], batch["targets"][mask], lm.get_output_embeddings(), chunk_size=1024
         )
-    return sum(seen.values())
+    gc.collect()
+    # storages by address once the forward is over: a freed one's address may be reused
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in (ref() for ref in saved)
+        if t is not None and t.untyped_storage().data_ptr() not in params
+    }
+    del loss  # the graph, and what it saved, lived until here
+    return sum(held.values())
 
 
 CASES = {
@@ -72,6 +82,11 @@ CASES = {
     "lora bf16 weights, dropout": dict(
         method="lora", dtype=torch.bfloat16, autocast=True, dropout=0.1
     ),
+    "dora fp32": dict(method="lora", dora=True),
+    "dora bf16 autocast": dict(method="lora", dora=True, autocast=True),
+    "dora bf16 weights, dropout": dict(
+        method="lora", dora=True, dtype=torch.bfloat16, autocast=True, dropout=0.1
+    ),
 }
 
 
@@ -82,7 +97,7 @@ def test_saved_tensors_match_the_formula(case):
     dtype = kw.get("dtype", torch.float32)
     method = MethodConfig(
         type=kw["method"],
-        lora=LoraConfig(r=8, dropout=kw.get("dropout", 0.0)),
+        lora=LoraConfig(r=8, dropout=kw.get("dropout", 0.0), dora=kw.get("dora", False)),
         freeze=FreezeConfig(trainable_layers=2),
     )
     from transformers import LlamaForCausalLM

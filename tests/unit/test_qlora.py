@@ -143,6 +143,21 @@ def test_bnb_backend_trains_close_to_lora(tiny_model_dir, data_file, tmp_path):
     assert (tmp_path / "bnb/adapter_model.safetensors").is_file()
 
 
+def test_dora_on_a_bnb_base_starts_from_it_and_trains_close_to_dora(
+    tiny_model_dir, data_file, tmp_path
+):
+    """DoRA's magnitudes start at the norms of the 4-bit weights the matmuls use: the first
+    loss is the plain 4-bit LoRA run's (B is zero either way), and training stays close to
+    DoRA on the full-precision base."""
+    bnb4 = ("method.qlora.quant_backend=bnb",)
+    dora = run(tiny_model_dir, data_file, tmp_path / "dora", "method.lora.dora=true", method="lora")
+    got = run(tiny_model_dir, data_file, tmp_path / "q", *bnb4, "method.lora.dora=true")
+    plain = run(tiny_model_dir, data_file, tmp_path / "p", *bnb4, "train.max_steps=1")
+    assert got.losses[0] == plain.losses[0]
+    for a, b in zip(got.losses, dora.losses):
+        assert a == pytest.approx(b, rel=0.01)
+
+
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory):
     """A tiny Llama whose linear layers take >= 64 inputs: bitsandbytes' CPU repacking

@@ -138,6 +138,41 @@ def test_mixed_adapters_share_a_batch(model, tiny_tokenizer, tmp_path):
     assert singles[0].text == alone(plain, tiny_tokenizer, PROMPTS[0], max_tokens=16).text
 
 
+def test_a_dora_adapter_is_served_merged_and_alone(model, tiny_tokenizer, tmp_path):
+    """PEFT batches no DoRA rows with others: loading one beside the base is refused with
+    the fix, and a DoRA output folder as --model is served merged, answering as the DoRA
+    adapter does on its own."""
+    import copy
+
+    from peft import PeftModel
+
+    from keel.infer.serve.server import ServeOptions, build_state
+
+    dora = random_lora(model, tmp_path / "d", seed=3, dora=True)
+    with pytest.raises(ModelError, match="is a DoRA adapter, which PEFT cannot batch"):
+        AdapterSet(copy.deepcopy(model), BASE).load("dora", str(dora))
+    base_dir = tmp_path / "base"
+    model.save_pretrained(base_dir)
+    tiny_tokenizer.save_pretrained(base_dir)
+    config = (dora / "adapter_config.json").read_text()
+    (dora / "adapter_config.json").write_text(config.replace('"base_model_name_or_path": null',
+                                                             f'"base_model_name_or_path": "{base_dir}"'))  # fmt: skip
+    tiny_tokenizer.save_pretrained(dora)
+    logs = []
+    state = build_state(ServeOptions(model=str(dora)), log=logs.append)
+    assert state.engine.adapters.names() == [str(dora)]
+    assert any("served merged into its base" in line for line in logs)
+    state.engine.eos_ids = set()
+    own = PeftModel.from_pretrained(copy.deepcopy(model), str(dora)).eval()
+    for prompt in PROMPTS[:3]:
+        served = alone(state.engine, tiny_tokenizer, prompt, model=str(dora), max_tokens=12)
+        ids = torch.tensor([tiny_tokenizer.encode(prompt)])  # [1, P]
+        out = own.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert served.text == tiny_tokenizer.decode(
+            out[0, ids.shape[1] :], skip_special_tokens=True
+        )
+
+
 def test_unload_fails_its_running_requests(model, tiny_tokenizer, tmp_path):
     import copy
 

@@ -225,6 +225,38 @@ def test_a_run_keeps_training_the_adapter_it_starts_from(tiny_model_dir, data_fi
         config(tiny_model_dir, data_file, tmp_path / "x", f"model.adapter={tmp_path}")
 
 
+def test_a_dora_run_keeps_training_its_magnitudes(tiny_model_dir, data_file, tmp_path):
+    """A DoRA adapter started from: its magnitudes come from its file (PEFT saves them
+    without a parameter name), not from the base's norms; its config fixes dora."""
+    from safetensors.torch import load_file
+
+    from keel.errors import ConfigError
+
+    first = tmp_path / "dora"
+    run_training(
+        config(tiny_model_dir, data_file, first, "train.max_steps=3", "method.lora.dora=true"),
+        log=quiet,
+    )
+    start = load_file(first / "adapter_model.safetensors")
+    magnitudes = [k for k in start if k.endswith(".lora_magnitude_vector")]
+    assert magnitudes
+    more = tmp_path / "more"
+    steps = ("train.max_steps=1", "train.lr=1e-12", f"model.adapter={first}")
+    run_training(config(tiny_model_dir, data_file, more, *steps), log=quiet)
+    kept = load_file(more / "adapter_model.safetensors")
+    assert kept.keys() == start.keys()
+    for key in magnitudes:  # as the file holds them
+        torch.testing.assert_close(kept[key], start[key], atol=1e-9, rtol=0, msg=key)
+    with pytest.raises(ConfigError, match=r"method.lora.dora = False, but model.adapter"):
+        config(
+            tiny_model_dir,
+            data_file,
+            tmp_path / "x",
+            f"model.adapter={first}",
+            "method.lora.dora=false",
+        )
+
+
 @pytest.mark.parametrize(
     ("stage", "instead"),
     [

@@ -132,7 +132,7 @@ def _saved_settings(saved: dict) -> dict:
 # holds none of them, and ran with what is now their default.
 _ADDED_LATER = {
     f"method.lora.{name}": getattr(LoraConfig(), name)
-    for name in ("rslora", "plus_lr_ratio", "modules_to_save")
+    for name in ("rslora", "plus_lr_ratio", "modules_to_save", "dora")
 } | {"method.freeze.trainable_params": FreezeConfig().trainable_params}
 
 

@@ -42,7 +42,6 @@ def load_config(
     if path is not None:
         raw, where.lines, problems = _read_yaml(Path(path))
         raw = _from_dialect(raw, Path(path), overrides, where, problems, on_translation)
-    problems += _repeated_overrides(overrides)
     for item in overrides:
         problem = apply_override(raw, item)
         if problem:
@@ -67,26 +66,11 @@ def load_config(
     return cfg
 
 
-def _repeated_overrides(overrides) -> list[str]:
-    """A key set twice on the command line: the later value would silently win."""
-    given: dict[str, list[str]] = {}
-    for item in overrides:
-        if "=" in item:
-            given.setdefault(item.split("=", 1)[0].strip(), []).append(item)
-    return [
-        f"{key} is given {len(items)} times on the command line ({', '.join(items)}); the last "
-        f"would silently win: keep one"
-        for key, items in given.items()
-        if len(items) > 1
-    ]
-
-
 def read_their_config(path: Path, overrides: list[str]) -> dict:
     """Their YAML (a LLaMA-Factory or Axolotl file) as a mapping, with `key=value` settings
     of the command line laid over it as their CLIs do (`infer_backend=vllm`); ConfigError
     for a missing or malformed file, a key set twice, or a malformed setting."""
     raw, _lines, problems = _read_yaml(path)
-    problems += _repeated_overrides(overrides)
     problems += [p for p in (apply_override(raw, item) for item in overrides) if p]
     if problems:
         raise ConfigError(problems, source=str(path))

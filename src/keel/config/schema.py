@@ -37,7 +37,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers)
     # a PEFT LoRA adapter folder of this model to keep training (method lora or qlora; e.g.
     # an sft run's output for a dpo run): its adapter_config.json fixes method.lora's r,
-    # alpha, targets, rslora and modules_to_save
+    # alpha, targets, rslora, dora and modules_to_save
     adapter: str | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision-language models
 
@@ -49,6 +49,9 @@ class LoraConfig:
     dropout: float = 0.05  # on the LoRA input; 0 costs no work at all
     targets: str | list[str] = "all-linear"  # "all-linear" or module names, e.g. [q_proj, v_proj]
     rslora: bool = False  # rank-stabilised LoRA: the scale is alpha / sqrt(r), not alpha / r
+    # DoRA (PEFT's use_dora): each adapted layer's weight as a trained magnitude per output
+    # feature times LoRA's direction; more compute and activation memory than LoRA
+    dora: bool = False
     # LoRA+: the B matrices learn at train.lr x this (their paper suggests 16); unset: one lr
     plus_lr_ratio: float | None = None
     # modules that train in full beside the adapters, e.g. [embed_tokens, lm_head] (PEFT's

@@ -1,7 +1,7 @@
 """model.adapter: a saved PEFT LoRA adapter that a run keeps training.
 
 The adapter's shape is fixed by its weights, so its adapter_config.json decides
-method.lora's r, alpha, targets, rsLoRA scale and modules trained in full; a config that
+method.lora's r, alpha, targets, rsLoRA scale, DoRA and modules trained in full; a config that
 sets one of them to something else is refused, naming both values. Dropout and the rest of
 training are the config's own.
 """
@@ -22,6 +22,7 @@ SHAPE = {
     "alpha": "lora_alpha",
     "targets": "target_modules",
     "rslora": "use_rslora",
+    "dora": "use_dora",
     "modules_to_save": "modules_to_save",
 }
 
@@ -74,6 +75,7 @@ def _shape_of(saved: dict) -> dict:
         "alpha": float(saved.get("lora_alpha", 8)),
         "targets": sorted(targets) if isinstance(targets, list | set) else targets,
         "rslora": bool(saved.get("use_rslora", defaults.rslora)),
+        "dora": bool(saved.get("use_dora", defaults.dora)),
         "modules_to_save": _distinct(saved.get("modules_to_save") or []),
     }
 

@@ -140,6 +140,12 @@ def _check_method(cfg: RunConfig) -> list[str]:
     if cfg.method.type == "qlora" and cfg.method.qlora.quant_backend == "bnb":
         if cfg.distributed.strategy == "fsdp":
             problems.append(BNB_UNDER_FSDP)
+    elif cfg.method.type == "qlora" and lora.dora:
+        problems.append(
+            "method.lora.dora = true with method.qlora.quant_backend = torchao: PEFT's DoRA "
+            "cannot read torchao's NF4 weights (it fails in the first forward); set "
+            "method.qlora.quant_backend=bnb (one process or DDP), or method.type=lora"
+        )
     return problems
 
 

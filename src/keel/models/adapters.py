@@ -218,6 +218,7 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         lora_dropout=lora.dropout,
         target_modules=_lora_targets(lora),
         use_rslora=lora.rslora,
+        use_dora=lora.dora,
         modules_to_save=full or None,
         ensure_weight_tying=tied,
         task_type=TaskType.CAUSAL_LM,

@@ -243,6 +243,29 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     )
 
 
+DORA_MAGNITUDE = ".lora_magnitude_vector."  # PEFT's name for a DoRA layer's magnitude
+
+
+def fill_dora_magnitudes(model: nn.Module, local: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Start each DoRA magnitude at the norm of its layer's weight rows, as PEFT does, so
+    that training starts from the base model exactly (LoRA's B is zero). Each process
+    computes the rows it holds: FSDP2 splits a weight and its magnitude by the same rows.
+    A 4-bit base (QLoRA with bitsandbytes; keel.config.validate refuses torchao's NF4 with
+    DoRA) gives the norms of the weights its matmuls use."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    for module in model.modules():
+        magnitudes = getattr(module, "lora_magnitude_vector", None)
+        if not magnitudes:
+            continue
+        weight = local(module.get_base_layer().weight)
+        if type(weight).__name__ == "Params4bit":  # bitsandbytes: its whole module
+            weight = dequantize_module_weight(module.get_base_layer())
+        norms = torch.linalg.norm(weight.float(), dim=1)
+        for magnitude in magnitudes.values():
+            local(magnitude.weight).copy_(norms)
+
+
 def materialized_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter and persistent buffer, shared tensors once."""
     seen: set[int] = set()
@@ -336,6 +359,9 @@ def fill_weights(
             for name, tensor in materialized_tensors(model):
                 if adapter is not None and adapter.fill(name, tensor, region_of, local):
                     continue
+                if DORA_MAGNITUDE in name:  # from its base weight, once that is filled
+                    initialised.append(name)
+                    continue
                 key = key_of(name)
                 custom = getattr(
                     model.get_submodule(name.rpartition(".")[0]), "keel_load_weight", None
@@ -367,6 +393,8 @@ def fill_weights(
                 else:
                     value = reader.get(key, region)
                 local(tensor).copy_(value)
+            if adapter is None:
+                fill_dora_magnitudes(model, local)
         if adapter is not None:
             adapter.check_all_used(model)
     finally:
@@ -406,9 +434,12 @@ class _AdapterWeights:
     def key_of(name: str) -> str | None:
         """The adapter file's key of live parameter `name`; None for a base weight. PEFT
         saves without the adapter's name: lora_A.default.weight -> lora_A.weight,
-        lm_head.modules_to_save.default.weight -> lm_head.weight."""
+        lm_head.modules_to_save.default.weight -> lm_head.weight, and a DoRA magnitude
+        without its parameter's name: lora_magnitude_vector.default.weight ->
+        lora_magnitude_vector."""
         if ".lora_" not in name and ".modules_to_save.default." not in name:
             return None
+        name = name.replace(f"{DORA_MAGNITUDE}default.weight", DORA_MAGNITUDE.rstrip("."))
         return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
 
     def check_all_used(self, model: nn.Module) -> None:

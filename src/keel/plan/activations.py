@@ -217,6 +217,8 @@ def _group_bytes(
             readers += not own
             if m.lora_dropout and masks:
                 total += (adapter if regime.cpu else 1) * width
+            # DoRA scales the base and the LoRA outputs by the magnitude: both are saved
+            total += 2 * c * m.dora_features
         elif m.trainable:
             total += c * width if cast else 0
             readers += not cast
@@ -271,14 +273,47 @@ def activation_bytes(
         per_token += 4 * h + (r * h if census.final_norm_trainable else 0)  # final norm
         per_token += r * h  # the positions with a target, gathered for the loss
     per_token += 2 * 4 * shapes.head_dim + _BATCH_BYTES_PER_TOKEN
-    block = tokens * max(blocks, default=0)
+    copies = [
+        _dora_weight_copies(layer, regime) for layer, flow in zip(census.layers, flows) if flow
+    ]
+    block = tokens * max(blocks, default=0) + max(copies, default=0)
+    kept = tokens * per_token + (0 if checkpointing else sum(copies))
     host = 0
     if offload and checkpointing and blocks:
         one_input = tokens * r * h
         host = len(blocks) * _pinned_bytes(one_input)
-        per_token -= len(blocks) * r * h
+        kept -= tokens * len(blocks) * r * h
         block += one_input  # the recomputed block's input, back on the device
-    return Saved(kept=tokens * per_token, block=block, checkpointing=checkpointing, host=host)
+    return Saved(kept=kept, block=block, checkpointing=checkpointing, host=host)
+
+
+def dora_transient_bytes(census: Census) -> int:
+    """The most one DoRA layer's forward holds for a moment beyond what it saves: PEFT
+    builds LoRA's weight by running the adapters on an identity matrix (in x in), then the
+    weight plus it, scaled, to take its row norms (fp32, about three in x out tensors at
+    once). 0 without DoRA."""
+    return max(
+        (
+            4 * m.in_features * m.in_features + 3 * 4 * m.in_features * m.dora_features
+            for layer in census.layers
+            for m in layer.linears
+            if m.dora_features
+        ),
+        default=0,
+    )
+
+
+def _dora_weight_copies(layer: LayerInfo, regime: Regime) -> int:
+    """Bytes a block's DoRA layers save whatever the tokens: with LoRA dropout, DoRA runs the
+    base matmul again on the dropped-out input, and under autocast saves the weight's copy
+    in the compute dtype for it."""
+    if regime.compute == 4:
+        return 0
+    return sum(
+        regime.compute * m.dora_features * m.in_features
+        for m in layer.linears
+        if m.dora_features and m.lora_dropout
+    )
 
 
 def _pinned_bytes(nbytes: int) -> int:

@@ -93,7 +93,8 @@ class LinearInfo:
     lora_rank: int = 0  # > 0: wrapped by LoRA
     lora_dropout: float = 0.0
     lora_itemsize: int = 4  # the adapter weights' (PEFT keeps them in fp32)
-    lora_numel: int = 0  # elements of lora_A and lora_B
+    lora_numel: int = 0  # elements of lora_A and lora_B (and a DoRA magnitude)
+    dora_features: int = 0  # > 0: DoRA, with this many output features (magnitudes)
 
 
 @dataclass(frozen=True)
@@ -402,6 +403,8 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
             base = module.base_layer
             dropout = module.lora_dropout["default"]
+            magnitudes = getattr(module, "lora_magnitude_vector", None) or {}
+            magnitude = magnitudes["default"] if "default" in magnitudes else None
             linears.append(
                 LinearInfo(
                     short,
@@ -411,7 +414,10 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
                     lora_rank=module.r["default"],
                     lora_dropout=getattr(dropout, "p", 0.0),
                     lora_itemsize=module.lora_A["default"].weight.element_size(),
-                    lora_numel=_numel(module.lora_A["default"]) + _numel(module.lora_B["default"]),
+                    lora_numel=_numel(module.lora_A["default"])
+                    + _numel(module.lora_B["default"])
+                    + (_numel(magnitude) if magnitude is not None else 0),
+                    dora_features=_numel(magnitude) if magnitude is not None else 0,
                 )
             )
         elif isinstance(module, nn.Linear) and not _inside_lora(name):

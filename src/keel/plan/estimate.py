@@ -46,6 +46,7 @@ from keel.plan.activations import (
     Shapes,
     activation_bytes,
     autocast_copy_bytes,
+    dora_transient_bytes,
     loss_bytes,
 )
 from keel.plan.census import ROOT, Census
@@ -230,7 +231,12 @@ def estimate(
         early, late = _replica_early_grads(census, shapes, work, strategy, grads), 0
     buffers, overhead = always + late, devices.overhead_bytes
     generation = _generation(census, shapes, devices, work, strategy, gathered)
-    peak = _moving_peak(grads, saved, logits, always=always, early=early, late=late)
+    # DoRA's moment in forward comes before the loss's (and again in backward's recompute)
+    dora = dora_transient_bytes(census)
+    recompute = dora if checkpointing else 0
+    peak = _moving_peak(
+        grads, saved, max(logits, dora), always=always, early=early, late=late + recompute
+    )
     if generation is not None:  # before training; DDP's buckets outlive zero_grad
         peak = max(peak, generation.total + (grads if strategy.replicates else 0))
     generated = generation.total if generation else 0

@@ -31,6 +31,7 @@ DIRECT = {
     "lora_alpha": "method.lora.alpha",
     "lora_dropout": "method.lora.dropout",
     "peft_use_rslora": "method.lora.rslora",
+    "peft_use_dora": "method.lora.dora",
     "loraplus_lr_ratio": "method.lora.plus_lr_ratio",
     "lora_modules_to_save": "method.lora.modules_to_save",
     "sequence_len": "data.cutoff_len",

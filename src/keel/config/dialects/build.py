@@ -81,6 +81,7 @@ class Build:
 _THEIR_SHAPE_KEYS = (
     *("lora_rank", "lora_alpha", "lora_target", "use_rslora", "additional_target"),
     *("lora_r", "lora_target_modules", "lora_target_linear", "peft_use_rslora"),
+    *("use_dora", "peft_use_dora"),
     "lora_modules_to_save",
 )
 

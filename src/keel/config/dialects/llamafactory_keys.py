@@ -30,6 +30,7 @@ _DIRECT = {
     "freeze_multi_modal_projector": "model.vision.freeze_projector",
     "lora_dropout": "method.lora.dropout",
     "use_rslora": "method.lora.rslora",
+    "use_dora": "method.lora.dora",
     "loraplus_lr_ratio": "method.lora.plus_lr_ratio",
     "cutoff_len": "data.cutoff_len",
     "val_size": "data.val_size",
@@ -84,7 +85,6 @@ _IGNORED = {
 
 # Feature switches keel has no counterpart for: off is keel's behaviour, on is refused.
 _SWITCHES = {
-    "use_dora": "DoRA adapters are not available; use LoRA",
     "pissa_init": "PiSSA initialisation is not available",
     "use_galore": "GaLore is not available",
     "use_badam": "BAdam is not available",

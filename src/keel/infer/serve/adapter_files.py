@@ -40,6 +40,7 @@ class LoraShapes:
     pairs: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     # the modules it trains in full beside LoRA (adapter_config.json's PEFT modules_to_save)
     in_full: tuple[str, ...] = ()
+    dora: bool = False  # DoRA (use_dora): a magnitude per output feature beside each pair
 
 
 def within_root(root: Path, given: str) -> Path:
@@ -84,7 +85,8 @@ def inspect_adapter(name: str, path: str, caps: AdapterCaps) -> LoraShapes:
         )
     modules = config.get("modules_to_save") or []
     in_full = tuple(sorted(modules) if isinstance(modules, list) else [str(modules)])
-    return replace(_lora_shapes(weights, where, caps), in_full=in_full)
+    dora = bool(config.get("use_dora", False))
+    return replace(_lora_shapes(weights, where, caps), in_full=in_full, dora=dora)
 
 
 def check_against_base(shapes: LoraShapes, base, where: str) -> None:

@@ -70,6 +70,12 @@ class AdapterSet:
         self._check_name(name)
         path = str(Path(path).expanduser())
         shapes = inspect_adapter(name, path, self.caps)
+        if shapes.dora:
+            raise ModelError(
+                f"adapter {name!r} ({path}) is a DoRA adapter, which PEFT cannot batch with "
+                f"other models' rows; serve it alone (keel serve --model {path}: merged into "
+                f"its base), or merge it (keel export) and serve the merged model"
+            )
         whole = list(shapes.in_full)
         self._check_alone(name, whole)
         if len(self._keys) >= self.caps.max_adapters:

@@ -87,6 +87,16 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
     if torch.cuda.is_available():
         model = model.to("cuda")
     _check_cache_layout(model.config)
+    dora = hasattr(model, "peft_config") and model.peft_config["default"].use_dora
+    if dora:  # PEFT's mixed batches take no DoRA rows: serve it merged, alone
+        log(f"{options.model} is a DoRA adapter: served merged into its base, without the base")
+        model = model.merge_and_unload()
+        if adapters:
+            raise ModelError(
+                f"--model {options.model} is a DoRA adapter, served merged into its base, so "
+                f"adapters of that base cannot be served beside it; serve them from a server "
+                f"of the base model"
+            )
     if hasattr(model, "peft_config"):  # --model is a keel output dir holding an adapter
         base_name = model.peft_config["default"].base_model_name_or_path
         served = AdapterSet(model, base_name, options.limits.adapter_caps())

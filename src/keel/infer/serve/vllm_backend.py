@@ -120,7 +120,13 @@ class VllmAdapters:
                 "unload one first"
             )
         # safetensors only, rank and size capped
-        whole = inspect_adapter(name, path, self.caps).in_full
+        shapes = inspect_adapter(name, path, self.caps)
+        whole = shapes.in_full
+        if shapes.dora:
+            raise ModelError(
+                f"adapter {name!r} is a DoRA adapter, which vLLM's LoRA does not run; merge "
+                "it into its base (keel export) and serve that, or serve it with --backend keel"
+            )
         if whole:
             raise ModelError(
                 f"adapter {name!r} trains {', '.join(whole)} in full (PEFT modules_to_save), "
