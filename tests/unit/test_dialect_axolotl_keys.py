@@ -72,3 +72,10 @@ def test_dora_in_either_dialect_is_method_lora_dora(tmp_path):
         load_config(None, base=base)
     base["method"]["qlora"] = {"quant_backend": "bnb"}
     assert load_config(None, base=base).method.lora.dora
+
+
+def test_drop_system_message_is_the_datasets_drop_system():
+    datasets = [{"path": "d.jsonl", "type": "chat_template", "drop_system_message": True}]
+    translation, fates = _translate(datasets=datasets)
+    assert translation.config["data"]["datasets"][0]["drop_system"] is True
+    assert fates["datasets.0.drop_system_message"].target == "data.datasets.0.drop_system"

@@ -68,6 +68,11 @@ def test_llamafactory_export_and_serve():
     }
 
 
+def test_llamafactory_null_keys_are_their_defaults():
+    translation = translate_command({**INFERENCE, "adapter_name_or_path": None}, SOURCE, "chat")
+    assert "adapter" not in translation.config and translation.refused() == []
+
+
 def test_llamafactory_refusals_name_each_key():
     raw = {**INFERENCE, "adapter_name_or_path": "a,b", "num_beams": 4, "lora_rnak": 8}
     refused = {f.key: f.why for f in translate_command(raw, SOURCE, "chat").refused()}

@@ -123,6 +123,10 @@ class DatasetConfig:
     # Draw N rows with train.seed, as LLaMA-Factory's num_samples does (every row once, then
     # repeats, when N exceeds the rows); overrides the dataset_info.json entry's
     num_samples: int | None = None
+    # leave out each row's system prompt (its system column, and system messages); the
+    # template's own default system prompt, if it has one, still applies (Axolotl's
+    # drop_system_message)
+    drop_system: bool = False
 
 
 @dataclass(kw_only=True)

@@ -155,7 +155,7 @@ def stale_image(path: Path) -> str | None:
 
 
 def _entry_identity(entry) -> dict:
-    """A dataset entry's settings. `revision` and `subset` (added later) count only when
+    """A dataset entry's settings. `revision`, `subset` and `drop_system` (added later) count only when
     they choose something, so data prepared, and checkpoints written, before they existed
     keep their fingerprint and still resume."""
     settings = asdict(entry)
@@ -163,6 +163,8 @@ def _entry_identity(entry) -> dict:
         del settings["revision"]
     if settings.get("subset") is None:
         settings.pop("subset", None)
+    if not settings.get("drop_system"):
+        settings.pop("drop_system", None)
     return settings
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from keel.data.formats import Example, FormatSpec, RowError
+from keel.data.formats import Example, FormatSpec, RowError, without_system
 from keel.data.template import (
     ChatTemplate,
     TemplateMismatch,
@@ -62,6 +62,7 @@ class EncodeSettings:
     media_dir: Path | None = None  # relative image paths are read from here
     train_on_prompt: bool = False  # sft: every token trains, not only the assistant turns'
     mask_history: bool = False  # sft: only the last assistant turn trains
+    drop_system: bool = False  # the dataset's rows lose their system prompts first
 
 
 class RowEncoder:
@@ -87,7 +88,10 @@ class RowEncoder:
         out: dict[str, list] = {k: [] for k in empty}
         n = len(next(iter(batch.values()))) if batch else 0
         for i in range(n):
-            encoded = self.encode_row({k: v[i] for k, v in batch.items()})
+            row = {k: v[i] for k, v in batch.items()}
+            if self.settings.drop_system:
+                row = without_system(row, self.settings.spec)
+            encoded = self.encode_row(row)
             for k in out:
                 out[k].append(encoded.get(k, empty[k]))
         return out

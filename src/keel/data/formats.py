@@ -318,6 +318,23 @@ def _chat(row: dict, c: dict, t: dict, inline: list | None = None) -> list[dict]
     return with_system(parse_messages(conversation, col, t, inline), row, c)
 
 
+def without_system(row: dict, spec: FormatSpec) -> dict:
+    """`row` without its system prompt: the system column emptied, and the system messages
+    left out of each conversation column (messages, or a preference row's prompt, chosen
+    and rejected)."""
+    row = dict(row)
+    system_col = spec.columns.get("system")
+    if system_col in row:
+        row[system_col] = None
+    role, system = spec.tags.get("role_tag", "role"), spec.tags.get("system_tag", "system")
+    for key in ("messages", "prompt", "chosen", "rejected"):
+        col = spec.columns.get(key)
+        value = row.get(col) if col else None
+        if isinstance(value, list):
+            row[col] = [m for m in value if not (isinstance(m, dict) and m.get(role) == system)]
+    return row
+
+
 def with_system(messages: list[dict], row: dict, c: dict) -> list[dict]:
     """`messages` with the row's system column in front, unless they start with a system turn."""
     system = optional_text(row, c.get("system"))

@@ -343,6 +343,7 @@ def _settings(run: _Encoding, src: Source, spec: FormatSpec) -> EncodeSettings:
         media_dir=src.media_dir,
         train_on_prompt=run.cfg.train_on_prompt,
         mask_history=run.cfg.mask_history,
+        drop_system=src.config.drop_system,
     )
 
 

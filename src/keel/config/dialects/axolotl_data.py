@@ -47,6 +47,7 @@ _LEGACY_TAGS = {"message_field_role": "role_tag", "message_field_content": "cont
 _DATASET_KEYS = (
     *("path", "type", "split", "revision", "ds_type", "data_files", "name"),
     *("message_property_mappings", "roles", "roles_to_train", "train_on_eos"),
+    "drop_system_message",
     *_COLUMNS,
     *_LEGACY_TAGS,
 )
@@ -144,6 +145,11 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
         _roles_to_train(build, name, value)
     elif key == "train_on_eos":
         _train_on_eos(build, name, value)
+    elif key == "drop_system_message":
+        ds["drop_system"] = bool(value)
+        build.mapped(
+            name, f"{target}.drop_system", "the template's own default system still applies"
+        )
     else:
         why = "an Axolotl dataset key keel has no counterpart for; remove it"
         build.refused(name, unknown_key(key, _DATASET_KEYS, why))

@@ -77,7 +77,9 @@ def _flag_name(name: str) -> str:
 
 
 def _llamafactory_key(build: Build, key: str, value, command: Command) -> None:
-    if key == "model_name_or_path":
+    if value is None:
+        build.ignored(key, "null: their default")
+    elif key == "model_name_or_path":
         _flag(build, key, "model", str(value))
     elif key == "adapter_name_or_path":
         _adapter(build, key, value, command)
@@ -85,7 +87,7 @@ def _llamafactory_key(build: Build, key: str, value, command: Command) -> None:
         model = model_of(build.raw, "model_name_or_path", "model_revision", {})
         fate, template = template_fate(key, value, model)
         build.fates.append(fate if template is None else _as_check(fate))
-    elif key in ("model_revision", "revision"):
+    elif key == "model_revision":
         if value in (None, "main"):
             build.ignored(key, "main: the revision keel loads")
         else:
