@@ -355,3 +355,24 @@ def test_axolotl_merge_and_chat_take_their_training_config(filled, tmp_path):
     chat = ("chat", str(config), "--prompt", "Hi", "--max-new-tokens", "4")
     answered = keel_in_process(*chat, cwd=their.parent)
     assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr[-3000:]
+
+
+def test_keels_own_run_config_chats_with_what_it_trained(lf_trained, tmp_path):
+    """`keel chat run.yaml` after `keel train run.yaml`: its output.dir is the model."""
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": "bundled:smollm2-135m-instruct"},
+                "data": {"datasets": ["moved-since.jsonl"]},  # not read: chat needs no data
+                "output": {"dir": str(lf_trained)},
+            }
+        )
+    )
+    theirs = keel_in_process("chat", str(run), "--prompt", "Hello", "--max-new-tokens", "6")
+    assert theirs.returncode == 0, theirs.stderr[-3000:]
+    assert f"--model {lf_trained} (its output.dir)" in theirs.stderr
+    ours = keel_in_process(
+        "chat", "--model", str(lf_trained), "--prompt", "Hello", "--max-new-tokens", "6"
+    )
+    assert theirs.stdout == ours.stdout and ours.stdout.strip()
