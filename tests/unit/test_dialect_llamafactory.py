@@ -484,3 +484,10 @@ def test_the_adapter_they_resume_decides_the_lora_shape(tmp_path):
     assert "r" not in lora and "alpha" not in lora and "targets" not in lora
     assert lora["dropout"] == 0.0  # training settings stay theirs
     assert not any(note.startswith("method.lora.alpha") for note in translation.notes)
+
+
+def test_negative_freeze_trainable_layers_train_the_first_layers(tmp_path: Path):
+    raw = {"model_name_or_path": "m", "do_train": True, "finetuning_type": "freeze"}
+    translation = translate({**raw, "freeze_trainable_layers": -2}, tmp_path / "x.yaml")
+    assert translation.config["method"]["freeze"] == {"trainable_layers": -2}
+    assert translation.refused() == []

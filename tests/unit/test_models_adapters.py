@@ -70,6 +70,15 @@ def test_freeze_trains_last_layers_and_named_modules():
         assert (p.grad is not None) == (name in expected), name
 
 
+def test_freeze_negative_layers_train_the_first_ones():
+    """LLaMA-Factory's freeze_trainable_layers: -N: the first N decoder layers train."""
+    model = build_tiny_model(320, layers=3)
+    method = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=-1))
+    model = apply_method(model, method, log=lambda s: None)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(n.startswith("model.layers.0.") for n in trained)
+
+
 def test_freeze_bad_names_suggest_close_ones():
     method = MethodConfig(
         type="freeze",
@@ -78,7 +87,7 @@ def test_freeze_bad_names_suggest_close_ones():
     with pytest.raises(ModelError, match=r"'lm_haed' \(did you mean lm_head"):
         apply_method(build_tiny_model(320), method)
     too_many = MethodConfig(type="freeze", freeze=FreezeConfig(trainable_layers=5))
-    with pytest.raises(ModelError, match="outside 0..2"):
+    with pytest.raises(ModelError, match="outside -2..2"):
         apply_method(build_tiny_model(320), too_many)
 
 

@@ -128,8 +128,8 @@ def test_freeze_range_past_the_last_layer(tiny_model_dir, data_file, tmp_path, n
         "method.freeze.trainable_layers=3",
     )
     assert problems_of(cfg, tmp_path) == [
-        "method.freeze.trainable_layers = 3 is outside 0..2 (the model has 2 decoder layers); "
-        "set it to at most 2, or use method.type full to train every layer"
+        "method.freeze.trainable_layers = 3 is outside -2..2 (the model has 2 decoder layers); "
+        "set it to at most 2 (-N: the first N), or use method.type full to train every layer"
     ]
 
 

@@ -62,7 +62,7 @@ class LoraConfig:
 
 @dataclass(kw_only=True)
 class FreezeConfig:
-    trainable_layers: int = 2  # train the last N decoder layers
+    trainable_layers: int = 2  # train the last N decoder layers (-N: the first N)
     trainable_modules: list[str] = field(default_factory=list)  # extra names, e.g. [lm_head, norm]
     # regular expressions over parameter names as the model spells them (e.g.
     # model.layers.3.mlp.up_proj.weight): a parameter trains when one matches from the

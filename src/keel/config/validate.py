@@ -126,7 +126,7 @@ def _check_method(cfg: RunConfig) -> list[str]:
         problems.append(f"method.lora.dropout = {lora.dropout} must be in [0, 1)")
     if lora.plus_lr_ratio is not None:
         problems += _positive(lora.plus_lr_ratio, "method.lora.plus_lr_ratio")
-    if cfg.method.type == "freeze":
+    if cfg.method.type == "freeze" and freeze.trainable_layers >= 0:  # -N: the first N
         problems += _positive(
             freeze.trainable_layers,
             "method.freeze.trainable_layers",

@@ -68,11 +68,12 @@ def freeze_problems(model: torch.nn.Module, freeze: FreezeConfig) -> list[str]:
             f"method.type = freeze trains the last decoder layers, but keel cannot find those "
             f"of {type(model).__name__} ({_WHERE_LAYERS}); use method.type full or lora"
         )
-    elif not 0 <= freeze.trainable_layers <= len(layers):
+    elif not abs(freeze.trainable_layers) <= len(layers):
         problems.append(
             f"method.freeze.trainable_layers = {freeze.trainable_layers} is outside "
-            f"0..{len(layers)} (the model has {len(layers)} decoder layers); set it to at most "
-            f"{len(layers)}, or use method.type full to train every layer"
+            f"-{len(layers)}..{len(layers)} (the model has {len(layers)} decoder layers); set "
+            f"it to at most {len(layers)} (-N: the first N), or use method.type full to train "
+            f"every layer"
         )
     names = [n for n, _ in model.named_modules() if n]
     unknown = unknown_names(freeze.trainable_modules, names)
@@ -119,8 +120,9 @@ def _pattern_problems(model: torch.nn.Module, patterns: list[str]) -> list[str]:
 def _freeze_trainable(model: torch.nn.Module, freeze: FreezeConfig) -> list[torch.nn.Parameter]:
     """The parameters that train under `freeze` (checked by `freeze_problems` first), each
     once: a tied weight trains when any of its names is chosen."""
-    layers = list(decoder_layers(model))
-    modules = layers[len(layers) - freeze.trainable_layers :] + [
+    layers, count = list(decoder_layers(model)), freeze.trainable_layers
+    chosen = layers[:-count] if count < 0 else layers[len(layers) - count :]
+    modules = chosen + [
         m
         for name, m in model.named_modules()
         if any(matches(name, entry) for entry in freeze.trainable_modules)

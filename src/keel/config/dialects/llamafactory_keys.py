@@ -104,8 +104,6 @@ _SWITCHES = {
 def _direct(build: Build, key: str, value) -> None:
     if value is None:
         build.ignored(key, "null: keel's default")
-    elif key == "freeze_trainable_layers" and isinstance(value, int) and value < 0:
-        build.refused(key, f"{value}: keel trains the last N layers, not the first")
     elif key == "save_steps" and isinstance(value, float) and value < 1:
         build.refused(key, f"{value}: a fraction of the run; keel saves every N steps")
     else:
