@@ -148,6 +148,12 @@ def test_what_grpo_cannot_train_with_is_refused_at_once(tiny_model_dir, tmp_path
     assert "output.save_every" not in result.stderr
     assert "grpo.rewards.1 = 'rewards.py:missing'" in result.stderr
     assert not (folder / "out" / "metrics.jsonl").exists()
+    held_out = keel_in_process(
+        "train", "grpo.yaml", "data.eval_datasets=[prompts.jsonl]", cwd=folder
+    )
+    assert (
+        held_out.returncode == 2 and "data.eval_datasets: grpo has no eval loss" in held_out.stderr
+    )
 
 
 def test_a_preemption_inside_a_rollout_saves_it_and_the_same_command_resumes_exactly(
