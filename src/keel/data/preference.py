@@ -6,7 +6,9 @@ column names of `keel.data.formats` (a `columns:` override renames them):
 
 - preference (TRL): prompt, chosen, rejected. Each is text (the prompt becomes one user
   turn, an answer one assistant turn) or a list of messages. Without a prompt, chosen and
-  rejected are whole conversations (TRL's implicit prompt).
+  rejected are whole conversations (TRL's implicit prompt); `columns: {prompt: ""}` reads
+  no prompt column, for rows whose prompt column repeats those conversations' start
+  (argilla's and UltraFeedback's binarized sets).
 - kto (TRL's unpaired preference): prompt, completion, label; the same shapes.
 - alpaca (LLaMA-Factory's ranking alpaca): instruction, input, system, history give the
   prompt as in SFT; chosen and rejected are text. With kto_tag instead: output is the answer.
@@ -193,11 +195,17 @@ def _turns(value, col: str, role: str, t: dict, inline: list | None = None) -> l
 def _given_prompt(
     row: dict, c: dict, t: dict, *, implicit: bool, inline: list | None = None
 ) -> list[dict]:
-    """The prompt column as turns; absent, an empty prompt when the answers are whole
-    conversations (TRL's implicit prompt)."""
-    if row.get(c["prompt"]) is None:
+    """The prompt column as turns; absent (or not read: `columns: {prompt: ""}`, for rows
+    whose prompt column repeats the conversations' start), an empty prompt when the answers
+    are whole conversations (TRL's implicit prompt)."""
+    if not c["prompt"] or row.get(c["prompt"]) is None:
         if implicit:
             return []
+        if not c["prompt"]:
+            raise RowError(
+                "columns.prompt is empty (no prompt column is read), so chosen and rejected "
+                "must be whole conversations"
+            )
         raise RowError(
             f"missing field '{c['prompt']}': with text answers the prompt must be given (only "
             f"answers that are whole conversations carry their own prompt)"

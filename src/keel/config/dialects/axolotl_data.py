@@ -185,16 +185,12 @@ def _format_of(kind, stage: str) -> tuple[str | None, dict, str]:
         return "preference", {"prompt": "question"}, _INTEL_WHY
     if kind == _BRADLEY_TERRY and stage == "rm":
         return "preference", {"prompt": "input"}, _BRADLEY_TERRY_WHY
-    if kind == "chat_template.argilla":
-        return (
-            None,
-            {},
-            (
-                "its rows repeat the prompt inside chosen and rejected beside a prompt column; "
-                "keel's preference format would read the prompt twice. Drop the prompt column "
-                "and use type: chat_template.default with field_chosen/field_rejected"
-            ),
+    if kind in ("chat_template.argilla", "chat_template.argilla_chat") and stage in PAIR_STAGES:
+        why = (
+            "chosen and rejected are whole conversations; their prompt column repeats the "
+            "conversations' start, so it is not read (columns.prompt empty)"
         )
+        return "preference", {"prompt": ""}, why
     return (
         None,
         {},
