@@ -91,7 +91,12 @@ CASES = {
     "fsdp-full": ("fsdp", "full", ()),
     "fsdp-lora": ("fsdp", "lora", ()),
     "ddp-full-packed-ckpt": ("ddp", "full", PACK_AND_CHECKPOINT),
-    "fsdp-lora-packed-ckpt-merged": ("fsdp", "lora", PACK_AND_CHECKPOINT + MERGED),
+    # DoRA: each process starts its magnitudes' rows from the weight rows it holds
+    "fsdp-dora-packed-ckpt-merged": (
+        "fsdp",
+        "lora",
+        ("method.lora.dora=true", *PACK_AND_CHECKPOINT, *MERGED),
+    ),
     # NF4 base: each process quantises its rows to what one process quantises
     "ddp-qlora": ("ddp", "qlora", ()),
     "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),
@@ -110,8 +115,6 @@ CASES = {
             *MERGED,
         ),
     ),
-    # DoRA: each process starts its magnitudes' rows from the weight rows it holds
-    "fsdp-dora-merged": ("fsdp", "lora", ("method.lora.dora=true", *MERGED)),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
     "fsdp-freeze-patterns": (
         "fsdp",
