@@ -7,7 +7,6 @@ within 3% of that count, for each method and dtype regime.
 """
 
 import contextlib
-import gc
 import weakref
 
 import pytest
@@ -59,7 +58,6 @@ def saved_bytes(model, batch, autocast) -> int:
         loss = chunked_cross_entropy(
             hidden[mask], batch["targets"][mask], lm.get_output_embeddings(), chunk_size=1024
         )
-    gc.collect()
     # storages by address once the forward is over: a freed one's address may be reused
     held = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
