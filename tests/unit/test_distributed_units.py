@@ -127,12 +127,9 @@ def test_meta_built_model_equals_from_pretrained(tiny_model_dir):
         )
 
 
-def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
-    """What a rank of 2 would read: the second half of every weight's rows."""
-    from keel.models import load_model
-
-    reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
-    model = build_empty_model(tiny_model_dir, dtype=torch.float32)
+def fill_second_halves(model, model_dir) -> dict[str, torch.Tensor]:
+    """What rank 1 of 2 holds of each parameter of `model` (on meta): the second half of
+    its rows, filled by fill_weights as a shard is; {name: those rows}."""
     halves = {
         name: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:])
         for name, p in model.named_parameters()
@@ -143,11 +140,21 @@ def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
     by_id = {id(p): halves[n] for n, p in model.named_parameters()}
     fill_weights(
         model,
-        tiny_model_dir,
+        model_dir,
         seed=0,
         region_of=lambda p: regions[id(p)],
         local=lambda p: by_id[id(p)],
     )
+    return halves
+
+
+def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
+    """What a rank of 2 would read: the second half of every weight's rows."""
+    from keel.models import load_model
+
+    reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
+    model = build_empty_model(tiny_model_dir, dtype=torch.float32)
+    halves = fill_second_halves(model, tiny_model_dir)
     for name, half in halves.items():
         torch.testing.assert_close(half, reference[name][-half.shape[0] :])
     assert isinstance(model.lm_head, nn.Linear)
@@ -188,21 +195,7 @@ def test_a_shard_computes_the_magnitudes_of_the_rows_it_holds(tiny_model_dir):
     from keel.models import load_model
 
     reference = dict(load_model(tiny_model_dir, dtype=torch.float32).named_parameters())
-    model = _dora_on_meta(tiny_model_dir)
-    halves = {
-        n: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:]) for n, p in model.named_parameters()
-    }
-    by_id = {id(p): halves[n] for n, p in model.named_parameters()}
-    regions = {
-        id(p): (slice(p.shape[0] - (p.shape[0] + 1) // 2, p.shape[0]),) for p in model.parameters()
-    }
-    fill_weights(
-        model,
-        tiny_model_dir,
-        seed=0,
-        region_of=lambda p: regions[id(p)],
-        local=lambda p: by_id[id(p)],
-    )
+    halves = fill_second_halves(_dora_on_meta(tiny_model_dir), tiny_model_dir)
     name = "base_model.model.model.layers.1.mlp.down_proj"
     weight = reference["model.layers.1.mlp.down_proj.weight"]
     want = weight[-halves[f"{name}.lora_magnitude_vector.default.weight"].shape[0] :].norm(dim=1)
