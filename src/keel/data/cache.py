@@ -96,7 +96,7 @@ def fingerprint(
 
 
 def _source_identity(source: Source) -> dict:
-    held_out = {"key": source.key} if source.key.startswith("data.eval_datasets.") else {}
+    held_out = {"key": source.key} if source.held_out else {}
     return {
         **held_out,  # added later: the training data's sources keep their identity
         "config": _entry_identity(source.config),

@@ -314,7 +314,7 @@ def _encode_sources(run: _Encoding, sources, load, report):
     for i, src in enumerate(sources):
         units = load(src)
         spec = _spec_for(src, units, run.stage, src.where)
-        split = "eval" if src.key.startswith("data.eval_datasets.") else "train"
+        split = "eval" if src.held_out else "train"
         used_template |= spec.format != "text"
         encoder = encoder_for(run.tokenizer, _settings(run, src, spec))
         for j, unit in enumerate(units):

@@ -42,6 +42,9 @@ _BINARY = ("parquet", "arrow")  # formats that hold no text to check for UTF-8
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")  # written by save_to_disk
 
 
+EVAL_KEY = "data.eval_datasets"
+
+
 @dataclass
 class Source:
     """One entry of `data.datasets`, resolved to local files."""
@@ -67,6 +70,11 @@ class Source:
     @property
     def where(self) -> str:
         return entry_where(self.key, self.config.path)
+
+    @property
+    def held_out(self) -> bool:
+        """An entry of data.eval_datasets (evaluation data of its own)."""
+        return self.key.startswith(f"{EVAL_KEY}.")
 
 
 def entry_where(key: str, path: str) -> str:
@@ -115,7 +123,7 @@ def resolve_sources(
     if cfg.dataset_dir and entries:
         dataset_dir = _absolute(cfg.dataset_dir, base_dir)
         info = load_dataset_info(dataset_dir)
-    prefix = "data.eval_datasets" if held_out else "data.datasets"
+    prefix = EVAL_KEY if held_out else "data.datasets"
     return [
         _resolve(f"{prefix}.{i}", dc, base_dir, (dataset_dir, info), stage)
         for i, dc in enumerate(entries)
