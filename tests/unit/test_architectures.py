@@ -96,6 +96,18 @@ FAMILIES = {
     "hunyuan_v1_dense": Family("hunyuan_v1_dense", True),
     "arcee": Family("arcee", True),
     "jetmoe": Family("jetmoe", True, MOE),
+    # Checkpoints store one tensor per expert, the model one [experts, ...] tensor: keel's
+    # loader stacks them as transformers does (keel.models.checkpoint_names).
+    "qwen3_moe": Family("qwen3_moe", True, MOE),
+    "qwen2_moe": Family("qwen2_moe", True, dict(shared_expert_intermediate_size=32, **MOE)),
+    "mixtral": Family("mixtral", True, MOE),
+    "olmoe": Family("olmoe", True, MOE),
+    "granitemoe": Family("granitemoe", True, MOE),  # stored fused already
+    # dense first layers, then experts with a shared one
+    "glm4_moe": Family(
+        "glm4_moe", True, dict(n_routed_experts=4, first_k_dense_replace=1, n_group=1, **MOE)
+    ),
+    "ernie4_5_moe": Family("ernie4_5_moe", True, dict(moe_num_experts=4, moe_k=2, **MOE)),
     # get_decoder() returns the *ForCausalLM itself, so there is no hidden state to take.
     "llama4_text": Family("llama4_text", False, dict(intermediate_size_mlp=128, **MOE)),
     "vaultgemma": Family("vaultgemma", False, dict(final_logit_softcapping=30.0), attn="eager"),
@@ -313,14 +325,14 @@ def test_probe_tolerance_follows_bf16_weights(name, tmp_path):
     assert any("tolerance rel 0.016 (bfloat16)" in line for line in lines), lines
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_families_whose_checkpoints_transformers_converts_are_refused(model_type, tmp_path):
-    """transformers fuses these per-expert checkpoint tensors while loading; keel's loader
-    copies tensors by name, so it refuses them before allocating anything."""
-    config = tiny_config(Family(model_type, True, MOE))
-    path = save_tiny_model(config, tmp_path / model_type, logit_magnitude=None)
-    with pytest.raises(ModelError, match=f"keel cannot train model_type {model_type} yet"):
-        build(path, Family(model_type, True))
+def test_a_checkpoint_transformers_converts_otherwise_is_refused(tmp_path):
+    """HRM stores its gate and up projections as one tensor that transformers splits
+    while loading: not a renaming or a stack of experts, so keel's loader refuses it
+    before allocating anything, naming the conversion."""
+    config = tiny_config(Family("hrm_text", True))
+    path = save_tiny_model(config, tmp_path / "hrm", logit_magnitude=None)
+    with pytest.raises(ModelError, match="through Chunk .* keel cannot train model_type hrm_text"):
+        build(path, Family("hrm_text", True))
 
 
 def test_gemma2_under_sdpa_is_refused_with_the_fix(tmp_path):

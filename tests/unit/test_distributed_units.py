@@ -160,6 +160,35 @@ def test_fill_reads_only_the_region_a_shard_holds(tiny_model_dir):
     assert isinstance(model.lm_head, nn.Linear)
 
 
+def test_a_shard_of_a_moe_model_stacks_only_the_experts_it_holds(tmp_path):
+    """Mixtral's checkpoint stores each expert's w1/w3/w2 apart, the model one
+    [experts, ...] tensor per projection: rank 1 of 2 (experts 1 and 2 of 3) reads and
+    stacks its experts' tensors, gate before up, as from_pretrained fuses them."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from keel.models import load_model
+
+    config = AutoConfig.for_model(
+        "mixtral", vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=3,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as stored:
+        keys = set(stored.keys())
+        w3 = stored.get_tensor("model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in keys
+    reference = dict(load_model(tmp_path, dtype=torch.float32).named_parameters())
+    halves = fill_second_halves(build_empty_model(tmp_path, dtype=torch.float32), tmp_path)
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    assert halves[fused].shape == (2, 48, 16)
+    torch.testing.assert_close(halves[fused][1, 24:], w3)  # expert 2's up, after its gate
+    for name, half in halves.items():
+        torch.testing.assert_close(half, reference[name][-half.shape[0] :])
+
+
 def _dora_on_meta(model_dir):
     from keel.config.schema import LoraConfig, MethodConfig
     from keel.models import apply_method

@@ -21,6 +21,12 @@ from keel.config.schema import (
 )
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
+from keel.models.experts import (
+    check_no_wrapped_experts,
+    fused_experts,
+    linear_targets,
+    retargeted_names,
+)
 from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import copy_processor_files, load_model, load_tokenizer
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
@@ -142,6 +148,14 @@ def _lora_problems(model, lora: LoraConfig) -> list[str]:
         wrappable = outside_vision(family, wrappable)
         where = " outside the vision tower and projector"
     unknown = unknown_names(targets, wrappable)
+    experts = sorted(set(targets) & retargeted_names(model))
+    if experts:
+        return [
+            f"method.lora.targets = {lora.targets}: on {type(model).__name__} PEFT reads "
+            f"{', '.join(experts)} as the routed experts or router ({', '.join(fused_experts(model))}), "
+            f"which keel's LoRA does not adapt yet; leave {'them' if len(experts) > 1 else 'it'} out (all-linear adapts "
+            f"the rest), or train the experts with method.type full or freeze"
+        ]
     if not unknown:
         return []
     names = sorted({n.rsplit(".", 1)[-1] for n in wrappable})
@@ -208,6 +222,14 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
 
     family = vision_family(model)
     full, tied = _full_modules(model, lora, log)
+    targets = _lora_targets(lora)
+    if targets == "all-linear" and retargeted_names(model):
+        targets = linear_targets(model)
+        log(
+            f"note: {type(model).__name__} is a mixture of experts: LoRA adapts its linear "
+            f"modules, not its routed experts ({', '.join(fused_experts(model))}) or router; "
+            f"method.type full or freeze trains those"
+        )
     settings = {}
     if family is not None:
         settings["exclude_modules"] = lora_exclusions(family)
@@ -216,7 +238,7 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=_lora_targets(lora),
+        target_modules=targets,
         use_rslora=lora.rslora,
         use_dora=lora.dora,
         modules_to_save=full or None,
@@ -225,6 +247,7 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         **settings,
     )
     peft_model = get_peft_model(model, peft_config)
+    check_no_wrapped_experts(peft_model)
     # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
     # also names modules its exclude_modules then skipped: a vision tower's).
     wrapped = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}

@@ -22,7 +22,7 @@ from torch import nn
 
 from keel.errors import ModelError
 from keel.models.attention import auto_attention
-from keel.models.checkpoint_names import stored_names
+from keel.models.checkpoint_names import StackedExperts, stored_names
 from keel.models.loading import model_class
 from keel.models.safetensors_files import check_model_dir
 from keel.quant.nf4 import is_nf4
@@ -144,17 +144,26 @@ class CheckpointReader:
                         f"{info['dtype']}, which keel cannot train from"
                     )
                 self._where[key] = (handle, file.data_start, info)
+        self._stacked: dict[str, StackedExperts] = {}
         self.model_dir = model_dir
+
+    def add_stacked(self, stacked: dict[str, StackedExperts]) -> None:
+        """Read these names as experts stacked from their per-expert tensors."""
+        self._stacked.update(stacked)
 
     def keys(self) -> list[str]:
         return list(self._where)
 
     def shape(self, key: str) -> tuple[int, ...] | None:
+        if key in self._stacked:
+            return self._stacked[key].shape(self.shape)
         found = self._where.get(key)
         return None if found is None else tuple(found[2]["shape"])
 
     def get(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor `key`, or only `region` of it (rows read from disk without the rest)."""
+        if key in self._stacked:
+            return self._stacked[key].read(self.get, region)
         handle, data_start, info = self._where[key]
         shape, dtype = list(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
@@ -206,15 +215,17 @@ def checkpoint_key(param_name: str) -> str:
 
 def stored_key_lookup(model: nn.Module, reader: CheckpointReader) -> Callable[[str], str]:
     """parameter name -> the key of its tensor in `reader`'s files: `checkpoint_key`, or the
-    older name transformers renames into it (keel.models.checkpoint_names)."""
+    older name transformers renames into it (keel.models.checkpoint_names). Fused expert
+    tensors keep their own names, which `reader` then stacks from the per-expert ones."""
     get_base = getattr(model, "get_base_model", None)  # PEFT: the Hugging Face model inside
     hf_model = get_base() if callable(get_base) else model
     names = [checkpoint_key(name) for name, _ in materialized_tensors(model)]
-    renamed = stored_names(hf_model, names, reader.keys())
+    found = stored_names(hf_model, names, reader.keys())
+    reader.add_stacked(found.stacked)  # a fused expert tensor is read under its own name
 
     def key_of(param_name: str) -> str:
         own = checkpoint_key(param_name)
-        return renamed.get(own, own)
+        return found.renamed.get(own, own)
 
     return key_of
 

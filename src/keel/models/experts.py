@@ -1,0 +1,62 @@
+"""LoRA on a mixture-of-experts model: what it adapts, and what it leaves to full training.
+
+transformers 5 holds a layer's routed experts as one [experts, ...] parameter per
+projection, not as Linear modules. PEFT reads LoRA target names as transformers 4 spelled
+these models (`gate_proj`, `w1`, the router `gate`) and then wraps the fused expert
+parameters themselves (its ParamWrapper), a path that takes no dropout and that keel's
+sharded loading, checkpoints and merging do not cover. So keel's LoRA on such a model
+adapts its Linear modules (attention, and shared experts where PEFT leaves them alone),
+and says so; the experts train with method.type full or freeze.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def retargeted_names(model: torch.nn.Module) -> set[str]:
+    """The target names PEFT turns into this model's fused experts or router (their
+    transformers 4 names); empty for a model it does not retarget."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:  # a PEFT without the conversion wraps Linear modules only
+        return set()
+    config = getattr(model, "config", None)
+    pattern = _MODEL_TO_CONVERSION_PATTERN.get(getattr(config, "model_type", None))
+    return set(_MOE_TARGET_MODULE_MAPPING.get(pattern, {}))
+
+
+def fused_experts(model: torch.nn.Module) -> list[str]:
+    """Short names of the model's fused expert parameters (e.g. experts.gate_up_proj)."""
+    names = {".".join(name.split(".")[-2:]) for name, p in model.named_parameters() if p.dim() == 3}
+    return sorted(n for n in names if n.startswith("experts."))
+
+
+def linear_targets(model: torch.nn.Module) -> list[str]:
+    """What "all-linear" means for a model PEFT retargets: its Linear modules' short names
+    but the output layer's and those PEFT would read as experts or router."""
+    output = model.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if name and isinstance(module, torch.nn.Linear) and module is not output
+    }
+    return sorted(names - retargeted_names(model))
+
+
+def check_no_wrapped_experts(peft_model: torch.nn.Module) -> None:
+    """PEFT wrapped no parameter directly (a safety net for a PEFT that retargets more
+    names than `retargeted_names` knows)."""
+    from keel.errors import ModelError
+
+    wrapped = [name for name, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
+    if wrapped:
+        raise ModelError(
+            f"PEFT wrapped this mixture-of-experts model's fused expert parameters "
+            f"({wrapped[0]}, ...), which keel's LoRA does not train yet; list "
+            f"method.lora.targets without them (e.g. [q_proj, k_proj, v_proj, o_proj]), or "
+            f"train the experts with method.type full or freeze"
+        )
