@@ -140,3 +140,59 @@ def test_saved_tensors_match_the_formula(case):
     copies -= regime.compute * shapes.vocab * shapes.hidden if regime.weight_copies else 0
     predicted = saved.kept + copies
     assert predicted == pytest.approx(measured, rel=0.03), (predicted, measured)
+
+
+# Mixture-of-experts blocks (transformers 5's fused experts, grouped matmuls), and Qwen3's
+# per-head q_norm and k_norm: (model type, method, bf16 autocast)
+MOE_CASES = {
+    "qwen3-moe full fp32": ("qwen3_moe", "full", False),
+    "qwen3-moe lora bf16 autocast": ("qwen3_moe", "lora", True),
+    "mixtral freeze fp32": ("mixtral", "freeze", False),
+    "mixtral full bf16 autocast": ("mixtral", "full", True),
+    "qwen2-moe (shared expert) lora fp32": ("qwen2_moe", "lora", False),
+    "qwen3 dense full fp32": ("qwen3", "full", False),
+}
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_mixture_of_experts_blocks_match_the_formula(case):
+    """Each token goes through 4 of 8 experts whose width (48) is not the config's dense
+    intermediate_size (160): a formula that read the dense MLP would be off by tens of
+    percent (it was, before experts were counted)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, method_type, autocast = MOE_CASES[case]
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=128, intermediate_size=160,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_local_experts=8, num_experts_per_tok=4, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40, tie_word_embeddings=False,
+        max_position_embeddings=SEQ,
+    )  # fmt: skip
+    method = MethodConfig(
+        type=method_type,
+        lora=LoraConfig(r=8, dropout=0.0),
+        freeze=FreezeConfig(trainable_layers=2),
+    )
+    torch.manual_seed(0)
+    model = apply_method(AutoModelForCausalLM.from_config(config), method, log=lambda _m: None)
+    model.train()
+    ids = torch.randint(0, config.vocab_size, (ROWS, SEQ))
+    batch = {"input_ids": ids, "targets": ids, "position_ids": None}
+    measured = saved_bytes(model, batch, autocast)
+
+    precision = Precision("bf16" if autocast else "fp32", "test")
+    census = take_census(
+        build_meta_model(config, dtype=torch.float32), method, copy_first=False, precision=precision
+    )
+    shapes = Shapes.from_config(config)
+    regime = Regime.of(
+        precision=precision, param_itemsize=census.param_itemsize, fsdp_mixed=False, cpu=True
+    )
+    saved = activation_bytes(
+        census, shapes, regime, tokens=ROWS * SEQ, seq=SEQ, checkpointing=False, packed=False,
+        attn="sdpa",
+    )  # fmt: skip
+    copies = autocast_copy_bytes(census, shapes, regime, checkpointing=False)
+    copies -= regime.compute * shapes.vocab * shapes.hidden if regime.weight_copies else 0
+    assert saved.kept + copies == pytest.approx(measured, rel=0.03)

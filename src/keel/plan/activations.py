@@ -75,6 +75,7 @@ class Shapes:
     layers: int
     vocab: int
     plain_head: bool = True  # logits = output_layer(hidden), so keel's chunked loss applies
+    experts_per_token: int = 0  # a mixture of experts: the experts each token goes through
 
     @classmethod
     def from_config(cls, config) -> Shapes:
@@ -92,6 +93,7 @@ class Shapes:
             plain_head=all(
                 getattr(text, name, None) in (None, 1.0) for name in _HEAD_POSTPROCESSING
             ),
+            experts_per_token=getattr(text, "num_experts_per_tok", None) or 0,
         )
 
 
@@ -150,16 +152,46 @@ def block_bytes_per_token(
     attention projections' dropout keeps no mask.
     """
     h, c, r = shapes.hidden, regime.compute, regime.residual
-    norms = sum(4 * h + (r * h if trains else 0) for trains in layer.norm_trainable)
+    widths = {
+        "h": h,
+        "q": shapes.heads * shapes.head_dim,
+        "kv": shapes.kv_heads * shapes.head_dim,
+    }
+    inputs = layer.norm_inputs or ("h",) * len(layer.norm_trainable)
+    norms = sum(
+        (4 + (r if trains else 0)) * widths[kind]
+        for trains, kind in zip(layer.norm_trainable, inputs)
+    )
     if not grad_in and layer.norm_trainable:
         norms -= 4 * h
-    mlp = 3 * c * shapes.intermediate
+    mlp = 3 * c * shapes.intermediate if layer.experts is None else _moe(layer, shapes, regime)
     return (
         norms
         + _attention(shapes, c, seq=seq, packed=packed, attn=attn)
         + mlp
         + _linear_inputs(layer, shapes, regime, grad_in=grad_in)
     )
+
+
+def _moe(layer: LayerInfo, shapes: Shapes, regime: Regime) -> int:
+    """A mixture-of-experts MLP per token (transformers 5's fused experts, grouped matmuls):
+    the router's fp32 softmax (4 E), the top-k indices and weights (36 k: int64 copies for
+    sorting and scattering), and per expert a token goes through: its gate_up output (2 w),
+    the SwiGLU activation (w) and each expert's output (h); with the experts' weights
+    training also the gathered input (h) and the product down_proj reads (w). Grouped
+    matmuls are not autocast ops: the experts compute in their weights' dtype (r). The
+    router keeps its input when its weight trains (autocast: a copy in c), and under
+    autocast its logits (c E). A shared expert (Linear modules beside the routed ones)
+    adds its own SwiGLU outputs."""
+    experts, k = layer.experts, shapes.experts_per_token or 1
+    h, c, r, w = shapes.hidden, regime.compute, regime.residual, experts.width
+    per_expert = r * (3 * w + h) + (r * (h + w) if experts.trainable else 0)
+    total = 4 * experts.count + 36 * k + k * per_expert
+    total += c * experts.count if regime.cast_inputs else 0
+    if experts.router_trainable:
+        total += (c if regime.cast_inputs else r) * h
+    shared = [m.in_features for m in layer.linears if m.name == "down_proj"]
+    return total + sum(3 * c * width for width in shared)
 
 
 def _attention(shapes: Shapes, c: int, *, seq: int, packed: bool, attn: str) -> int:
@@ -373,10 +405,11 @@ def autocast_copy_bytes(
         return c * adapters
     trainable = frozen_max = frozen_sum = 0
     for layer, flow in zip(census.layers, grad_path(census)):
-        trainable += sum(m.weight_numel for m in layer.linears if m.trainable)
+        weights = [(m.weight_numel, m.trainable) for m in layer.linears]
+        trainable += sum(n for n, trains in weights if trains)
         # QLoRA's frozen linears are already NF4 or in the compute dtype: no copies
         held = flow and census.method != "qlora"
-        frozen = sum(m.weight_numel for m in layer.linears if not m.trainable) if held else 0
+        frozen = sum(n for n, trains in weights if not trains) if held else 0
         frozen_max, frozen_sum = max(frozen_max, frozen), frozen_sum + frozen
     frozen_kept = frozen_max if checkpointing else frozen_sum
     return c * (trainable + frozen_kept + adapters + shapes.vocab * shapes.hidden)

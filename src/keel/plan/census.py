@@ -104,6 +104,22 @@ class LayerInfo:
     linears: tuple[LinearInfo, ...]
     norm_trainable: tuple[bool, ...]
     has_trainable: bool
+    experts: ExpertsInfo | None = None
+    # what each norm normalises: "h" the hidden state, "q" or "kv" the attention heads
+    # (Qwen3's and OLMo 2's per-head q_norm and k_norm); all "h" when empty
+    norm_inputs: tuple[str, ...] = ()  # a mixture-of-experts block's routed experts
+
+
+@dataclass(frozen=True)
+class ExpertsInfo:
+    """A block's routed experts, fused as transformers 5 holds them: one [experts, ...]
+    parameter per projection (gate_up_proj, down_proj), and the router beside them."""
+
+    count: int
+    width: int  # each expert's intermediate size
+    weight_numel: int  # all the experts' weights
+    trainable: bool  # the experts' weights train
+    router_trainable: bool
 
 
 @dataclass
@@ -425,12 +441,50 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
         elif (
             "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None
         ):
-            norms.append(module.weight.requires_grad)
+            norms.append((short, module.weight.numel(), module.weight.requires_grad))
+    widest = max((numel for _, numel, _ in norms), default=0)
     return LayerInfo(
         linears=tuple(linears),
-        norm_trainable=tuple(norms),
+        norm_trainable=tuple(trains for _, _, trains in norms),
+        norm_inputs=tuple(
+            "h" if numel == widest else "q" if short.startswith("q") else "kv"
+            for short, numel, _ in norms
+        ),
         has_trainable=any(p.requires_grad for p in layer.parameters()),
+        experts=_experts_info(layer),
     )
+
+
+def _experts_info(layer: nn.Module) -> ExpertsInfo | None:
+    """The block's fused routed experts (a module holding 3-D gate_up_proj and down_proj
+    parameters), None for a dense block. The router is the experts' sibling that holds a
+    weight of [experts, hidden] (Qwen-MoE's and Mixtral's `gate`)."""
+    for name, module in layer.named_modules():
+        down = getattr(module, "down_proj", None)
+        if not isinstance(down, nn.Parameter) or down.dim() != 3:
+            continue
+        count, x, y = down.shape  # [E, hidden, width], or [E, width, hidden] (gpt-oss)
+        gate_up = getattr(
+            module, "gate_up_proj", None
+        )  # [E, 2 width, hidden] or [E, hidden, 2 width]
+        fused = tuple(gate_up.shape[1:]) if gate_up is not None else ()
+        width = x if 2 * x in fused and y in fused and 2 * y not in fused else y
+        parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+        router = [
+            p
+            for child_name, child in parent.named_children()
+            if child is not module
+            for p in child.parameters(recurse=False)
+            if p.dim() == 2 and p.shape[0] == count
+        ]
+        return ExpertsInfo(
+            count=count,
+            width=width,
+            weight_numel=_numel(module),
+            trainable=any(p.requires_grad for p in module.parameters()),
+            router_trainable=any(p.requires_grad for p in router),
+        )
+    return None
 
 
 def _inside_lora(name: str) -> bool:
