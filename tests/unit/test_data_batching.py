@@ -16,7 +16,9 @@ def test_collate_right_pads_with_separate_pad_positions():
         {"input_ids": [9, 10], "targets": [10, -100], "position_ids": [0, 1]},
     ]
     batch = collate(rows, pad_id=0)
-    assert set(batch) == {"input_ids", "targets", "position_ids"}  # never an attention_mask
+    # never an attention_mask; where each row's padding starts (for a router's balance loss)
+    assert set(batch) == {"input_ids", "targets", "position_ids", "row_lengths"}
+    assert batch.pop("row_lengths").tolist() == [4, 2]
     for key in batch:
         assert batch[key].shape == (2, 4) and batch[key].dtype == torch.long
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]

@@ -79,3 +79,36 @@ def test_drop_system_message_is_the_datasets_drop_system():
     translation, fates = _translate(datasets=datasets)
     assert translation.config["data"]["datasets"][0]["drop_system"] is True
     assert fates["datasets.0.drop_system_message"].target == "data.datasets.0.drop_system"
+
+
+@pytest.mark.parametrize(
+    ("model_config", "coefficient"),
+    [
+        ({"output_router_logits": True}, "model"),  # their Mixtral examples
+        ({"output_router_logits": True, "router_aux_loss_coef": 0.02}, 0.02),
+        ({"output_router_logits": False, "router_aux_loss_coef": 0.02}, None),
+    ],
+)
+def test_model_config_turns_the_routers_balance_loss_on(model_config, coefficient):
+    translation, _ = _translate(model_config=model_config)
+    assert translation.refused() == []
+    assert translation.config.get("train", {}).get("router_aux_loss_coef") == coefficient
+
+
+def test_other_model_config_overrides_are_refused():
+    translation, fates = _translate(model_config={"rope_theta": 1e6})
+    assert [f.key for f in translation.refused()] == ["model_config.rope_theta"]
+    assert "as its config.json describes it" in fates["model_config.rope_theta"].why
+
+
+@pytest.mark.parametrize(("value", "coefficient"), [(0.001, 0.001), (None, None), (0, None)])
+def test_llamafactory_moe_aux_loss_coef_is_the_balance_loss(value, coefficient):
+    from keel.config.dialects.llamafactory import translate_llamafactory
+
+    raw = {
+        "model_name_or_path": "m", "stage": "sft", "do_train": True, "finetuning_type": "lora",
+        "dataset": "d", "template": "qwen3", "output_dir": "o", "moe_aux_loss_coef": value,
+    }  # fmt: skip
+    translation = translate_llamafactory(raw, Path("x.yaml"))
+    assert translation.config.get("train", {}).get("router_aux_loss_coef") == coefficient
+    assert not [f for f in translation.refused() if f.key == "moe_aux_loss_coef"]

@@ -207,6 +207,10 @@ class TrainConfig:
     # among the node's processes. Lower it on a busy machine (keel warns when it is)
     threads: int = 0
     loss_chunk_size: int = 1024  # tokens per chunk of the output-layer + cross-entropy
+    # pt and sft on a mixture of experts: the weight of the routers' load-balancing loss
+    # added to the loss (transformers' output_router_logits); 0: off, as transformers'
+    # default; model: the config's router_aux_loss_coef. Logged as aux_loss
+    router_aux_loss_coef: float | Literal["model"] = 0.0
 
 
 @dataclass(kw_only=True)

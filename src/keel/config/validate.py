@@ -249,11 +249,29 @@ def _check_train(cfg: RunConfig) -> list[str]:
         problems.append(f"train.warmup_ratio = {t.warmup_ratio} must be in [0, 1)")
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         problems.append(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1)")
+    problems += _router_balance_problems(t)
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         problems.append(
             f"train.resume = {t.resume!r} must be auto, never, or an existing checkpoint folder"
         )
     return problems
+
+
+def _router_balance_problems(t) -> list[str]:
+    """train.router_aux_loss_coef: a coefficient >= 0, or model; on the next-token stages."""
+    setting = t.router_aux_loss_coef
+    if setting == "model" or setting == 0:
+        return [] if setting == 0 or t.stage in ("pt", "sft") else [_balance_stage(t)]
+    if isinstance(setting, bool) or not isinstance(setting, int | float) or setting < 0:
+        return [f"train.router_aux_loss_coef = {setting!r} must be a number >= 0, or model"]
+    return [] if t.stage in ("pt", "sft") else [_balance_stage(t)]
+
+
+def _balance_stage(t) -> str:
+    return (
+        f"train.router_aux_loss_coef = {t.router_aux_loss_coef} adds the routers' balance to "
+        f"a next-token loss (stage pt or sft), not to {t.stage}'s; set it to 0"
+    )
 
 
 def _check_stage(cfg: RunConfig) -> list[str]:

@@ -55,6 +55,8 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     batch = _pad(rows, "", pad_id)
     if padding_free:
         batch["seq_lens"] = sample_lengths(rows[0]["position_ids"])
+    else:  # where each row's padding starts (a router's balance leaves padding out)
+        batch["row_lengths"] = torch.tensor([len(r["input_ids"]) for r in rows])
     batch |= _vision(rows, batch["position_ids"])
     if "advantages" in rows[0]:
         return batch | _rollout(rows, batch["input_ids"].shape[1])

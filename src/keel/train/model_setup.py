@@ -48,6 +48,7 @@ from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention,
 from keel.train.preference import PreferenceObjective
 from keel.train.reference import build_reference_copy
 from keel.train.reward_objective import RewardObjective
+from keel.train.router_balance import RouterBalance
 
 
 @dataclass
@@ -262,9 +263,13 @@ class _ObjectiveKit:
     settings: StageSettings | None
     vision: VisionFamily | None = None  # a vision-language model's family
     seed: int = 0  # train.seed: new weights (rm's score head) start from it
+    router_aux_loss_coef: float | str = 0.0  # train.router_aux_loss_coef (pt, sft)
 
     def causal_lm(self) -> Objective:
-        return CausalLMObjective(self.model, chunk_size=self.chunk_size, vision=self.vision)
+        balance = RouterBalance.of(causal_lm_of(self.model), self.router_aux_loss_coef)
+        return CausalLMObjective(
+            self.model, chunk_size=self.chunk_size, vision=self.vision, router_balance=balance
+        )
 
     def sequence_scores(self, stage: Stage) -> Objective:
         return PreferenceObjective(
@@ -295,6 +300,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
         settings=cfg.stage_settings,
         vision=family_of(causal_lm_of(model).config),
         seed=cfg.train.seed,
+        router_aux_loss_coef=cfg.train.router_aux_loss_coef,
     )
     return stage.objective(kit, stage)
 

@@ -27,6 +27,7 @@ from keel.models.attention import (
 from keel.models.vision import VisionFamily, family_of
 from keel.models.vision.family import module_or_parameter
 from keel.stages.base import ObjectiveOutput
+from keel.train.router_balance import RouterBalance
 
 # Logit magnitude of the probe's synthetic hidden states. A random or freshly initialised
 # model has |logit| ~ 0.1, where cap * tanh(x / cap) equals x to ~1e-7; trained models
@@ -148,12 +149,17 @@ class CausalLMObjective(nn.Module):
         chunk_size: int = 1024,
         fast_head: bool = False,
         vision: VisionFamily | None = None,
+        router_balance: RouterBalance | None = None,
     ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.fast_head = fast_head
         self.vision = vision  # the family of a vision-language model, None for text
+        # a mixture of experts' load-balancing term (train.router_aux_loss_coef), logged as
+        # aux_loss; added in training only, so eval_loss stays the cross-entropy
+        self.router_balance = router_balance
+        self.metric_names = ("aux_loss",) if router_balance is not None else ()
 
     def inputs(self, batch: dict, prefix: str = "") -> dict:
         """`model_inputs` of this objective's model (with its family's, for a VLM)."""
@@ -185,16 +191,34 @@ class CausalLMObjective(nn.Module):
         targets = batch["targets"]  # [B, T], pre-shifted
         mask = targets != IGNORE_INDEX  # [B, T]
         num_targets = mask.sum()
+        balance = self.router_balance if self.training else None
+        if balance is not None:
+            inputs["output_router_logits"] = True
         if not self.fast_head:
-            logits = self.model(**inputs).logits  # [B, T, V]
-            return ObjectiveOutput(cross_entropy_sum(logits, targets), num_targets)
-        lm = causal_lm_of(self.model)
-        hidden = decoder_of(lm, self.vision)(**inputs).last_hidden_state  # [B, T, H]
-        selected = hidden[mask]  # [N, H]
-        loss = chunked_cross_entropy(
-            selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
+            out = self.model(**inputs)
+            loss = cross_entropy_sum(out.logits, targets)  # logits [B, T, V]
+        else:
+            lm = causal_lm_of(self.model)
+            out = decoder_of(lm, self.vision)(**inputs)
+            selected = out.last_hidden_state[mask]  # [N, H]
+            loss = chunked_cross_entropy(
+                selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
+            )
+        if balance is None:
+            return ObjectiveOutput(loss, num_targets, self._no_statistics(loss))
+        aux = balance.loss(out.router_logits, batch)
+        counted = (num_targets > 0).float()  # a filler micro-batch reports nothing
+        statistics = torch.stack([aux.detach().float() * counted, counted])
+        return ObjectiveOutput(
+            loss + balance.coefficient * aux * num_targets, num_targets, statistics
         )
-        return ObjectiveOutput(loss, num_targets)
+
+    def _no_statistics(self, loss: torch.Tensor) -> torch.Tensor | None:
+        """Zero (sum, count) pairs where the run logs aux_loss but this forward (eval) has
+        none to add; None otherwise."""
+        if not self.metric_names:
+            return None
+        return loss.new_zeros(2 * len(self.metric_names), dtype=torch.float32)
 
     def check_fast_head(self, device: torch.device | None = None) -> tuple[bool, str]:
         """(ok, why): does the fast head give the model's own logits? Does not set fast_head.

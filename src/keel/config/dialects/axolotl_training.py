@@ -100,7 +100,43 @@ def _unfrozen_parameters(build: Build, key: str, value) -> None:
         build.put(key, "method.freeze.trainable_params", keel_patterns, why)
 
 
+def _model_config(build: Build, key: str, value) -> None:
+    """Their overrides of the model's config.json: the router's balance loss is a training
+    setting keel has (train.router_aux_loss_coef); any other override is refused."""
+    if not value:
+        build.ignored(key, "empty: the model's own config")
+        return
+    if not isinstance(value, dict):
+        build.refused(key, f"{value!r}: model_config is a mapping of config.json keys")
+        return
+    balance = value.get("output_router_logits")
+    for name, setting in value.items():
+        dotted = f"{key}.{name}"
+        if name == "output_router_logits" and setting:
+            coef = value.get("router_aux_loss_coef", "model")
+            why = "the routers' load-balancing loss, weighted by " + (
+                "the model config's router_aux_loss_coef"
+                if coef == "model"
+                else "their coefficient"
+            )
+            build.put(dotted, "train.router_aux_loss_coef", coef, why)
+        elif name == "output_router_logits":
+            build.ignored(dotted, "false: no balance loss, keel's default")
+        elif name == "router_aux_loss_coef":
+            if balance:
+                build.mapped(dotted, "train.router_aux_loss_coef")
+            else:
+                build.ignored(dotted, "used only with output_router_logits: true")
+        else:
+            build.refused(
+                dotted,
+                "keel trains the model as its config.json describes it; change that file "
+                "(a copy of the model folder) instead",
+            )
+
+
 TRAINING_HANDLERS = {
+    "model_config": _model_config,
     "unfrozen_parameters": _unfrozen_parameters,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "cosine_min_lr_ratio": _cosine_min_lr_ratio,

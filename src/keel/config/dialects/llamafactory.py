@@ -110,6 +110,15 @@ def _max_steps(build: Build, key: str, value) -> None:
         build.put(key, "train.max_steps", value)
 
 
+def _moe_aux_loss(build: Build, key: str, value) -> None:
+    """LLaMA-Factory turns on the routers' output and sets their coefficient when this is
+    set (not 0)."""
+    if not value:
+        build.ignored(key, f"{value}: no balance loss, keel's default")
+    else:
+        build.put(key, "train.router_aux_loss_coef", value, "the routers' load-balancing loss")
+
+
 def _gradient_checkpointing(build: Build, key: str, value) -> None:
     on = not value if key == "disable_gradient_checkpointing" else bool(value)
     build.put(key, "train.gradient_checkpointing", on)
@@ -189,6 +198,7 @@ RULES: dict[str, Rule] = {
     "adam_beta1": _adam_beta,
     "adam_beta2": _adam_beta,
     "max_steps": _max_steps,
+    "moe_aux_loss_coef": _moe_aux_loss,
     "gradient_checkpointing": _gradient_checkpointing,
     "disable_gradient_checkpointing": _gradient_checkpointing,
     "report_to": _report_to,
