@@ -112,3 +112,9 @@ def test_llamafactory_moe_aux_loss_coef_is_the_balance_loss(value, coefficient):
     translation = translate_llamafactory(raw, Path("x.yaml"))
     assert translation.config.get("train", {}).get("router_aux_loss_coef") == coefficient
     assert not [f for f in translation.refused() if f.key == "moe_aux_loss_coef"]
+
+
+@pytest.mark.parametrize(("value", "fate"), [("grouped_mm", "ignored"), ("eager", "refused")])
+def test_experts_implementation_is_transformers_default_only(value, fate):
+    _, fates = _translate(experts_implementation=value)
+    assert fates["experts_implementation"].fate == fate

@@ -135,8 +135,18 @@ def _model_config(build: Build, key: str, value) -> None:
             )
 
 
+def _experts_implementation(build: Build, key: str, value) -> None:
+    """How transformers computes a mixture of experts' fused experts: keel keeps its
+    default, grouped matmuls (eager where torch cannot run them)."""
+    if value in (None, "grouped_mm"):
+        build.ignored(key, f"{value}: transformers' default, which keel runs")
+    else:
+        build.refused(key, f"{value!r}: keel runs transformers' default, grouped_mm")
+
+
 TRAINING_HANDLERS = {
     "model_config": _model_config,
+    "experts_implementation": _experts_implementation,
     "unfrozen_parameters": _unfrozen_parameters,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "cosine_min_lr_ratio": _cosine_min_lr_ratio,
