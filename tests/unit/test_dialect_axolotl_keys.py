@@ -118,3 +118,9 @@ def test_llamafactory_moe_aux_loss_coef_is_the_balance_loss(value, coefficient):
 def test_experts_implementation_is_transformers_default_only(value, fate):
     _, fates = _translate(experts_implementation=value)
     assert fates["experts_implementation"].fate == fate
+
+
+def test_early_stopping_patience_maps_to_keels():
+    translation, _ = _translate(early_stopping_patience=3, eval_steps=50, val_set_size=0.05)
+    assert translation.refused() == []
+    assert translation.config["train"]["early_stopping_patience"] == 3

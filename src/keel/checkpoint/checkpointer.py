@@ -103,6 +103,7 @@ class Checkpointer:
         self.parts, self.output_dir, self.keep_last, self.dist = parts, output_dir, keep_last, dist
         self.missing_ok: set[str] = set()  # extras that checkpoints may lack (see register)
         self.per_process: dict[str, ProcessStateful] = {}  # see register_per_process
+        self.keep_step: int | None = None  # a step whose checkpoint pruning spares (the best)
 
     @property
     def root(self) -> Path:
@@ -145,7 +146,7 @@ class Checkpointer:
         self.dist.barrier()
         if self.dist.is_main:
             commit_checkpoint(tmp, final, step=step, trainer=self._trainer_record(step), meta=meta)
-            prune_checkpoints(self.output_dir, self.keep_last)
+            prune_checkpoints(self.output_dir, self.keep_last, self.keep_step)
         self.dist.barrier()
         return final
 

@@ -103,7 +103,9 @@ def clear_partial_checkpoints(output_dir: Path) -> list[Path]:
     return partial
 
 
-def prune_checkpoints(output_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints."""
+def prune_checkpoints(output_dir: Path, keep_last: int, keep_step: int | None = None) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, and `keep_step`'s (the
+    best evaluation's, under early stopping)."""
     for old in complete_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if keep_step is None or old.name != step_dir_name(keep_step):
+            shutil.rmtree(old, ignore_errors=True)

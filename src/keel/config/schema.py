@@ -211,6 +211,11 @@ class TrainConfig:
     # added to the loss (transformers' output_router_logits); 0: off, as transformers'
     # default; model: the config's router_aux_loss_coef. Logged as aux_loss
     router_aux_loss_coef: float | Literal["model"] = 0.0
+    # Stop once eval_loss has not improved (by more than early_stopping_threshold) in this
+    # many evaluations in a row (every train.eval_every steps), and keep the best
+    # evaluation's model as the final one; 0: off
+    early_stopping_patience: int = 0
+    early_stopping_threshold: float = 0.0
 
 
 @dataclass(kw_only=True)

@@ -250,11 +250,35 @@ def _check_train(cfg: RunConfig) -> list[str]:
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         problems.append(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1)")
     problems += _router_balance_problems(t)
+    problems += _early_stopping_problems(cfg)
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         problems.append(
             f"train.resume = {t.resume!r} must be auto, never, or an existing checkpoint folder"
         )
     return problems
+
+
+def _early_stopping_problems(cfg: RunConfig) -> list[str]:
+    """Early stopping needs periodic evaluations of held-out data."""
+    t = cfg.train
+    problems = _positive(
+        t.early_stopping_patience, "train.early_stopping_patience", allow_zero=True
+    )
+    problems += _positive(
+        t.early_stopping_threshold, "train.early_stopping_threshold", allow_zero=True
+    )
+    if problems or not t.early_stopping_patience:
+        return problems
+    key = f"train.early_stopping_patience = {t.early_stopping_patience}"
+    if not (cfg.data.val_size or cfg.data.eval_datasets):
+        return [
+            f"{key} judges evaluations, and there is no eval data: set data.val_size or data.eval_datasets"
+        ]
+    if not t.eval_every:
+        return [
+            f"{key} judges periodic evaluations: set train.eval_every (steps), e.g. {max(1, t.max_steps // 10) if t.max_steps else 100}"
+        ]
+    return []
 
 
 def _router_balance_problems(t) -> list[str]:

@@ -34,6 +34,8 @@ class PolicyGradientObjective(CausalLMObjective):
     statistics [2 x metrics]): (sum, count) over completion tokens of each clip fraction,
     and of the KL estimate when beta > 0."""
 
+    reports_perplexity = False  # its eval loss is per pair, sample or completion
+
     needs_window_statistic = False
 
     def __init__(

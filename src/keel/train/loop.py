@@ -268,11 +268,11 @@ class Trainer:
         vector = [] if statistics is None else statistics.double().cpu().tolist()
         total, count, *vector = self.dist.all_reduce_sum([total, count, *vector])
         loss = total / max(count, 1)
-        names = self.inner_objective.metric_names
-        if not names:
-            return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
-        named = reduce_statistics(names, vector)
-        return {"eval_loss": loss, **{f"eval_{k}": v for k, v in named.items()}}
+        result = {"eval_loss": loss}
+        if getattr(self.inner_objective, "reports_perplexity", False):  # pt, sft
+            result["eval_ppl"] = math.exp(min(loss, 50.0))
+        named = reduce_statistics(self.inner_objective.metric_names, vector)
+        return result | {f"eval_{k}": v for k, v in named.items()}
 
 
 StepCallback = Callable[[int, dict], None]

@@ -40,6 +40,7 @@ class RunStats:
     rows: int = 0  # rows this process trained on
     filler_micro_batches: int = 0  # zero-weight micro-batches this process ran
     load_peak_rss_mb: float = 0.0  # the loading high-water mark, before any training
+    steps: int = 0  # the run's last step: its length, or where early stopping ended it
 
     def add_step(self, result: StepResult, seconds: float) -> None:
         """Count one optimizer step that took `seconds`."""

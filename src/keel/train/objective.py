@@ -141,6 +141,7 @@ class CausalLMObjective(nn.Module):
 
     metric_names: tuple[str, ...] = ()  # no statistics beside the loss
     needs_window_statistic = False
+    reports_perplexity = True  # its eval loss is a mean over tokens
 
     def __init__(
         self,

@@ -149,6 +149,8 @@ class PreferenceObjective(CausalLMObjective):
     `set_window_statistic` (see `Trainer`).
     """
 
+    reports_perplexity = False  # its eval loss is per pair, sample or completion
+
     needs_window_statistic = False
 
     def __init__(

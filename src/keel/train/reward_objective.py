@@ -60,6 +60,8 @@ class RewardObjective(CausalLMObjective):
     (chosen - rejected), mean_reward (every sequence), chosen_reward, rejected_reward.
     """
 
+    reports_perplexity = False  # its eval loss is per pair, sample or completion
+
     def __init__(
         self,
         model: nn.Module,

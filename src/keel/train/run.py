@@ -43,6 +43,7 @@ from keel.train.batch_source import (
     eval_rows,
 )
 from keel.train.completions_log import CompletionsLog
+from keel.train.early_stop import track_early_stopping
 from keel.train.hub_fetch import fetch_hub_model
 from keel.train.loop import StepCallback, Trainer
 from keel.train.metrics import RunStats, peak_rss_mb
@@ -202,8 +203,8 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
     env.preemption.enter_loop()  # a signal now stops the run at a step's end, with a save
     losses, stats = loop.run(start_step, schedule.total_steps, _run_meta(cfg, decided, schedule))
     stats.load_peak_rss_mb = loaded_peak_mb
-    summary = _write_outputs(run, checked, built, decided.precision, schedule, stats)
-    return RunResult(output_dir=run.out, steps=schedule.total_steps, losses=losses, summary=summary)
+    summary = _write_outputs(run, checked, built, decided.precision, stats)
+    return RunResult(output_dir=run.out, steps=stats.steps, losses=losses, summary=summary)
 
 
 def _check_inputs(run: _Run) -> Preflight:
@@ -384,6 +385,7 @@ def _checkpointer(run: _Run, trainer: Trainer, source: BatchSource) -> Checkpoin
     # Optional: checkpoints written before the source was a part hold no state for it, and
     # the dataset's order needs none (it is a function of the step and train.seed).
     checkpointer.register(BATCH_SOURCE, source, missing_ok=True)
+    track_early_stopping(checkpointer, run.cfg.train)
     if isinstance(source, ProcessStateful):  # a rollout in flight differs per process
         checkpointer.register_per_process(BATCH_SOURCE, source)
     return checkpointer
@@ -460,7 +462,6 @@ def _write_outputs(
     checked: Preflight,
     built: TrainingModel,
     precision: Precision,
-    schedule: _Schedule,
     stats: RunStats,
 ) -> dict:
     """The trained model, its tokenizer (with the chat template it trained with) and the
@@ -476,7 +477,7 @@ def _write_outputs(
             checked.model_dir,
             env.dist,
             env.log,
-            steps=schedule.total_steps,
+            steps=stats.steps,
             stats=stats,
             precision=precision,
         )

@@ -16,12 +16,14 @@ import torch
 
 from keel import __version__
 from keel.checkpoint.checkpointer import Checkpointer
+from keel.checkpoint.layout import step_dir_name
 from keel.config import RunConfig, config_to_dict
 from keel.distributed.process_group import DistContext
 from keel.distributed.watchdog import Watchdog
 from keel.faults import Fault, at_step_start
 from keel.stages.registry import get_stage
 from keel.train.batch_source import BatchSource
+from keel.train.early_stop import EARLY_STOPPING, EarlyStopping
 from keel.train.loop import ReducedSteps, StepCallback, StepResult, Trainer
 from keel.train.metrics import MetricsLog, Progress, RunStats, memory_now
 from keel.train.preference import reduce_statistics
@@ -74,6 +76,7 @@ class _RunState:
     stats: RunStats = field(default_factory=RunStats)
     pending: list[StepResult] = field(default_factory=list)  # steps whose losses are unread
     window: _LogWindow = field(default_factory=_LogWindow)
+    stopped_at: int | None = None  # early stopping ended the run after this step
 
 
 @dataclass(kw_only=True)
@@ -105,6 +108,7 @@ class TrainingLoop:
         self.out = checkpointer.output_dir  # metrics.jsonl lives next to checkpoints/
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
         self.skipped = SkippedSteps()  # fp16: the loss scaler's skipped steps in a row
+        self.early_stop: EarlyStopping | None = checkpointer.parts.extras.get(EARLY_STOPPING)
 
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], RunStats]:
         """Train steps `start`..`total` - 1 (0-based); returns each step's loss (read back on
@@ -116,13 +120,20 @@ class TrainingLoop:
             metrics=self._metrics_log(start) if main else None,
             bar=Progress(total=total, initial=start, enabled=main, log=self.log),
         )
+        if self.early_stop is not None:  # a resumed run's best checkpoint stays too
+            self.checkpointer.keep_step = self.early_stop.best_step
         try:
             for step in range(start, total):
                 self._run_step(step, state)
+                if state.stopped_at is not None:
+                    break
         finally:
             state.bar.close()
             if state.metrics is not None:
                 state.metrics.close()
+        state.stats.steps = state.stopped_at or total
+        if self.early_stop is not None:
+            self._keep_best(state.stats.steps)
         return state.losses, state.stats
 
     def _metrics_log(self, start: int) -> MetricsLog:
@@ -141,7 +152,9 @@ class TrainingLoop:
         logged = done % out_cfg.log_every == 0 or done == state.total
         saving = bool(out_cfg.save_every and done % out_cfg.save_every == 0)
         saving = saving or done == state.total
-        synced = logged or saving  # no checkpoint unread: it may hold a NaN step
+        # early stopping may save at an evaluation: read the losses back there too
+        judged = self.early_stop is not None and self._evaluates(done, state.total)
+        synced = logged or saving or judged  # no checkpoint unread: it may hold a NaN step
         ran = self._timed_step(step, state, synced=synced)
         state.stats.add_step(ran.result, ran.seconds)
         state.window.add(ran.result.real_tokens, ran.seconds)
@@ -150,12 +163,20 @@ class TrainingLoop:
         if ran.reduced is not None:
             self._check_finite(ran.reduced, ran.first)
         state.bar.update(record and record["loss"], ran.result.lr, tokens_per_s)
-        self._maybe_eval(done, state.total, state.metrics, state.bar)
+        evaluated = self._maybe_eval(done, state.total, state.metrics, state.bar)
+        verdict = None
+        if judged and evaluated is not None:
+            verdict = self.early_stop.update(done, evaluated["eval_loss"])
+            if verdict.improved:  # the best model so far: a checkpoint to come back to
+                self.checkpointer.keep_step, saving = done, True
         if saving:
             self._save(done, state.meta)
         if self.on_step_end is not None:
             self.on_step_end(done, record or {"step": done})
-        if done < state.total and self._preempted():
+        if verdict is not None and verdict.stop and done < state.total:
+            self.log(self.early_stop.why(done))
+            state.stopped_at = done
+        elif done < state.total and self._preempted():
             self._stop(done, state.meta, state.pending, saved=saving)
 
     def _timed_step(self, step: int, state: _RunState, *, synced: bool) -> _StepRun:
@@ -277,21 +298,40 @@ class TrainingLoop:
         result.source_metrics = work.metrics
         return result
 
-    def _maybe_eval(self, done: int, total: int, metrics: MetricsLog | None, progress: Progress):
-        if not self.eval_rows:
-            return
+    def _evaluates(self, done: int, total: int) -> bool:
         every = self.cfg.train.eval_every
-        if (every and done % every == 0) or done == total:
-            with self.env.phase("eval", self.cfg.watchdog.hang_timeout_s):
-                result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
-            if metrics is not None:
-                metrics.write({"step": done, **result})
-            shown = f"step {done}: eval_loss {result['eval_loss']:.4f}"
-            if "eval_ppl" in result:
-                shown += f" ppl {result['eval_ppl']:.2f}"
-            if "eval_rewards/accuracies" in result:
-                shown += f" reward accuracy {result['eval_rewards/accuracies']:.2f}"
-            progress.write(shown)
+        return bool(self.eval_rows) and (bool(every and done % every == 0) or done == total)
+
+    def _maybe_eval(
+        self, done: int, total: int, metrics: MetricsLog | None, progress: Progress
+    ) -> dict | None:
+        """Evaluate after step `done` when it is due; the results (None: not due)."""
+        if not self._evaluates(done, total):
+            return None
+        with self.env.phase("eval", self.cfg.watchdog.hang_timeout_s):
+            result = self.trainer.evaluate(self.eval_rows, self.cfg.train.micro_batch_size)
+        if metrics is not None:
+            metrics.write({"step": done, **result})
+        shown = f"step {done}: eval_loss {result['eval_loss']:.4f}"
+        if "eval_ppl" in result:
+            shown += f" ppl {result['eval_ppl']:.2f}"
+        if "eval_rewards/accuracies" in result:
+            shown += f" reward accuracy {result['eval_rewards/accuracies']:.2f}"
+        progress.write(shown)
+        return result
+
+    def _keep_best(self, last: int) -> None:
+        """Early stopping: the best evaluation's model becomes the final one (its checkpoint
+        is loaded, on every process) unless it is the last step's already."""
+        best = self.early_stop.best_step
+        if best is None or best == last:
+            return
+        with self.env.phase("checkpoint load", self.cfg.watchdog.slow_phase_timeout_s):
+            self.checkpointer.load(self.checkpointer.root / step_dir_name(best))
+        self.log(
+            f"final model: step {best}'s, the best eval_loss "
+            f"({self.early_stop.best_loss:.4f}; train.early_stopping_patience)"
+        )
 
     def _save(self, step: int, meta: dict) -> None:
         with self.env.phase("checkpoint save", self.cfg.watchdog.slow_phase_timeout_s):

@@ -55,6 +55,7 @@ DIRECT = {
     "wandb_name": "output.wandb.name",
     "wandb_mode": "output.wandb.mode",
     "resume_from_checkpoint": "train.resume",
+    "early_stopping_patience": "train.early_stopping_patience",
 }
 _PER_EPOCH = "keel counts in steps; a count per epoch needs the dataset's size before it is read"
 IGNORED = {
