@@ -41,3 +41,37 @@ def test_targets_that_peft_reads_as_the_experts_are_refused(model_type, name):
     lora = LoraConfig(r=4, targets=["q_proj", name])
     with pytest.raises(ModelError, match=f"PEFT reads {name} as the routed experts"):
         apply_method(tiny_moe(model_type), MethodConfig(type="lora", lora=lora), log=print)
+
+
+def test_the_plan_says_where_a_moe_s_parameters_are(tmp_path):
+    """Qwen3-30B-A3B's config alone: 95% of its parameters are routed experts, which QLoRA
+    keeps in model.dtype (its params column holds them at 2 bytes each), and the summary
+    says so."""
+    import yaml
+    from transformers import AutoConfig
+
+    from keel.config import load_config
+    from keel.plan import DeviceSpec, plan_run, summary
+    from keel.plan.devices import GIB
+    from keel.precision import Precision
+
+    AutoConfig.for_model(
+        "qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "model")  # fmt: skip
+    run = {
+        "model": {"path": str(tmp_path / "model"), "dtype": "bfloat16"},
+        "method": {"type": "qlora"},
+        "data": {"datasets": ["never-read.json"], "cutoff_len": 1024},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run))
+    devices = DeviceSpec(kind="cuda", per_node=1, memory_bytes=80 * GIB)
+    plan = plan_run(
+        load_config(tmp_path / "run.yaml"), devices=devices, precision=Precision("bf16", "test")
+    )
+    routed = 48 * 3 * 128 * 768 * 2048
+    assert f"48 layers of 128 experts (8 per token), {routed:,} parameters (95%)" in summary(plan)
+    qlora = next(o for o in plan.options if o.method == "qlora")
+    assert qlora.per_device.params >= 2 * routed

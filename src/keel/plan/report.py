@@ -129,6 +129,15 @@ def _extra_summary(plan: Plan) -> list[str]:
     w, lines = plan.work, []
     if w.vision is not None:
         lines.append(_vision_summary(plan))
+    experts = [layer.experts for layer in plan.censuses[plan.method].layers if layer.experts]
+    if experts:
+        routed = sum(e.weight_numel for e in experts)
+        lines.append(
+            f"mixture of experts: {len(experts)} layers of {experts[0].count} experts "
+            f"({plan.shapes.experts_per_token} per token), {routed:,} parameters "
+            f"({100 * routed / plan.params:.0f}%) in the routed experts: full and freeze "
+            f"train them; LoRA leaves them frozen, and qlora in model.dtype (not NF4)"
+        )
     if w.generation is not None:
         g = w.generation
         reference = (

@@ -53,7 +53,8 @@ class EarlyStopping:
     def why(self, step: int) -> str:
         return (
             f"early stopping: eval_loss did not improve by more than "
-            f"{self.threshold:g} in {self.evals_since_best} evaluations (best "
+            f"{self.threshold:g} in {self.evals_since_best} evaluation"
+            f"{'s' if self.evals_since_best > 1 else ''} (best "
             f"{self.best_loss:.4f} at step {self.best_step}); stopped after step {step}"
         )
 
