@@ -124,3 +124,21 @@ def test_early_stopping_patience_maps_to_keels():
     translation, _ = _translate(early_stopping_patience=3, eval_steps=50, val_set_size=0.05)
     assert translation.refused() == []
     assert translation.config["train"]["early_stopping_patience"] == 3
+
+
+@pytest.mark.parametrize(
+    ("keys", "fates"),
+    [
+        ({"plugins": ["axolotl.integrations.kernels.KernelsPlugin"], "use_kernels": True,
+          "use_scattermoe": True}, {"plugins.0": "ignored", "use_kernels": "ignored",
+                                    "use_scattermoe": "ignored"}),
+        ({"quantize_moe_experts": True}, {"quantize_moe_experts": "refused"}),
+        ({"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
+         {"lora_target_parameters": "refused"}),
+        ({"lora_target_parameters": None, "quantize_moe_experts": False},
+         {"lora_target_parameters": "ignored", "quantize_moe_experts": "ignored"}),
+    ],
+)  # fmt: skip
+def test_mixture_of_experts_kernels_and_expert_options(keys, fates):
+    _, found = _translate(**keys)
+    assert {key: found[key].fate for key in fates} == fates

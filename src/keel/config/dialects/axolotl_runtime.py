@@ -100,7 +100,21 @@ _SPEED_PLUGINS = {
     "axolotl.integrations.liger.LigerPlugin": "Liger's fused kernels (RoPE, RMSNorm, SwiGLU, "
     "cross-entropy) compute the same math; keel uses PyTorch's own operations and its "
     "chunked output layer and cross-entropy",
+    "axolotl.integrations.kernels.KernelsPlugin": "its kernels compute a mixture of experts' "
+    "experts as transformers' grouped matmuls do, which keel runs",
 }
+# Kernel choices for a mixture of experts' experts (and the Hub kernels they come from): the
+# same computation as transformers' grouped_mm experts, faster on their GPUs.
+_EXPERT_KERNELS = ("use_kernels", "use_scattermoe", "use_sonicmoe")
+
+
+def _expert_kernels(build: Build, key: str, value) -> None:
+    if not value:
+        build.ignored(key, "false: off")
+    else:
+        build.ignored(
+            key, "the experts' kernels compute what transformers' grouped_mm does, which keel runs"
+        )
 
 
 def _plugins(build: Build, key: str, value) -> None:
@@ -152,4 +166,5 @@ RUNTIME_HANDLERS = {
     "plugins": _plugins,
     "activation_offloading": _activation_offloading,
     **{key: _kernel_switch for key in _KERNEL_SWITCHES},
+    **{key: _expert_kernels for key in _EXPERT_KERNELS},
 }

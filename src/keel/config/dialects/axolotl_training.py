@@ -144,8 +144,26 @@ def _experts_implementation(build: Build, key: str, value) -> None:
         build.refused(key, f"{value!r}: keel runs transformers' default, grouped_mm")
 
 
+def _moe_experts_only(build: Build, key: str, value) -> None:
+    """What Axolotl does to a mixture of experts' fused experts that keel does not."""
+    whys = {
+        "quantize_moe_experts": "keel's QLoRA quantises the linear modules only; the routed "
+        "experts stay in model.dtype (keel plan counts them there): remove it to train with "
+        "them unquantised",
+        "lora_target_parameters": "LoRA on parameters (the fused routed experts): keel's LoRA "
+        "adapts linear modules only; train the experts with unfrozen_parameters (full or "
+        "freeze) instead",
+    }
+    if not value:
+        build.ignored(key, f"{value!r}: off")
+    else:
+        build.refused(key, whys[key])
+
+
 TRAINING_HANDLERS = {
     "model_config": _model_config,
+    "quantize_moe_experts": _moe_experts_only,
+    "lora_target_parameters": _moe_experts_only,
     "experts_implementation": _experts_implementation,
     "unfrozen_parameters": _unfrozen_parameters,
     "lr_scheduler_kwargs": _scheduler_kwargs,
