@@ -142,3 +142,15 @@ def test_early_stopping_patience_maps_to_keels():
 def test_mixture_of_experts_kernels_and_expert_options(keys, fates):
     _, found = _translate(**keys)
     assert {key: found[key].fate for key in fates} == fates
+
+
+def test_llamafactory_use_v1_kernels_is_a_speed_switch():
+    from keel.config.dialects.llamafactory import translate_llamafactory
+
+    raw = {
+        "model_name_or_path": "m", "stage": "sft", "do_train": True, "finetuning_type": "full",
+        "dataset": "d", "template": "qwen3", "output_dir": "o", "use_v1_kernels": True,
+    }  # fmt: skip
+    translation = translate_llamafactory(raw, Path("x.yaml"))
+    fate = next(f for f in translation.fates if f.key == "use_v1_kernels")
+    assert fate.fate == "ignored" and "same math" in fate.why

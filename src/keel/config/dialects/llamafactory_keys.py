@@ -78,6 +78,9 @@ _IGNORED = {
     "enable_liger_kernel": "keel computes the output layer and cross-entropy in chunks itself "
     "(train.loss_chunk_size)",
     "use_unsloth": "keel uses its own training step; Unsloth's patches are not applied",
+    "use_v1_kernels": "LLaMA-Factory's fused kernels for Ascend NPUs (MoE, RMSNorm, RoPE, "
+    "SwiGLU; on other devices it applies none) compute the same math; keel uses PyTorch's "
+    "own operations",
     "use_reentrant_gc": "keel's activation checkpointing is non-reentrant (no setting)",
     "gradient_checkpointing_kwargs": "keel's activation checkpointing is non-reentrant and "
     "takes no options",
