@@ -77,8 +77,8 @@ GOLDEN_FATES = [
     ("loss_watchdog_threshold", "ignored", ""),
     ("loss_watchdog_patience", "ignored", ""),
     ("warmup_ratio", "mapped", "train.warmup_ratio"),
-    ("evals_per_epoch", "ignored", ""),
-    ("saves_per_epoch", "ignored", ""),
+    ("evals_per_epoch", "mapped", "train.evals_per_epoch"),
+    ("saves_per_epoch", "mapped", "output.saves_per_epoch"),
     ("weight_decay", "mapped", "train.weight_decay"),
     ("special_tokens.pad_token", "ignored", ""),
 ]
@@ -95,6 +95,7 @@ GOLDEN_CONFIG = {
         "gradient_checkpointing": True,
         "warmup_ratio": 0.1,
         "weight_decay": 0.0,
+        "evals_per_epoch": 4,
     },
     "model": {"path": "{model}", "attn_implementation": "auto"},
     "data": {
@@ -103,7 +104,7 @@ GOLDEN_CONFIG = {
         "cutoff_len": 2048,
         "packing": True,
     },
-    "output": {"dir": "./outputs/lora-out", "log_every": 1},
+    "output": {"dir": "./outputs/lora-out", "log_every": 1, "saves_per_epoch": 1},
     "method": {
         "type": "lora",
         "lora": {

@@ -60,10 +60,10 @@ def _config(model_dir, data_file, out, **train):
             "scheduler": "constant",
             "precision": "fp32",
             "threads": 1,
-            "eval_every": 2,
+            "evals_per_epoch": 4,  # 7 steps per epoch (28 rows of 4): every 2 steps
             **train,
         },
-        "output": {"dir": str(out), "keep_last": 1},
+        "output": {"dir": str(out), "keep_last": 1, "saves_per_epoch": 1},
     }
     return load_config(None, [], base=base)
 
@@ -90,8 +90,11 @@ def test_the_run_stops_and_its_final_model_is_the_best_evaluations(
     assert result.steps == step < 20  # it stopped, where the rule says
     assert max(evals) == step
     assert json.loads((out / "keel_run.json").read_text())["steps"] == step
+    assert sorted(evals) == list(range(2, step + 1, 2))
     assert best_step < step  # kept past keep_last 1
-    assert (out / "checkpoints" / f"step-{best_step:08d}").is_dir()
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    newest = [f"step-{7 * (step // 7):08d}"] if step >= 7 else []  # saves_per_epoch 1
+    assert kept == sorted({f"step-{best_step:08d}", *newest})
 
     # the final model is the one a run of best_step steps ends with
     short = tmp_path / "short"
@@ -107,6 +110,7 @@ def test_the_run_stops_and_its_final_model_is_the_best_evaluations(
     [
         ({"early_stopping_patience": 2}, {}, "there is no eval data: set data.val_size"),
         ({"early_stopping_patience": 2, "eval_every": 0}, {"val_size": 2}, "set train.eval_every"),
+        ({"eval_every": 5, "evals_per_epoch": 2}, {}, "both set how often to evaluate"),
         ({"early_stopping_patience": -1}, {}, "train.early_stopping_patience"),
         ({"early_stopping_threshold": -0.1}, {}, "train.early_stopping_threshold"),
     ],
@@ -121,3 +125,27 @@ def test_early_stopping_needs_periodic_evaluations(train, data, problem, tmp_pat
     with pytest.raises(ConfigError) as info:
         load_config(None, [], base=base)
     assert any(problem in p for p in info.value.problems), info.value.problems
+
+
+def test_counts_per_epoch_become_steps():
+    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from keel.train.cadence import per_epoch_cadence
+
+    def run_config(**output):
+        return RunConfig(
+            model=ModelConfig(path="m"),
+            data=DataConfig(datasets=[]),
+            output=OutputConfig(dir="o", **output),
+        )
+
+    cfg = run_config(saves_per_epoch=1)
+    cfg.train.evals_per_epoch = 4
+    lines = []
+    cadenced = per_epoch_cadence(cfg, 10, lines.append)
+    assert (cadenced.train.eval_every, cadenced.output.save_every) == (3, 10)  # ceil(10 / 4)
+    assert lines == [
+        "evaluations: every 3 steps (train.evals_per_epoch 4 of 10 steps per epoch)",
+        "checkpoints: every 10 steps (output.saves_per_epoch 1 of 10 steps per epoch)",
+    ]
+    plain = run_config(save_every=5)
+    assert per_epoch_cadence(plain, 10, lines.append) == plain and len(lines) == 2

@@ -199,6 +199,8 @@ class TrainConfig:
     # set-up); false: right-padded rows
     padding_free: bool = True
     eval_every: int = 0  # steps; 0: evaluate at the end only (when a validation split exists)
+    # evaluations per epoch instead (every ceil(steps per epoch / N) steps); 0: eval_every
+    evals_per_epoch: int = 0
     resume: str = "auto"  # auto (newest complete checkpoint in output.dir), never, or a path
     # A signal that, like SIGTERM, makes every rank finish its step, save a checkpoint and
     # exit 7 (rerun the same command to resume), e.g. SIGUSR1 for SLURM's --signal=USR1@90
@@ -235,6 +237,8 @@ class WandbConfig:
 class OutputConfig:
     dir: str  # the run's folder: model, metrics, checkpoints (keel refuses folders it did not make)
     save_every: int = 0  # steps; 0: only the final save
+    # checkpoints per epoch instead (every ceil(steps per epoch / N) steps); 0: save_every
+    saves_per_epoch: int = 0
     keep_last: int = 2  # complete checkpoints kept
     log_every: int = 1  # steps between metrics.jsonl lines (and progress lines)
     # metrics.jsonl is always written; tensorboard and wandb add to it

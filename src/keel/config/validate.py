@@ -239,6 +239,12 @@ def _check_train(cfg: RunConfig) -> list[str]:
     problems += _positive(t.max_grad_norm, "train.max_grad_norm", allow_zero=True)
     problems += _positive(t.threads, "train.threads", allow_zero=True)
     problems += _positive(t.eval_every, "train.eval_every", allow_zero=True)
+    problems += _positive(t.evals_per_epoch, "train.evals_per_epoch", allow_zero=True)
+    if t.eval_every and t.evals_per_epoch:
+        problems.append(
+            f"train.eval_every = {t.eval_every} and train.evals_per_epoch = "
+            f"{t.evals_per_epoch} both set how often to evaluate; keep one"
+        )
     if t.max_steps is None:
         problems += _positive(t.epochs, "train.epochs")
     else:
@@ -274,9 +280,10 @@ def _early_stopping_problems(cfg: RunConfig) -> list[str]:
         return [
             f"{key} judges evaluations, and there is no eval data: set data.val_size or data.eval_datasets"
         ]
-    if not t.eval_every:
+    if not (t.eval_every or t.evals_per_epoch):
         return [
-            f"{key} judges periodic evaluations: set train.eval_every (steps), e.g. {max(1, t.max_steps // 10) if t.max_steps else 100}"
+            f"{key} judges periodic evaluations: set train.eval_every (steps) or "
+            "train.evals_per_epoch (e.g. 4)"
         ]
     return []
 
@@ -349,6 +356,12 @@ def _check_output(cfg: RunConfig) -> list[str]:
     problems = _positive(out.log_every, "output.log_every")
     problems += _positive(out.keep_last, "output.keep_last")
     problems += _positive(out.save_every, "output.save_every", allow_zero=True)
+    problems += _positive(out.saves_per_epoch, "output.saves_per_epoch", allow_zero=True)
+    if out.save_every and out.saves_per_epoch:
+        problems.append(
+            f"output.save_every = {out.save_every} and output.saves_per_epoch = "
+            f"{out.saves_per_epoch} both set how often to save; keep one"
+        )
     if "wandb" in out.loggers:
         problems += _check_wandb(out.wandb)
     elif out.wandb != WandbConfig():

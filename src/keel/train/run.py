@@ -42,6 +42,7 @@ from keel.train.batch_source import (
     default_global_batch,
     eval_rows,
 )
+from keel.train.cadence import per_epoch_cadence
 from keel.train.completions_log import CompletionsLog
 from keel.train.early_stop import track_early_stopping
 from keel.train.hub_fetch import fetch_hub_model
@@ -193,7 +194,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
     _log_schedule(run, schedule, start_step)
     env.memory_advice = decided.memory.lighter
     loop = TrainingLoop(
-        cfg,
+        per_epoch_cadence(cfg, schedule.plan.steps_per_epoch, env.log),
         trainer,
         env,
         source=source,
@@ -371,8 +372,7 @@ def _dataset_source(
 
 
 def _checkpointer(run: _Run, trainer: Trainer, source: BatchSource) -> Checkpointer:
-    """The checkpointer holding the trainer's stateful parts and the batch source (saves
-    into the output folder)."""
+    """The checkpointer of the trainer's parts, the batch source and early stopping."""
     parts = StatefulParts(
         module=trainer.objective,
         optimizer=trainer.optimizer,

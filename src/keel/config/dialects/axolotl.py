@@ -56,8 +56,9 @@ DIRECT = {
     "wandb_mode": "output.wandb.mode",
     "resume_from_checkpoint": "train.resume",
     "early_stopping_patience": "train.early_stopping_patience",
+    "evals_per_epoch": "train.evals_per_epoch",
+    "saves_per_epoch": "output.saves_per_epoch",
 }
-_PER_EPOCH = "keel counts in steps; a count per epoch needs the dataset's size before it is read"
 IGNORED = {
     "eval_batch_size": "keel evaluates with train.micro_batch_size",
     "loraplus_lr_embedding": "keel's LoRA+ trains every LoRA B matrix at loraplus_lr_ratio, "
@@ -76,8 +77,6 @@ IGNORED = {
     "wandb_watch": "keel does not log gradients or parameters to W&B",
     "wandb_log_model": "keel does not upload checkpoints to W&B; they stay in output.dir",
     "eval_sample_packing": "keel has no separate packing setting for evaluation",
-    "evals_per_epoch": f"{_PER_EPOCH}; keel evaluates at the end (train.eval_every: steps)",
-    "saves_per_epoch": f"{_PER_EPOCH}; keel saves at the end (output.save_every: steps)",
     "tf32": "keel leaves TF32 matmuls to PyTorch's default",
     "gradient_checkpointing_kwargs": "keel's activation checkpointing is non-reentrant and "
     "takes no options",
