@@ -103,11 +103,9 @@ def _unfrozen_parameters(build: Build, key: str, value) -> None:
 def _model_config(build: Build, key: str, value) -> None:
     """Their overrides of the model's config.json: the router's balance loss is a training
     setting keel has (train.router_aux_loss_coef); any other override is refused."""
-    if not value:
-        build.ignored(key, "empty: the model's own config")
-        return
-    if not isinstance(value, dict):
-        build.refused(key, f"{value!r}: model_config is a mapping of config.json keys")
+    if not build.mapping(
+        key, value, empty="empty: the model's own config", what="a mapping of config.json keys"
+    ):
         return
     balance = value.get("output_router_logits")
     for name, setting in value.items():

@@ -50,6 +50,16 @@ class Build:
     def refused(self, key: str, why: str) -> None:
         self.fates.append(KeyFate(key, "refused", why=why))
 
+    def mapping(self, key: str, value, *, empty: str, what: str) -> bool:
+        """Whether `value` is a non-empty mapping to read entry by entry; else its fate is
+        recorded: ignored when empty (`empty` says why), refused when not a mapping (`what`
+        says what it should be)."""
+        if not value:
+            self.ignored(key, empty)
+        elif not isinstance(value, dict):
+            self.refused(key, f"{value!r}: {what}")
+        return bool(value) and isinstance(value, dict)
+
     def kept(self, target: str, value, why: str) -> None:
         """Write their default for a key they left out, where keel's differs, and say so in
         the report's defaults group (`target = value: why`)."""
@@ -138,11 +148,7 @@ def scheduler(build: Build, key: str, value) -> None:
 def scheduler_kwargs(build: Build, key: str, value, *, lr: float, scheduler_key: str) -> None:
     """The Trainer's `lr_scheduler_kwargs`: cosine_with_min_lr's floor (min_lr_rate, or
     min_lr over the peak `lr`) as train.min_lr_ratio; keel's other schedules take none."""
-    if not value:
-        build.ignored(key, "empty")
-        return
-    if not isinstance(value, dict):
-        build.refused(key, f"{value!r}: a mapping of the schedule's arguments")
+    if not build.mapping(key, value, empty="empty", what="a mapping of the schedule's arguments"):
         return
     if build.raw.get(scheduler_key) != MIN_LR_SCHEDULER:
         build.refused(
