@@ -321,22 +321,54 @@ def test_glm4v_pixel_bounds_are_image_pixels():
         assert low <= h * w * 14 * 14 <= high
 
 
-def test_glm4v_moe_has_the_same_tree():
-    from transformers import AutoModelForImageTextToText, Glm4vMoeConfig
+def glm4v_moe_config():
+    """The tiny GLM-4V with a mixture of experts (4, 2 per token) after a dense first layer."""
+    from transformers import Glm4vMoeConfig
 
     base = vsm.glm4v_config(vsm.build_glm4v_tokenizer()).to_dict()
     text = dict(
-        base["text_config"], n_routed_experts=2, num_experts_per_tok=1, moe_intermediate_size=32
+        base["text_config"], n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
     )
     text.update(first_k_dense_replace=1, n_shared_experts=1)
     for key in ("model_type", "architectures"):
         text.pop(key, None)
         base["vision_config"].pop(key, None)
-    config = Glm4vMoeConfig(
+    return Glm4vMoeConfig(
         text_config=text,
         vision_config=base["vision_config"],
         **{k: base[k] for k in ("image_token_id", "video_token_id", "image_start_token_id")},
     )
+
+
+def test_glm4v_moe_loads_its_experts_stacked_as_transformers_does(tmp_path):
+    """Its checkpoint holds one tensor per expert; keel's loader stacks them into the fused
+    tensors: the same logits as from_pretrained."""
+    from transformers import AutoModelForImageTextToText
+
+    from keel.models.materialize import (
+        allocate,
+        build_empty_model,
+        fill_weights,
+        init_computed_buffers,
+    )
+
+    torch.manual_seed(0)
+    AutoModelForImageTextToText.from_config(glm4v_moe_config()).save_pretrained(tmp_path)
+    model = build_empty_model(tmp_path, dtype=torch.float32)
+    allocate(model, torch.device("cpu"))
+    init_computed_buffers(model)
+    fill_weights(model, tmp_path, seed=0, region_of=lambda p: None, local=lambda p: p)
+    reference = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    with torch.no_grad():
+        got, want = model.eval()(input_ids=ids).logits, reference.eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_glm4v_moe_has_the_same_tree():
+    from transformers import AutoModelForImageTextToText
+
+    config = glm4v_moe_config()
     assert family_of(config) is GLM4V
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
