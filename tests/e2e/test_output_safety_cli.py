@@ -100,6 +100,9 @@ def test_rerunning_the_demo_into_its_folder_works_and_spares_foreign_files(
 
 
 # `keel export` whose writing pauses (inside the temporary folder) until it is signalled.
+# It pauses in short sleeps, as real writing runs Python between its calls: Python runs a
+# handler in the main thread at its next instruction, and one sleep(300) would not end early
+# when the kernel hands the signal to another of the process's threads (a CI flake).
 PAUSED_EXPORT = """
 import sys, time
 import keel.export.write as export
@@ -107,7 +110,8 @@ real = export.add_legacy_keys
 def paused(folder):
     real(folder)
     print("writing", flush=True)
-    time.sleep(300)
+    for _ in range(3000):
+        time.sleep(0.1)
 export.add_legacy_keys = paused
 from keel.cli import main
 sys.exit(main(["export", "--model", sys.argv[1], "--out", sys.argv[2]]))
