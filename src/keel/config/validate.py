@@ -291,18 +291,15 @@ def _early_stopping_problems(cfg: RunConfig) -> list[str]:
 def _router_balance_problems(t) -> list[str]:
     """train.router_aux_loss_coef: a coefficient >= 0, or model; on the next-token stages."""
     setting = t.router_aux_loss_coef
-    if setting == "model" or setting == 0:
-        return [] if setting == 0 or t.stage in ("pt", "sft") else [_balance_stage(t)]
-    if isinstance(setting, bool) or not isinstance(setting, int | float) or setting < 0:
+    number = isinstance(setting, int | float) and not isinstance(setting, bool)
+    if setting != "model" and not (number and setting >= 0):
         return [f"train.router_aux_loss_coef = {setting!r} must be a number >= 0, or model"]
-    return [] if t.stage in ("pt", "sft") else [_balance_stage(t)]
-
-
-def _balance_stage(t) -> str:
-    return (
-        f"train.router_aux_loss_coef = {t.router_aux_loss_coef} adds the routers' balance to "
-        f"a next-token loss (stage pt or sft), not to {t.stage}'s; set it to 0"
-    )
+    if setting == 0 or t.stage in ("pt", "sft"):
+        return []
+    return [
+        f"train.router_aux_loss_coef = {setting} adds the routers' balance to a next-token "
+        f"loss (stage pt or sft), not to {t.stage}'s; set it to 0"
+    ]
 
 
 def _check_stage(cfg: RunConfig) -> list[str]:

@@ -96,11 +96,11 @@ def stored_names(model: nn.Module, model_names: Iterable[str], keys: Iterable[st
             found.renamed.setdefault(renamed, key)
     for target, by_pattern in experts.items():
         if target in wanted:
-            found.stacked[target] = _stacked(model, target, by_pattern, owner)
+            found.stacked[target] = _stacked(target, by_pattern, owner)
     return found
 
 
-def _stacked(model, target: str, by_pattern: dict, owner: dict) -> StackedExperts:
+def _stacked(target: str, by_pattern: dict, owner: dict) -> StackedExperts:
     converter = owner[next(iter(by_pattern))]
     parts = []
     for pattern in converter.source_patterns:  # their order is the concatenation's

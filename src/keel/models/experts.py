@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from keel.errors import ModelError
+
 
 def retargeted_names(model: torch.nn.Module) -> set[str]:
     """The target names PEFT turns into this model's fused experts or router (their
@@ -50,8 +52,6 @@ def linear_targets(model: torch.nn.Module) -> list[str]:
 def check_no_wrapped_experts(peft_model: torch.nn.Module) -> None:
     """PEFT wrapped no parameter directly (a safety net for a PEFT that retargets more
     names than `retargeted_names` knows)."""
-    from keel.errors import ModelError
-
     wrapped = [name for name, m in peft_model.named_modules() if type(m).__name__ == "ParamWrapper"]
     if wrapped:
         raise ModelError(

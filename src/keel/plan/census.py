@@ -104,10 +104,10 @@ class LayerInfo:
     linears: tuple[LinearInfo, ...]
     norm_trainable: tuple[bool, ...]
     has_trainable: bool
-    experts: ExpertsInfo | None = None
+    experts: ExpertsInfo | None = None  # a mixture-of-experts block's routed experts
     # what each norm normalises: "h" the hidden state, "q" or "kv" the attention heads
     # (Qwen3's and OLMo 2's per-head q_norm and k_norm); all "h" when empty
-    norm_inputs: tuple[str, ...] = ()  # a mixture-of-experts block's routed experts
+    norm_inputs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -464,15 +464,13 @@ def _experts_info(layer: nn.Module) -> ExpertsInfo | None:
         if not isinstance(down, nn.Parameter) or down.dim() != 3:
             continue
         count, x, y = down.shape  # [E, hidden, width], or [E, width, hidden] (gpt-oss)
-        gate_up = getattr(
-            module, "gate_up_proj", None
-        )  # [E, 2 width, hidden] or [E, hidden, 2 width]
+        gate_up = getattr(module, "gate_up_proj", None)  # [E, 2 width, hidden] or transposed
         fused = tuple(gate_up.shape[1:]) if gate_up is not None else ()
         width = x if 2 * x in fused and y in fused and 2 * y not in fused else y
         parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
         router = [
             p
-            for child_name, child in parent.named_children()
+            for child in parent.children()
             if child is not module
             for p in child.parameters(recurse=False)
             if p.dim() == 2 and p.shape[0] == count
