@@ -133,6 +133,13 @@ CASES = {
             *MERGED,
         ),
     ),
+    # tokens added to the vocabulary: each process fills its rows of the grown embeddings
+    # (tied to the output layer), which train in full beside LoRA
+    "fsdp-lora-added-tokens-merged": (
+        "fsdp",
+        "lora",
+        ("model.add_tokens=[<think>]", "model.add_special_tokens=[<tool>]", *MERGED),
+    ),
     # a mixture of experts: each process loads and trains its half of every layer's experts
     "fsdp-moe-full": ("fsdp", "full", (f"model.path={MOE}",)),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together

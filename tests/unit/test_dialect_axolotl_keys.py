@@ -154,3 +154,16 @@ def test_llamafactory_use_v1_kernels_is_a_speed_switch():
     translation = translate_llamafactory(raw, Path("x.yaml"))
     fate = next(f for f in translation.fates if f.key == "use_v1_kernels")
     assert fate.fate == "ignored" and "same math" in fate.why
+
+
+def test_added_tokens_and_a_new_end_token_join_the_vocabulary():
+    special = {"eos_token": "<|im_end|>", "pad_token": "<pad>"}
+    translation, fates = _translate(tokens=["<|im_start|>", "<|im_end|>"], special_tokens=special)
+    assert translation.refused() == []
+    # <|im_end|> is special (their special_tokens marks it so after `tokens` adds it)
+    assert translation.config["model"]["add_tokens"] == ["<|im_start|>"]
+    assert translation.config["model"]["add_special_tokens"] == ["<|im_end|>"]
+    assert fates["special_tokens.eos_token"].target == "model.add_special_tokens"
+    assert fates["special_tokens.pad_token"].fate == "ignored"  # keel pads with its own
+    _, refused = _translate(tokens={"bos_token": "<s>"})
+    assert refused["tokens"].fate == "refused" and "list of tokens" in refused["tokens"].why

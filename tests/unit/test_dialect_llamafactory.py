@@ -491,3 +491,26 @@ def test_negative_freeze_trainable_layers_train_the_first_layers(tmp_path: Path)
     translation = translate({**raw, "freeze_trainable_layers": -2}, tmp_path / "x.yaml")
     assert translation.config["method"]["freeze"] == {"trainable_layers": -2}
     assert translation.refused() == []
+
+
+def test_added_tokens_become_keels_and_their_embedding_settings_say_how():
+    their = {"model_name_or_path": "m", "do_train": True, "finetuning_type": "lora"}
+    keys = {
+        "add_tokens": "<think>, </think>",
+        "add_special_tokens": "<tool>",
+        "resize_vocab": True,
+        "init_special_tokens": "noise_init",
+    }
+    translation = translate({**their, **keys}, Path("x.yaml"))
+    assert translation.refused() == []
+    model = translation.config["model"]
+    assert model["add_tokens"] == ["<think>", "</think>"]
+    assert model["add_special_tokens"] == ["<tool>"]
+    fates = {f.key: f for f in translation.fates}
+    assert "grows and trains the embeddings" in fates["resize_vocab"].why
+    refused = translate(
+        {**their, "resize_vocab": True, "init_special_tokens": "desc_init"}, Path("x")
+    )
+    reasons = {f.key: f.why for f in refused.fates if f.fate == "refused"}
+    assert set(reasons) == {"resize_vocab", "init_special_tokens"}
+    assert "additional_target" in reasons["resize_vocab"]

@@ -13,6 +13,7 @@ from keel.distributed.process_group import (
 )
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
 from keel.models.materialize import (
+    Starts,
     allocate,
     build_empty_model,
     checkpoint_key,
@@ -118,7 +119,7 @@ def test_meta_built_model_equals_from_pretrained(tiny_model_dir):
     model = build_empty_model(tiny_model_dir, dtype=torch.float32)
     allocate(model, torch.device("cpu"))
     init_computed_buffers(model)
-    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: None, local=lambda p: p)
+    fill_weights(model, tiny_model_dir, Starts(seed=0), region_of=lambda p: None, local=lambda p: p)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
@@ -141,7 +142,7 @@ def fill_second_halves(model, model_dir) -> dict[str, torch.Tensor]:
     fill_weights(
         model,
         model_dir,
-        seed=0,
+        Starts(seed=0),
         region_of=lambda p: regions[id(p)],
         local=lambda p: by_id[id(p)],
     )
@@ -207,7 +208,7 @@ def test_dora_starts_from_the_base_model_exactly(tiny_model_dir):
     model = _dora_on_meta(tiny_model_dir)
     allocate(model, torch.device("cpu"))
     init_computed_buffers(model.get_base_model())
-    fill_weights(model, tiny_model_dir, seed=0, region_of=lambda p: None, local=lambda p: p)
+    fill_weights(model, tiny_model_dir, Starts(seed=0), region_of=lambda p: None, local=lambda p: p)
     q = model.get_base_model().model.layers[0].self_attn.q_proj
     torch.testing.assert_close(
         q.lora_magnitude_vector["default"].weight, q.base_layer.weight.norm(dim=1)

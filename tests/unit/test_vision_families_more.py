@@ -346,6 +346,7 @@ def test_glm4v_moe_loads_its_experts_stacked_as_transformers_does(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from keel.models.materialize import (
+        Starts,
         allocate,
         build_empty_model,
         fill_weights,
@@ -357,7 +358,7 @@ def test_glm4v_moe_loads_its_experts_stacked_as_transformers_does(tmp_path):
     model = build_empty_model(tmp_path, dtype=torch.float32)
     allocate(model, torch.device("cpu"))
     init_computed_buffers(model)
-    fill_weights(model, tmp_path, seed=0, region_of=lambda p: None, local=lambda p: p)
+    fill_weights(model, tmp_path, Starts(seed=0), region_of=lambda p: None, local=lambda p: p)
     reference = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     with torch.no_grad():

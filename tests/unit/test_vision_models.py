@@ -13,6 +13,7 @@ from keel.errors import ModelError
 from keel.models.adapters import apply_method, load_for_inference, save_model_dir
 from keel.models.loading import load_model, load_tokenizer
 from keel.models.materialize import (
+    Starts,
     allocate,
     build_empty_model,
     checkpoint_key,
@@ -46,7 +47,7 @@ def keel_build(folder, method: MethodConfig | None = None, vision: VisionConfig 
             model = apply_method(model, method, log=lambda _: None, vision=vision)
     allocate(model, torch.device("cpu"))
     init_computed_buffers(model.get_base_model() if method and method.uses_lora else model)
-    fill_weights(model, folder, seed=0, region_of=lambda _: None, local=lambda p: p)
+    fill_weights(model, folder, Starts(seed=0), region_of=lambda _: None, local=lambda p: p)
     return model
 
 

@@ -24,9 +24,17 @@ from keel.checkpoint.layout import (
     complete_checkpoints,
     looks_like_step_dir,
 )
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QloraConfig, VisionConfig
+from keel.config.schema import (
+    FreezeConfig,
+    LoraConfig,
+    MethodConfig,
+    ModelConfig,
+    QloraConfig,
+    VisionConfig,
+)
 from keel.errors import CheckpointError, ModelError
 from keel.models.adapters import apply_method
+from keel.models.vocabulary import embedding_names, with_trained_embeddings
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class TrainingCheckpoint:
     # model.vision of the run (which tower/projector parts trained); the defaults for
     # checkpoints written before the section existed, or by text-model runs
     vision: VisionConfig = field(default_factory=VisionConfig)
+    # model.add_tokens and model.add_special_tokens of the run (keel.models.vocabulary)
+    added_tokens: ModelConfig | None = None
 
     def describe(self) -> str:
         return f"checkpoint {self.path} (step {self.step}, method {self.method.type})"
@@ -100,7 +110,16 @@ def read_checkpoint(path: Path) -> TrainingCheckpoint:
         base=run.get("model_path"),
         method=_method_of(run.get("method") or {}, path),
         vision=_vision_of(meta.get("config") or {}, path),
+        added_tokens=_added_tokens_of(meta.get("config") or {}),
     )
+
+
+def _added_tokens_of(config: dict) -> ModelConfig | None:
+    model = config.get("model") or {}
+    plain, special = model.get("add_tokens") or [], model.get("add_special_tokens") or []
+    if not plain and not special:
+        return None
+    return ModelConfig(path=model.get("path", ""), add_tokens=plain, add_special_tokens=special)
 
 
 def _vision_of(config: dict, path: Path) -> VisionConfig:
@@ -145,19 +164,21 @@ def load_checkpoint_weights(
     is a ModelError naming the base and the fix.
     """
     fix = f"pass the model the run trained ({checkpoint.base}) as --model"
-    try:
-        model = apply_method(
-            model, checkpoint.method, log=lambda _message: None, vision=checkpoint.vision
-        )
-    except ModelError as exc:
-        raise ModelError(
-            f"{checkpoint.path} does not fit the base model {base_dir}: {exc}; {fix}"
-        ) from None
     state_dir = checkpoint.path / STATE_DIR
     try:
         stored = stored_model_shapes(state_dir)
     except (UnsafeCheckpointError, ValueError) as exc:
         raise CheckpointError(f"cannot read {checkpoint.path}: {exc}") from None
+    quiet = lambda _message: None  # noqa: E731
+    method = checkpoint.method
+    if checkpoint.added_tokens is not None and _holds_embeddings(model, stored):
+        method = with_trained_embeddings(model, method, quiet)  # as the run trained them
+    try:
+        model = apply_method(model, method, log=quiet, vision=checkpoint.vision)
+    except ModelError as exc:
+        raise ModelError(
+            f"{checkpoint.path} does not fit the base model {base_dir}: {exc}; {fix}"
+        ) from None
     trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
     prefix = _saved_prefix(list(trained), stored)
     problems = _shape_problems(model, trained, stored, prefix)
@@ -172,6 +193,13 @@ def load_checkpoint_weights(
         raise CheckpointError(f"cannot read {checkpoint.path}: {exc}") from None
     log(f"loaded {len(trained)} trained tensors from {checkpoint.path}")
     return model.eval()
+
+
+def _holds_embeddings(model, stored: dict[str, tuple[int, ...]]) -> bool:
+    """Whether the checkpoint trained the input embeddings (a run whose added tokens were
+    new to the vocabulary trains them beside its method's weights)."""
+    name = embedding_names(model)[0]
+    return any(f"{name}.weight" in key or f"{name}.modules_to_save." in key for key in stored)
 
 
 def _saved_prefix(names: list[str], stored: dict[str, tuple[int, ...]]) -> str:

@@ -40,6 +40,14 @@ class ModelConfig:
     # alpha, targets, rslora, dora and modules_to_save
     adapter: str | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision-language models
+    # tokens to add to the tokenizer, each then one token (e.g. [<think>, </think>]); a new
+    # one gets the next id, its embedding row starts at the mean of the known rows and
+    # trains (LoRA and freeze: the input and output embeddings train in full); the saved
+    # tokenizer and model hold them. Tokens already in the vocabulary stay as they are
+    add_tokens: list[str] = field(default_factory=list)
+    # the same as special tokens: never split, dropped when decoding with
+    # skip_special_tokens (e.g. [<|im_start|>, <|im_end|>] for ChatML on a base model)
+    add_special_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

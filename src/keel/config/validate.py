@@ -26,6 +26,7 @@ def check_config(cfg: RunConfig) -> list[str]:
         return non_finite
     return [
         *_check_model(cfg),
+        *_check_added_tokens(cfg),
         *_check_vision(cfg),
         *_check_method(cfg),
         *_check_data(cfg),
@@ -93,6 +94,24 @@ def _check_model(cfg: RunConfig) -> list[str]:
             f"Face Hub id such as Qwen/Qwen2.5-0.5B-Instruct, or "
             f"{BUNDLED_PREFIX}smollm2-135m-instruct"
         )
+    return problems
+
+
+def _check_added_tokens(cfg: RunConfig) -> list[str]:
+    """Each added token is a non-empty string, named once in model.add_tokens and
+    model.add_special_tokens together (a token is either plain or special)."""
+    problems, seen = [], {}
+    for key in ("add_tokens", "add_special_tokens"):
+        for index, token in enumerate(getattr(cfg.model, key)):
+            where = f"model.{key}[{index}]"
+            if not token or not token.strip():
+                problems.append(
+                    f"{where} = {token!r}: a token needs at least one visible character"
+                )
+            elif token in seen:
+                problems.append(f"{where} = {token!r} is also {seen[token]}; name each token once")
+            else:
+                seen[token] = where
     return problems
 
 

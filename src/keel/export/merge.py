@@ -12,7 +12,9 @@ from keel.checkpoint.source import load_checkpoint_weights
 from keel.errors import ModelError
 from keel.export.probe import probe_inputs
 from keel.export.sources import Sources
+from keel.models.adapters import saves_embedding_layers
 from keel.models.loading import load_model
+from keel.models.vocabulary import fit_vocabulary
 
 Log = Callable[[str], None]
 # Largest |merged - unmerged| logit accepted, relative to the largest |logit| (at least 1).
@@ -26,6 +28,7 @@ def build_merged_model(sources: Sources, tokenizer, log: Log):
     |logit diff| between merged and unmerged, or None when nothing was merged).
     `tokenizer` spells a vision-language probe's image tokens (keel.export.probe)."""
     model, base_dtype = _load_base(sources.base_dir)
+    fit_vocabulary(model, tokenizer, log)  # the rows a run that added tokens trained
     if sources.adapter_dir is not None:
         log(f"loading adapter {sources.adapter_dir} on {sources.base_dir}")
         model = _attach_adapter(model, sources.adapter_dir, sources.base_dir)
@@ -72,7 +75,8 @@ def _attach_adapter(model, adapter_dir: Path, base_dir: Path):
         raise ModelError(f"{mismatch} ({' '.join(first)}); {fix}") from None
     # PEFT loads leniently: weights for modules the base lacks (more layers, other names)
     # are skipped with at most a warning. Every stored weight must land somewhere.
-    expected = set(get_peft_model_state_dict(peft_model))
+    saved_as = saves_embedding_layers(peft_model)
+    expected = set(get_peft_model_state_dict(peft_model, save_embedding_layers=saved_as))
     with safe_open(str(adapter_dir / "adapter_model.safetensors"), framework="pt") as handle:
         stored = set(handle.keys())
     problems = [

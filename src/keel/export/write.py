@@ -18,6 +18,7 @@ from keel.export.partial_folder import write_folder_atomically
 from keel.export.sources import resolve_sources
 from keel.models.loading import copy_processor_files, load_tokenizer
 from keel.models.model_card import export_card, write_model_card
+from keel.models.vocabulary import add_configured_tokens
 
 Log = Callable[[str], None]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -47,6 +48,8 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     out = _check_out(Path(request.out).expanduser())
     sources = resolve_sources(request.model, request.adapter, request.cache_dir, log)
     tokenizer = load_tokenizer(sources.tokenizer_dir)
+    if sources.checkpoint is not None and sources.checkpoint.added_tokens is not None:
+        add_configured_tokens(tokenizer, sources.checkpoint.added_tokens)  # as the run did
     if not tokenizer.chat_template:
         log(f"note: the tokenizer in {sources.tokenizer_dir} has no chat template")
     model, base_dtype, merge_diff = build_merged_model(sources, tokenizer, log)

@@ -45,6 +45,7 @@ from keel.models.vision_parts import (
     outside_vision,
     vision_family,
 )
+from keel.models.vocabulary import fit_vocabulary
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA can wrap; a target name must match at least one of them.
@@ -282,7 +283,9 @@ def save_model_dir(
     assert not (merged and state_dict is not None), "merge a model, not a state dict"
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if state_dict is not None:
+    # PEFT picks an adapter's tensors by name, a tied output layer's trained copy under its
+    # own (modules_to_save), so a PeftModel keeps every name.
+    if state_dict is not None and not _is_peft(model):
         state_dict = _without_tied_copies(model, state_dict)
     if _is_peft(model) and merged:
         # merge_and_unload rewrites the base weights in place; the live model keeps training,
@@ -297,11 +300,20 @@ def save_model_dir(
                 # Relative base paths break `keel chat --model <out_dir>` from elsewhere.
                 if base and Path(base).is_dir():
                     cfg.base_model_name_or_path = str(Path(base).resolve())
-        model.save_pretrained(str(out_dir), state_dict=state_dict)
+        extra = {"save_embedding_layers": saves_embedding_layers(model)} if _is_peft(model) else {}
+        model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
         if _is_peft(model):
             _name_hub_base(out_dir)
     tokenizer.save_pretrained(str(out_dir))
     copy_processor_files(model, out_dir)  # a vision-language model's image processor
+
+
+def saves_embedding_layers(peft_model) -> bool:
+    """PEFT's save_embedding_layers as keel saves adapters. PEFT's own choice (auto) adds
+    the base's whole embedding matrices to an adapter whose model has more rows than the
+    base's config.json says; with added tokens those rows train in full and are saved as
+    modules_to_save already. A LoRA on the embeddings keeps what PEFT does for it."""
+    return any(".lora_embedding_A." in name for name, _ in peft_model.named_parameters())
 
 
 def _name_hub_base(out_dir: Path) -> None:
@@ -372,15 +384,17 @@ def load_for_inference(
     base_dir = resolve_model_path(model, cache_dir, log, revision=revision)
     net = load_model(base_dir, dtype=dtype)
     tokenizer_dir = base_dir
+    if adapter_dir is not None and (adapter_dir / "tokenizer_config.json").is_file():
+        tokenizer_dir = adapter_dir
+    tokenizer = load_tokenizer(tokenizer_dir)
     if adapter_dir is not None:
         from peft import PeftModel
 
+        fit_vocabulary(net, tokenizer, log)  # a run that added tokens trained more rows
         log(f"loading adapter {adapter_dir} on {base_dir}")
         net = PeftModel.from_pretrained(net, str(adapter_dir))
-        if (adapter_dir / "tokenizer_config.json").is_file():
-            tokenizer_dir = adapter_dir
     net.eval()
-    return net, load_tokenizer(tokenizer_dir)
+    return net, tokenizer
 
 
 def adapter_base(adapter_dir: Path) -> tuple[str, str]:

@@ -15,6 +15,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from keel.models.attention import auto_attention
 from keel.models.checkpoint_names import StackedExperts, stored_names
 from keel.models.loading import model_class
 from keel.models.safetensors_files import check_model_dir
+from keel.models.vocabulary import AddedTokens, embedding_names, mean_start
 from keel.quant.nf4 import is_nf4
 
 _PEFT_PREFIX = "base_model.model."
@@ -344,25 +346,36 @@ def _fill_nf4(tensor, reader: CheckpointReader, key: str, region) -> None:
     fill_nf4(tensor, reader.get(key, region), mean)
 
 
+@dataclass(frozen=True)
+class Starts:
+    """Where the weights the base checkpoint does not hold (as they are) start from."""
+
+    seed: int  # new adapter weights: `initial_value(name, shape, seed)`
+    adapter_dir: Path | None = None  # model.adapter: its saved weights instead
+    added: AddedTokens | None = None  # added tokens' embedding rows: the known rows' mean
+
+
 def fill_weights(
     model: nn.Module,
     model_dir: Path,
+    starts: Starts,
     *,
-    seed: int,
     region_of: Callable[[torch.Tensor], tuple[slice, ...] | None],
     local: Callable[[torch.Tensor], torch.Tensor],
-    adapter_dir: Path | None = None,
 ) -> list[str]:
     """Copy this process's part of each checkpoint tensor into the allocated model.
 
     `region_of(param)` says which part of the full tensor this process holds (None: all)
     and `local(param)` gives the tensor to write into. Only that region is read from disk.
-    With `adapter_dir` (model.adapter) the adapter's weights (LoRA and modules trained in
-    full) come from its folder, every one of them; else parameters missing from the
-    checkpoint are initialised by `initial_value` (LoRA). Returns the initialised names.
+    With `starts.adapter_dir` (model.adapter) the adapter's weights (LoRA and modules
+    trained in full) come from its folder, every one of them; else parameters missing from
+    the checkpoint are initialised by `initial_value` (LoRA). Embedding rows of added
+    tokens start at the mean (keel.models.vocabulary). Returns the initialised names.
     """
     reader = CheckpointReader(Path(model_dir))
+    adapter_dir, seed = starts.adapter_dir, starts.seed
     adapter = _AdapterWeights(Path(adapter_dir)) if adapter_dir is not None else None
+    grown = _embedding_keys(model) if starts.added is not None else set()
     initialised: list[str] = []
     try:
         key_of = stored_key_lookup(model, reader)
@@ -382,7 +395,10 @@ def fill_weights(
                     continue
                 region = region_of(tensor)
                 stored = reader.shape(key)
-                if stored is None:
+                if checkpoint_key(name) in grown:  # added tokens' rows: the known rows' mean
+                    value = mean_start(reader.get(key), tensor.shape[0], starts.added)
+                    value = value if region is None else value[region]
+                elif stored is None:
                     value = initial_value(name, tensor.shape, seed)
                     value = value if region is None else value[region]
                     initialised.append(name)
@@ -413,6 +429,14 @@ def fill_weights(
         if adapter is not None:
             adapter.reader.close()
     return initialised
+
+
+def _embedding_keys(model: nn.Module) -> set[str]:
+    """Checkpoint keys of the input embeddings and the output layer (weight and bias)."""
+    get_base = getattr(model, "get_base_model", None)  # PEFT: the Hugging Face model inside
+    hf_model = get_base() if callable(get_base) else model
+    names = embedding_names(hf_model)
+    return {checkpoint_key(f"{name}.{part}") for name in names for part in ("weight", "bias")}
 
 
 class _AdapterWeights:

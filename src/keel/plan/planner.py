@@ -12,6 +12,13 @@ from pathlib import Path
 from keel.config import RunConfig
 from keel.distributed.strategy import STRATEGIES, Strategy, configured_strategy
 from keel.errors import KeelError, ModelError
+from keel.models.vocabulary import (
+    AddedTokens,
+    configured_tokens,
+    embedding_rows,
+    grow_vocabulary,
+    with_trained_embeddings,
+)
 from keel.plan.activations import Shapes
 from keel.plan.census import (
     METHODS,
@@ -178,8 +185,10 @@ def plan_run(
     arch = read_architecture(cfg, model_dir, log=log)
     dtype = torch_dtype(cfg.model.dtype) or torch.float32  # auto: fp32 master weights
     base = build_meta_model(arch, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
+    added = _planned_tokens(cfg, model_dir, base)
+    trains_embeddings = grow_vocabulary(base, added, log=lambda _m: None)  # said in preflight
     precision = precision or resolved_precision(cfg.train.precision, devices.kind)
-    censuses = _censuses(base, cfg, precision, log)
+    censuses = _censuses(base, cfg, precision, log, trains_embeddings=trains_embeddings)
     on_disk = getattr(arch, "dtype", None) or dtype
     if isinstance(on_disk, str):
         on_disk = getattr(torch, on_disk)
@@ -191,7 +200,7 @@ def plan_run(
         vision=_vision_shapes(arch, cfg, censuses[cfg.method.type]),
         longest_prompt=longest_prompt,
     )
-    shapes = Shapes.from_config(arch)
+    shapes = Shapes.from_config(base.config)  # with any rows added tokens need
     options = [
         estimate(census, shapes, devices, work, strategy=strategy, checkpointing=ckpt)
         for strategy in strategies_for(devices)
@@ -231,8 +240,28 @@ def checkpointing_for(devices: DeviceSpec, configured: bool | str) -> tuple[bool
     return CHECKPOINTING[:2]
 
 
-def _censuses(base, cfg: RunConfig, precision: Precision, log) -> dict[str, Census]:
+def _planned_tokens(cfg: RunConfig, model_dir: Path | None, base) -> AddedTokens | None:
+    """What model.add_tokens / add_special_tokens add: exactly, from the tokenizer beside
+    config.json; without one, every token as new (the most rows they can need)."""
+    count = len(cfg.model.add_tokens) + len(cfg.model.add_special_tokens)
+    if not count:
+        return None
+    folder = Path(model_dir or cfg.model.path).expanduser()
+    if folder.is_dir():
+        try:
+            return configured_tokens(folder, cfg.model)
+        except ModelError:
+            pass
+    rows = embedding_rows(base)
+    return AddedTokens(new_ids=tuple(range(rows, rows + count)), known=rows, size=rows + count)
+
+
+def _censuses(
+    base, cfg: RunConfig, precision: Precision, log, *, trains_embeddings: bool
+) -> dict[str, Census]:
     variants = method_variants(cfg.method)
+    if trains_embeddings:  # as training does for added tokens (keel.models.vocabulary)
+        variants = [with_trained_embeddings(base, m, lambda _m: None) for m in variants]
     censuses = {}
     for index, method in enumerate(variants):
         try:

@@ -29,11 +29,23 @@ from keel.distributed.strategy import Strategy, choose_strategy, configured_stra
 from keel.models import apply_method, torch_dtype
 from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
-from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.models.materialize import (
+    Starts,
+    allocate,
+    build_empty_model,
+    fill_weights,
+    init_computed_buffers,
+)
 from keel.models.offload import offload_activations
 from keel.models.qlora import quantize_base, quantized_names
 from keel.models.trainable import decoder_layers
 from keel.models.vision import VisionFamily, family_of
+from keel.models.vocabulary import (
+    AddedTokens,
+    configured_tokens,
+    grow_vocabulary,
+    with_trained_embeddings,
+)
 from keel.precision import Precision
 from keel.stages.base import (
     Objective,
@@ -79,6 +91,7 @@ class _Build:
     dist: DistContext
     precision: Precision
     log: Callable[[str], None]
+    added: AddedTokens | None  # model.add_tokens / add_special_tokens new to the vocabulary
 
 
 def build_training_model(
@@ -95,7 +108,14 @@ def build_training_model(
     `strategy` is the memory plan's choice (single | ddp | fsdp | fsdp_offload); None
     decides here from the size of a replica (when no plan could be made).
     """
-    build = _Build(cfg=cfg, model_dir=model_dir, dist=dist, precision=precision, log=log)
+    build = _Build(
+        cfg=cfg,
+        model_dir=model_dir,
+        dist=dist,
+        precision=precision,
+        log=log,
+        added=configured_tokens(model_dir, cfg.model),
+    )
     model = _model_on_meta(build)
     strategy = _resolve_strategy(strategy, cfg, model, dist, log)
     dist.dims = dist.dims.with_strategy(strategy)
@@ -162,8 +182,12 @@ def _model_on_meta(build: _Build) -> nn.Module:
             offload_activations(model, build.dist.device, build.log)
     # The preflight has built this on the meta device too and logged what trains. New
     # adapter weights go on the meta device as well (keel fills them itself).
+    quiet = lambda _message: None  # noqa: E731
+    method = cfg.method
+    if grow_vocabulary(model, build.added, quiet):
+        method = with_trained_embeddings(model, method, quiet)
     with torch.device("meta"):
-        model = apply_method(model, cfg.method, log=lambda _message: None, vision=cfg.model.vision)
+        model = apply_method(model, method, log=quiet, vision=cfg.model.vision)
     return model
 
 
@@ -187,14 +211,12 @@ def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy
                 part.to(dist.device)
     lm = causal_lm_of(model)
     init_computed_buffers(lm, dist.device)
-    fill_weights(
-        model,
-        build.model_dir,
+    starts = Starts(
         seed=cfg.train.seed,
-        region_of=local_region,
-        local=local_tensor,
         adapter_dir=Path(cfg.model.adapter).expanduser() if cfg.model.adapter else None,
+        added=build.added,
     )
+    fill_weights(model, build.model_dir, starts, region_of=local_region, local=local_tensor)
     objective.init_new_weights(region_of=local_region, local=local_tensor)  # e.g. rm's head
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from keel.config import RunConfig
+from keel.config.schema import MethodConfig
 from keel.data import PreparedData, prepare_data
 from keel.data.sources import resolve_sources
 from keel.data.template import resolve_template
@@ -29,12 +30,18 @@ from keel.models.adapters import apply_method, method_problems
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.models.trainable import find_decoder_layers
-from keel.models.vision import VisionProcessing, vision_processing
+from keel.models.vision import VisionProcessing, family_of, vision_processing
+from keel.models.vocabulary import (
+    add_configured_tokens,
+    configured_tokens,
+    grow_vocabulary,
+    with_trained_embeddings,
+)
 from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
-from keel.rewards import RewardFunction, load_rewards
-from keel.stages.registry import get_stage
+from keel.rewards import RewardFunction
 from keel.train.batch_source import StepPlan, default_global_batch
+from keel.train.online_rl_checks import online_rl_checks
 from keel.train.output_folder import unwritable_reason
 
 Log = Callable[[str], None]
@@ -149,7 +156,7 @@ def preflight(
         if checked is not None and not found:  # a model keel builds, with its tokenizer
             vision, found = _vision(cfg, model_dir, log)
             problems += found
-    rewards, found = _online_rl(cfg, base_dir, vision, device)
+    rewards, found = online_rl_checks(cfg, base_dir, vision, device)
     problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg) + found
     if problems:
         raise ConfigError(problems, source=source)
@@ -223,6 +230,7 @@ def check_model(
         )
     except ModelError as exc:
         return None, [str(exc)]
+    method, problems = _added_tokens(cfg, model_dir, model, log)
     layers = find_decoder_layers(model)
     params = count_parameters(model)[1]
     checked = ModelCheck(
@@ -239,21 +247,41 @@ def check_model(
         seconds=time.perf_counter() - started,
     )
     log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
-    problems = [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers)]
-    refused = method_problems(model, cfg.method)
+    problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers)]
+    refused = method_problems(model, method)
     problems += refused
     if not refused:
         # PEFT creates adapter weights on the default device before moving them next to
         # the base layer's (meta): building them on meta keeps this allocation-free.
         try:
             with torch.device("meta"):
-                model = apply_method(model, cfg.method, log=log, vision=cfg.model.vision)
+                model = apply_method(model, method, log=log, vision=cfg.model.vision)
         except ValueError as exc:  # PEFT's own refusals, past what method_problems knows
             return checked, [*problems, f"method.type = {cfg.method.type}: {exc}"]
         problems += _fp16_weights(cfg, model, precision)
         checked.trainable, checked.total = count_parameters(model)
     checked.seconds = time.perf_counter() - started
     return checked, problems
+
+
+def _added_tokens(
+    cfg: RunConfig, model_dir: Path, model: torch.nn.Module, log: Log
+) -> tuple[MethodConfig, list[str]]:
+    """Grow the meta model for model.add_tokens / add_special_tokens as training does;
+    (the method with the embeddings it then trains, the problems)."""
+    try:
+        added = configured_tokens(model_dir, cfg.model)
+    except ModelError:  # the tokenizer does not load: _tokenizer reports that
+        return cfg.method, []
+    if added is not None and family_of(model.config) is not None:
+        key = "model.add_tokens" if cfg.model.add_tokens else "model.add_special_tokens"
+        return cfg.method, [
+            f"{key}: {type(model).__name__} is a vision-language model, whose processor "
+            f"keeps its own tokenizer; keel adds tokens to text models only"
+        ]
+    if not grow_vocabulary(model, added, log):
+        return cfg.method, []
+    return with_trained_embeddings(model, cfg.method, log), []
 
 
 def _precision(cfg: RunConfig, device: torch.device) -> tuple[Precision | None, list[str]]:
@@ -394,6 +422,7 @@ def _tokenizer(
         tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
     except ModelError as exc:
         return None, [str(exc)]
+    add_configured_tokens(tokenizer, cfg.model)  # as check_model grew the model for
     rows = checked.vocab_rows if checked is not None else None
     if rows is None:
         return tokenizer, []
@@ -449,46 +478,3 @@ def _data_settings(cfg: RunConfig, tokenizer, base_dir: Path) -> list[str]:
         except DataError as exc:
             problems.append(str(exc))
     return problems
-
-
-def _online_rl(
-    cfg: RunConfig, base_dir: Path, vision: VisionProcessing | None, device: torch.device
-) -> tuple[list[RewardFunction], list[str]]:
-    """A stage trained on prompts answered online (grpo): its reward functions, loaded here
-    (before any model or data), and the settings it cannot train with (data.packing is
-    refused with the config, keel.config.validate)."""
-    if get_stage(cfg.train.stage).unit != "prompt":
-        return [], []
-    stage, problems = cfg.train.stage, []
-    if vision is not None:
-        problems.append(
-            f"train.stage = {stage!r} with a vision-language model ({vision.family.name}): "
-            "keel generates rollouts from text prompts only; use a text model"
-        )
-    if cfg.data.val_size or cfg.data.eval_datasets:
-        setting = (
-            f"data.val_size = {cfg.data.val_size!r}" if cfg.data.val_size else "data.eval_datasets"
-        )
-        problems.append(
-            f"{setting}: {stage} has no eval loss (its loss depends on sampled completions); "
-            "leave the evaluation data out and score held-out prompts with the trained model "
-            "instead (keel chat, or a reward over them)"
-        )
-    problems += _iteration_problems(cfg)
-    try:
-        rewards = load_rewards(cfg.stage_settings.rewards, base_dir, device=str(device))
-    except ConfigError as exc:
-        return [], problems + exc.problems
-    return rewards, problems
-
-
-def _iteration_problems(cfg: RunConfig) -> list[str]:
-    """num_iterations > 1: a rollout trains that many steps, so the run's length is set in
-    steps (a checkpoint may fall anywhere: inside a span it holds the rollout)."""
-    mu, stage = cfg.stage_settings.num_iterations, cfg.train.stage
-    if mu == 1 or cfg.train.max_steps is not None:
-        return []
-    return [
-        f"{stage}.num_iterations = {mu} needs train.max_steps: each rollout trains {mu} "
-        f"steps, so train.epochs does not say how many steps the run has"
-    ]

@@ -38,9 +38,16 @@ from keel.distributed.parallelize import (
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
 from keel.models import torch_dtype
-from keel.models.materialize import allocate, build_empty_model, fill_weights, init_computed_buffers
+from keel.models.materialize import (
+    Starts,
+    allocate,
+    build_empty_model,
+    fill_weights,
+    init_computed_buffers,
+)
 from keel.models.trainable import decoder_layers
 from keel.models.vision import family_of
+from keel.models.vocabulary import configured_tokens, grow_vocabulary
 from keel.precision import Precision
 from keel.train.batch_source import split_for_rank
 from keel.train.loop import Trainer
@@ -67,6 +74,8 @@ def build_reference_copy(
         attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code,
     )
+    added = configured_tokens(model_dir, cfg.model)  # rows as the policy's
+    grow_vocabulary(model, added, log=lambda _message: None)
     model.requires_grad_(False)
     lm = causal_lm_of(model)
     vision = family_of(lm.config)
@@ -86,7 +95,8 @@ def build_reference_copy(
         parallelize(scorer, dist.dims.with_strategy(Strategy.FSDP), frozen)
     allocate(scorer, dist.device)
     init_computed_buffers(causal_lm_of(model), dist.device)
-    fill_weights(model, model_dir, seed=cfg.train.seed, region_of=local_region, local=local_tensor)
+    starts = Starts(seed=cfg.train.seed, added=added)
+    fill_weights(model, model_dir, starts, region_of=local_region, local=local_tensor)
     return scorer.eval()
 
 

@@ -346,26 +346,55 @@ def _auto_resume(build: Build, key: str, value) -> None:
 
 
 def _special_tokens(build: Build, key: str, value) -> None:
-    if not value:
-        build.ignored(key, "empty: the tokenizer's own tokens")
-        return
     whys = {
         "pad_token": "keel pads with the tokenizer's pad token (else its eos); padding never "
         "enters the loss",
         "eos_token": "keel ends each turn with the chat template's own end token",
     }
-    if not isinstance(value, dict):
-        build.refused(key, f"{value!r}: special_tokens is a mapping of token names to tokens")
+    empty, what = "empty: the tokenizer's own tokens", "a mapping of token names to tokens"
+    if not build.mapping(key, value, empty=empty, what=what):
         return
     model = model_of(build.raw, "base_model", "revision_of_model", build.model_override)
     own = model.special_tokens()
     for name, token in value.items():
-        if name in whys:
+        if name == "pad_token" or (name in whys and model.has_token(token)):
             build.ignored(f"{key}.{name}", whys[name])
+        elif name in whys:  # the role is keel's own; the token joins the vocabulary if new
+            _add_tokens(build, "model.add_special_tokens", [token])
+            build.mapped(
+                f"{key}.{name}",
+                "model.add_special_tokens",
+                f"{whys[name]}; {token!r} joins the vocabulary as a special token if new",
+            )
         elif own is not None and own.get(name) == token:
             build.ignored(f"{key}.{name}", f"{token!r} is the tokenizer's own {name} already")
         else:
             build.refused(f"{key}.{name}", _special_token_refusal(name, token, model, own))
+
+
+def _tokens(build: Build, key: str, value) -> None:
+    """Axolotl's `tokens`: plain tokens added to the tokenizer (model.add_tokens)."""
+    if not isinstance(value, list) or not all(isinstance(t, str) and t for t in value):
+        build.refused(key, f"{value!r}: tokens is a list of tokens to add, e.g. ['<think>']")
+        return
+    _add_tokens(build, "model.add_tokens", value)
+    build.mapped(key, "model.add_tokens", "new ones get rows at the mean, trained in full")
+
+
+def _add_tokens(build: Build, target: str, tokens: list[str]) -> None:
+    """Add to model.add_tokens or model.add_special_tokens; a token named by both of their
+    keys is special (their special_tokens marks it so after `tokens` adds it)."""
+    section = build.config.setdefault("model", {})
+    plain = section.setdefault("add_tokens", [])
+    special = section.setdefault("add_special_tokens", [])
+    if target == "model.add_special_tokens":
+        special += [t for t in tokens if t not in special]
+        plain[:] = [t for t in plain if t not in special]
+    else:
+        plain += [t for t in tokens if t not in plain and t not in special]
+    for name, listed in (("add_tokens", plain), ("add_special_tokens", special)):
+        if not listed:
+            del section[name]
 
 
 def _special_token_refusal(name: str, token, model, own: dict[str, str] | None) -> str:
@@ -454,6 +483,7 @@ _HANDLERS = {
     "chat_template": axolotl_chat_template,
     "chat_template_jinja": axolotl_chat_template_jinja,
     "special_tokens": _special_tokens,
+    "tokens": _tokens,
     "datasets": _datasets,
     "test_datasets": _datasets,
     "save_strategy": save_strategy,

@@ -42,6 +42,16 @@ class Model:
                     tokens[key] = value
         return tokens if found_any else None
 
+    def has_token(self, token: str) -> bool | None:
+        """Whether the tokenizer (its tokenizer.json) holds `token`, as a vocabulary entry
+        or an added token; None where that file is not on this machine."""
+        saved = _json_file(_local_file(self.path, self.revision, "tokenizer.json"))
+        if saved is None:
+            return None
+        added = {entry.get("content") for entry in saved.get("added_tokens") or []}
+        vocab = (saved.get("model") or {}).get("vocab")
+        return token in added or (isinstance(vocab, dict) and token in vocab)
+
 
 def _json_file(path: Path | None) -> dict | None:
     """A JSON object file's contents; None when it is absent or not one."""

@@ -178,6 +178,38 @@ def _flag(build: Build, key: str, value) -> None:
         build.refused(key, "false: keel train trains; use keel validate to check only")
 
 
+def _added_tokens(build: Build, key: str, value) -> None:
+    """add_tokens / add_special_tokens: comma-separated tokens for the tokenizer."""
+    tokens = [t.strip() for t in value.split(",") if t.strip()] if isinstance(value, str) else []
+    if tokens:
+        build.put(key, f"model.{key}", tokens, "new ones get embedding rows, trained in full")
+    elif not value:
+        build.ignored(key, "empty")
+    else:
+        build.refused(key, f"{value!r}: tokens, comma-separated")
+
+
+def _resize_vocab(build: Build, key: str, value) -> None:
+    adds = any(build.raw.get(k) for k in ("add_tokens", "add_special_tokens"))
+    if not value:
+        build.ignored(key, "false")
+    elif adds:
+        build.ignored(key, "keel grows and trains the embeddings for added tokens itself")
+    else:
+        build.refused(
+            key,
+            "true without added tokens trains the embeddings in full: name them in "
+            "additional_target (LoRA) or freeze_extra_modules",
+        )
+
+
+def _init_special_tokens(build: Build, key: str, value) -> None:
+    if value == "noise_init":
+        build.ignored(key, "noise_init: keel starts new rows at the known rows' mean, no noise")
+    else:
+        build.refused(key, f"{value}: keel starts new rows at the mean of the known rows")
+
+
 def _refuse(why: str) -> Rule:
     return lambda build, key, _value: build.refused(key, why)
 
@@ -212,6 +244,14 @@ RULES: dict[str, Rule] = {
     "eval_dataset": _eval_dataset,
     "ray_num_workers": _refuse("keel launches its own processes: keel train --nproc N"),
     "ref_model": _refuse("the reference is the policy's start (adapters off, or a copy)"),
+    "add_tokens": _added_tokens,
+    "add_special_tokens": _added_tokens,
+    "resize_vocab": _resize_vocab,
+    "init_special_tokens": _init_special_tokens,
+    "new_special_tokens_config": _refuse(
+        "descriptions to start token rows from: keel starts them at the known rows' mean; "
+        "list the tokens in add_special_tokens"
+    ),
 }
 
 
