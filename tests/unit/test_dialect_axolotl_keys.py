@@ -167,3 +167,16 @@ def test_added_tokens_and_a_new_end_token_join_the_vocabulary():
     assert fates["special_tokens.pad_token"].fate == "ignored"  # keel pads with its own
     _, refused = _translate(tokens={"bos_token": "<s>"})
     assert refused["tokens"].fate == "refused" and "list of tokens" in refused["tokens"].why
+
+
+@pytest.mark.parametrize(
+    "kernel", ["xformers", "flex_attention", "kernels-community/vllm-flash-attn3"]
+)
+def test_their_other_attention_kernels_are_keels_auto(kernel):
+    translation, fates = _translate(
+        attn_implementation=kernel, experimental_skip_move_to_device=True
+    )
+    assert translation.refused() == []
+    assert translation.config["model"]["attn_implementation"] == "auto"
+    assert "the same attention" in fates["attn_implementation"].why
+    assert "meta device" in fates["experimental_skip_move_to_device"].why

@@ -100,10 +100,18 @@ IGNORED = {
     "resumed run continues exactly; the final model is saved in Hugging Face format",
     "low_cpu_mem_usage": "keel always builds the model empty (on the meta device) and fills "
     "each process's shards from the weight files, never a full copy in host memory first",
-    "resize_token_embeddings_to_32x": "keel adds no tokens and keeps the model's embeddings "
-    "as they are; Axolotl pads them, for speed, only where they hold fewer rows than the "
-    "tokenizer's length rounded up to 32",
+    "resize_token_embeddings_to_32x": "keel keeps the model's embeddings as they are, grown "
+    "to the tokenizer's length only where added tokens need rows (model.add_tokens); Axolotl "
+    "pads them, for speed, only where they hold fewer rows than the tokenizer's length "
+    "rounded up to 32",
+    "experimental_skip_move_to_device": "keel builds the model on the meta device and each "
+    "process fills only its own shards: no whole model is ever moved to a device first",
 }
+# The same attention computed by other kernels: keel's auto picks its own (note why).
+_SAME_ATTENTION = (
+    "the same attention by other kernels; keel's auto takes flash_attention_2 on a CUDA GPU "
+    "with flash-attn installed, else sdpa"
+)
 _ATTENTION = {
     "flash_attention_2": (
         "auto",
@@ -117,6 +125,9 @@ _ATTENTION = {
     "sdp_attention": ("sdpa", ""),
     "eager": ("eager", ""),
     "eager_attention": ("eager", ""),
+    "xformers": ("auto", _SAME_ATTENTION),
+    "flex_attention": ("auto", _SAME_ATTENTION),
+    "kernels-community/vllm-flash-attn3": ("auto", _SAME_ATTENTION),
 }
 
 
