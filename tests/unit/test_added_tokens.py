@@ -245,3 +245,22 @@ def test_blank_and_twice_named_tokens_are_refused(tmp_path, model, message):
     }
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(None, [], base=raw)
+
+
+def test_a_vision_language_model_is_refused(tmp_path):
+    from vlm_support import write_tiny_llava_dir
+
+    from keel.train.preflight import check_model
+
+    folder = write_tiny_llava_dir(tmp_path / "llava")
+    raw = {
+        "model": {"path": str(folder), "add_tokens": ["<think>"]},
+        "method": {"type": "lora"},
+        "data": {"datasets": ["d.json"]},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    _, problems = check_model(load_config(None, [], base=raw), folder, attn="sdpa", precision=None)
+    assert problems == [
+        "model.add_tokens: LlavaForConditionalGeneration is a vision-language model, whose "
+        "processor keeps its own tokenizer; keel adds tokens to text models only"
+    ]
