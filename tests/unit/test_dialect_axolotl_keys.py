@@ -132,7 +132,9 @@ def test_early_stopping_patience_maps_to_keels():
         ({"plugins": ["axolotl.integrations.kernels.KernelsPlugin"], "use_kernels": True,
           "use_scattermoe": True}, {"plugins.0": "ignored", "use_kernels": "ignored",
                                     "use_scattermoe": "ignored"}),
-        ({"quantize_moe_experts": True}, {"quantize_moe_experts": "refused"}),
+        ({"quantize_moe_experts": True}, {"quantize_moe_experts": "refused"}),  # BASE: full
+        ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16,
+          "quantize_moe_experts": True}, {"quantize_moe_experts": "mapped"}),
         ({"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
          {"lora_target_parameters": "refused"}),
         ({"lora_target_parameters": None, "quantize_moe_experts": False},

@@ -195,7 +195,7 @@ def test_run_identity_records_the_commit(cached_model, tmp_path, data_file, tiny
 
 
 def test_plan_reads_the_architecture_by_hub_id(cached_model, tmp_path, data_file):
-    from keel.plan.census import read_architecture
+    from keel.plan.architecture import read_architecture
 
     cfg = load_config(_config(tmp_path, data_file, REPO))
     assert read_architecture(cfg, log=lambda _: None).model_type == "llama"

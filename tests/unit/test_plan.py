@@ -278,7 +278,8 @@ def test_gpus_without_memory_on_a_cpu_machine_is_a_user_error(tmp_path, capsys):
 
 def test_bf16_frozen_weights_what_if_matches_a_real_bf16_build(tmp_path):
     from keel.config.schema import MethodConfig
-    from keel.plan.census import build_meta_model, read_architecture, take_census
+    from keel.plan.architecture import build_meta_model, read_architecture
+    from keel.plan.census import take_census
 
     model_dir = config_only_dir(tmp_path, "small", SMALL)
     cfg = load_config(run_yaml(tmp_path, model_dir, method="lora"))
@@ -322,7 +323,8 @@ def test_dora_plans_its_magnitudes_activations_and_its_moment_in_forward(tmp_pat
     import torch
 
     from keel.plan.activations import dora_transient_bytes
-    from keel.plan.census import build_meta_model, read_architecture, take_census
+    from keel.plan.architecture import build_meta_model, read_architecture
+    from keel.plan.census import take_census
 
     model_dir = config_only_dir(tmp_path, "small", SMALL)
     path = run_yaml(tmp_path, model_dir, method="lora", precision="fp32")

@@ -16,7 +16,8 @@ from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy
 from keel.models import apply_method
 from keel.plan.activations import Regime, Shapes, activation_bytes, autocast_copy_bytes
-from keel.plan.census import build_meta_model, take_census
+from keel.plan.architecture import build_meta_model
+from keel.plan.census import take_census
 from keel.precision import Precision
 
 ROWS, SEQ = 2, 64

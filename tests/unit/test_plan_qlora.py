@@ -13,7 +13,7 @@ from keel.cli import main
 from keel.config import load_config
 from keel.config.schema import MethodConfig
 from keel.plan import DeviceSpec, plan_run
-from keel.plan.census import build_meta_model, read_architecture
+from keel.plan.architecture import build_meta_model, read_architecture
 from keel.plan.devices import GIB
 from keel.quant.layout import nf4_bytes, quantizable
 

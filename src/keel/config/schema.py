@@ -89,6 +89,10 @@ class QloraConfig:
     # torchao: NF4 tensors (one process, DDP, FSDP2); bnb: bitsandbytes Linear4bit (one
     # process and DDP only)
     quant_backend: Literal["torchao", "bnb"] = "torchao"
+    # a mixture of experts' routed experts (their fused [experts, ...] weights, most of such
+    # a model) in NF4 too, dequantised when a layer's experts run and again in backward
+    # (the experts block recomputes: no dequantised copy is kept); torchao only
+    quantize_experts: bool = False
 
 
 @dataclass(kw_only=True)

@@ -159,6 +159,11 @@ def _check_method(cfg: RunConfig) -> list[str]:
     if cfg.method.type == "qlora" and cfg.method.qlora.quant_backend == "bnb":
         if cfg.distributed.strategy == "fsdp":
             problems.append(BNB_UNDER_FSDP)
+        if cfg.method.qlora.quantize_experts:
+            problems.append(
+                "method.qlora.quantize_experts = true stores experts as torchao's NF4 "
+                "tensors; set method.qlora.quant_backend=torchao"
+            )
     elif cfg.method.type == "qlora" and lora.dora:
         problems.append(
             "method.lora.dora = true with method.qlora.quant_backend = torchao: PEFT's DoRA "

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,14 +22,18 @@ import torch
 from torch import nn
 
 from keel.errors import ModelError
+from keel.models.adapter_weights import DORA_MAGNITUDE, AdapterWeights
 from keel.models.attention import auto_attention
-from keel.models.checkpoint_names import StackedExperts, stored_names
+from keel.models.checkpoint_names import stored_names
+from keel.models.checkpoint_reader import CheckpointReader
 from keel.models.loading import model_class
-from keel.models.safetensors_files import check_model_dir
 from keel.models.vocabulary import AddedTokens, embedding_names, mean_start
 from keel.quant.nf4 import is_nf4
 
 _PEFT_PREFIX = "base_model.model."
+# torch.nn.utils.parametrize keeps `experts.gate_up_proj` as
+# `experts.parametrizations.gate_up_proj.original` (QLoRA's NF4 experts)
+_PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original$")
 
 
 def build_empty_model(
@@ -105,105 +109,6 @@ def _load_generation_config(model: nn.Module, model_dir: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-class CheckpointReader:
-    """Reads tensors, or row ranges of them, from a safetensors model directory.
-
-    Plain positioned reads rather than a memory map: mapped file pages count in a process's
-    resident memory, so reading through a map would make every rank look as if it held the
-    whole checkpoint. The format is a little-endian u64 header length, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the row-major tensor bytes.
-    """
-
-    def __init__(self, model_dir: Path):
-        checked = check_model_dir(model_dir)  # every tensor's bytes are inside its file
-        if not checked:
-            raise ModelError(
-                f"{model_dir} holds no *.safetensors weights; keel trains from "
-                f"safetensors (convert with save_pretrained(safe_serialization=True))"
-            )
-        self._stack = ExitStack()
-        self._where: dict[str, tuple[object, int, dict]] = {}
-        for file in checked:
-            handle = self._stack.enter_context(open(file.path, "rb"))
-            for key, info in file.tensors.items():
-                if info["dtype"] not in _SAFETENSORS_DTYPES:
-                    raise ModelError(
-                        f"{file.path}: tensor {key} has dtype "
-                        f"{info['dtype']}, which keel cannot train from"
-                    )
-                self._where[key] = (handle, file.data_start, info)
-        self._stacked: dict[str, StackedExperts] = {}
-        self.model_dir = model_dir
-
-    def add_stacked(self, stacked: dict[str, StackedExperts]) -> None:
-        """Read these names as experts stacked from their per-expert tensors."""
-        self._stacked.update(stacked)
-
-    def keys(self) -> list[str]:
-        return list(self._where)
-
-    def shape(self, key: str) -> tuple[int, ...] | None:
-        if key in self._stacked:
-            return self._stacked[key].shape(self.shape)
-        found = self._where.get(key)
-        return None if found is None else tuple(found[2]["shape"])
-
-    def get(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor `key`, or only `region` of it (rows read from disk without the rest)."""
-        if key in self._stacked:
-            return self._stacked[key].read(self.get, region)
-        handle, data_start, info = self._where[key]
-        shape, dtype = list(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        rows = slice(0, shape[0] if shape else 1)
-        if (
-            region is not None
-            and shape
-            and all(r == slice(0, n) for r, n in zip(region[1:], shape[1:]))
-        ):
-            rows, region = region[0], None  # a range of rows is one contiguous byte range
-        row_bytes = (end - begin) // max(shape[0], 1) if shape else end - begin
-        count = rows.stop - rows.start
-        buffer = bytearray(count * row_bytes)
-        handle.seek(data_start + begin + rows.start * row_bytes)
-        _read_exactly(handle, buffer, key)
-        flat = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
-        tensor = flat.reshape([count, *shape[1:]] if shape else [])
-        return tensor if region is None else tensor[region]
-
-    def close(self) -> None:
-        self._stack.close()
-
-
-def _read_exactly(handle, buffer: bytearray, key: str) -> None:
-    """Fill `buffer` from `handle`; a short read (the file shrank after it was checked)
-    is an error, never zeros left in the weights."""
-    view, done = memoryview(buffer), 0
-    while done < len(buffer):
-        got = handle.readinto(view[done:])
-        if not got:
-            raise ModelError(
-                f"{handle.name}: reading tensor {key} ended after {done} of {len(buffer)} "
-                f"bytes: the file is shorter than its header says (truncated or changed "
-                f"while keel read it); fetch it again"
-            )
-        done += got
-
-
 def checkpoint_key(param_name: str) -> str:
     """The model's own name of a (possibly PEFT-wrapped, possibly prefixed) parameter: its
     name in the HF files, unless transformers renames it while loading (`stored_key_lookup`).
@@ -212,7 +117,8 @@ def checkpoint_key(param_name: str) -> str:
     a trained copy under `original_module.` and `modules_to_save.default.`: both start from
     the checkpoint's tensor."""
     name = param_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
-    return name.replace(".original_module.", ".").replace(".modules_to_save.default.", ".")
+    name = name.replace(".original_module.", ".").replace(".modules_to_save.default.", ".")
+    return _PARAMETRIZED.sub(r".\1", name)  # a parametrized weight's stored original
 
 
 def stored_key_lookup(model: nn.Module, reader: CheckpointReader) -> Callable[[str], str]:
@@ -254,9 +160,6 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         f"parameter {name} is neither in the checkpoint nor a LoRA adapter "
         f"weight; keel does not know how to initialise it"
     )
-
-
-DORA_MAGNITUDE = ".lora_magnitude_vector."  # PEFT's name for a DoRA layer's magnitude
 
 
 def fill_dora_magnitudes(model: nn.Module, local: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -339,11 +242,20 @@ def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> 
 
 
 def _fill_nf4(tensor, reader: CheckpointReader, key: str, region) -> None:
+    """Quantise this process's rows of `key` into the NF4 `tensor`. A fused [experts, out,
+    in] weight is held as [experts * out, in] rows (keel.quant.nf4.StoredAs)."""
     from keel.quant.nf4 import absmax_mean_of, fill_nf4
 
-    rows, cols = reader.shape(key)
-    mean = absmax_mean_of(lambda part: reader.get(key, (part,)), rows, cols, tensor.dtype)
-    fill_nf4(tensor, reader.get(key, region), mean)
+    *outer, cols = reader.shape(key)
+    rows = math.prod(outer)
+    if len(outer) == 1:
+        mean = absmax_mean_of(lambda part: reader.get(key, (part,)), rows, cols, tensor.dtype)
+        value = reader.get(key, region)
+    else:  # experts are read whole (one tensor at a time), then cut into rows
+        whole = reader.get(key).reshape(rows, cols)
+        mean = absmax_mean_of(whole.__getitem__, rows, cols, tensor.dtype)
+        value = whole if region is None else whole[region]
+    fill_nf4(tensor, value, mean)
 
 
 @dataclass(frozen=True)
@@ -374,7 +286,7 @@ def fill_weights(
     """
     reader = CheckpointReader(Path(model_dir))
     adapter_dir, seed = starts.adapter_dir, starts.seed
-    adapter = _AdapterWeights(Path(adapter_dir)) if adapter_dir is not None else None
+    adapter = AdapterWeights(Path(adapter_dir)) if adapter_dir is not None else None
     grown = _embedding_keys(model) if starts.added is not None else set()
     initialised: list[str] = []
     try:
@@ -402,6 +314,9 @@ def fill_weights(
                     value = initial_value(name, tensor.shape, seed)
                     value = value if region is None else value[region]
                     initialised.append(name)
+                elif is_nf4(tensor) and _holds(tensor, stored):  # QLoRA: quantise these rows
+                    _fill_nf4(tensor, reader, key, region)
+                    continue
                 elif stored != tuple(tensor.shape):
                     four_bit = reader.shape(f"{key}.quant_state.bitsandbytes__nf4") is not None
                     hint = (
@@ -414,9 +329,6 @@ def fill_weights(
                         f"{name}: checkpoint shape {stored} differs from the "
                         f"model's {tuple(tensor.shape)} in {model_dir}{hint}"
                     )
-                elif is_nf4(tensor):  # QLoRA's base: quantise this process's rows
-                    _fill_nf4(tensor, reader, key, region)
-                    continue
                 else:
                     value = reader.get(key, region)
                 local(tensor).copy_(value)
@@ -431,60 +343,16 @@ def fill_weights(
     return initialised
 
 
+def _holds(tensor: torch.Tensor, stored: tuple[int, ...]) -> bool:
+    """Whether the NF4 `tensor` holds the stored weight: its shape, or a fused expert
+    weight's [experts, out, in] as [experts * out, in]."""
+    rows, cols = tensor.shape
+    return stored[-1] == cols and math.prod(stored[:-1]) == rows
+
+
 def _embedding_keys(model: nn.Module) -> set[str]:
     """Checkpoint keys of the input embeddings and the output layer (weight and bias)."""
     get_base = getattr(model, "get_base_model", None)  # PEFT: the Hugging Face model inside
     hf_model = get_base() if callable(get_base) else model
     names = embedding_names(hf_model)
     return {checkpoint_key(f"{name}.{part}") for name in names for part in ("weight", "bias")}
-
-
-class _AdapterWeights:
-    """A saved PEFT adapter's tensors (model.adapter), by the live parameter they fill."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.reader = CheckpointReader(folder)
-        self.used: set[str] = set()
-
-    def fill(self, name: str, tensor: torch.Tensor, region_of, local) -> bool:
-        """Fill parameter `name` from the adapter when it is an adapter weight (False: a
-        base weight, for the model's checkpoint); ModelError when the adapter lacks it."""
-        key = self.key_of(name)
-        if key is None:
-            return False
-        stored = self.reader.shape(key)
-        if stored is None or stored != tuple(tensor.shape):
-            found = "holds no" if stored is None else f"holds shape {stored} for"
-            raise ModelError(
-                f"model.adapter {self.folder} {found} {key} (this model's is "
-                f"{tuple(tensor.shape)}); was the adapter trained on this model, with these "
-                f"targets? (method.lora follows its adapter_config.json)"
-            )
-        local(tensor).copy_(self.reader.get(key, region_of(tensor)))
-        self.used.add(key)
-        return True
-
-    @staticmethod
-    def key_of(name: str) -> str | None:
-        """The adapter file's key of live parameter `name`; None for a base weight. PEFT
-        saves without the adapter's name: lora_A.default.weight -> lora_A.weight,
-        lm_head.modules_to_save.default.weight -> lm_head.weight, and a DoRA magnitude
-        without its parameter's name: lora_magnitude_vector.default.weight ->
-        lora_magnitude_vector."""
-        if ".lora_" not in name and ".modules_to_save.default." not in name:
-            return None
-        name = name.replace(f"{DORA_MAGNITUDE}default.weight", DORA_MAGNITUDE.rstrip("."))
-        return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
-
-    def check_all_used(self, model: nn.Module) -> None:
-        """Every tensor of the adapter found its place (none belongs to another model); a
-        tied twin (PEFT saves the output layer's copy beside the embeddings') has one."""
-        names = (n for n, _ in model.named_parameters(remove_duplicate=False))
-        places = {self.key_of(n) for n in names} - {None}
-        unused = sorted(set(self.reader.keys()) - self.used - places)
-        if unused:
-            raise ModelError(
-                f"model.adapter {self.folder} holds {len(unused)} tensor(s) this model has no "
-                f"place for, e.g. {unused[0]}; was it trained on another model?"
-            )

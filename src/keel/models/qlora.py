@@ -6,8 +6,12 @@ models; this module plugs them into a model's decoder layers."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+from torch.nn.utils.parametrize import register_parametrization
+from torch.utils.checkpoint import checkpoint
 
 from keel.config.schema import QloraConfig
 from keel.config.validate import BNB_UNDER_FSDP
@@ -15,7 +19,7 @@ from keel.distributed.strategy import Strategy
 from keel.errors import ConfigError
 from keel.models.loading import torch_dtype
 from keel.precision import Precision
-from keel.quant.nf4 import frozen_linears, is_nf4, quantize_on_meta
+from keel.quant.nf4 import StoredAs, empty_nf4_as, frozen_linears, is_nf4, quantize_on_meta
 
 
 def compute_dtype(qlora: QloraConfig, precision: Precision) -> torch.dtype:
@@ -53,6 +57,8 @@ def quantize_base(
         )
         return
     world = dist.dp_size if strategy.shards else 1  # NF4 blocks split over the shards
+    if qlora.quantize_experts:
+        quantize_experts(layers, dtype, world, log)
     quantized, kept = quantize_on_meta(layers, dtype, world)
     if not quantized:
         raise ConfigError(
@@ -74,6 +80,45 @@ def quantize_base(
         if world > 1:
             reason += f" evenly over {world} processes"
         log(f"QLoRA: {len(kept)} kept in {dtype_name}: {shown} ({reason})")
+
+
+def quantize_experts(layers: nn.ModuleList, dtype: torch.dtype, world: int, log) -> None:
+    """method.qlora.quantize_experts: the frozen fused expert weights in `layers` (on the
+    meta device) become NF4, read back through `StoredAs`; each experts block recomputes
+    its forward in backward, so the dequantised weights live only while it runs."""
+    quantized, kept = [], []
+    for name, module in layers.named_modules():
+        weights = [
+            (attr, p)
+            for attr, p in module.named_parameters(recurse=False)
+            if p.dim() == 3 and not p.requires_grad
+        ]
+        for attr, param in weights:
+            stored = empty_nf4_as(tuple(param.shape), dtype, world)
+            if stored is None:
+                param.data = param.data.to(dtype)
+                kept.append(f"{name}.{attr}")
+                continue
+            setattr(module, attr, stored)
+            register_parametrization(module, attr, StoredAs(param.shape), unsafe=True)
+            quantized.append(f"{name}.{attr}")
+        if weights:
+            module.forward = functools.partial(_recomputed, module.forward)
+    short = sorted({n.rsplit(".", 1)[-1] for n in quantized})
+    log(
+        f"QLoRA: {len(quantized)} frozen expert weights stored in NF4 ({', '.join(short)}), "
+        f"dequantised to {str(dtype).removeprefix('torch.')} while their block runs"
+    )
+    if kept:
+        log(f"QLoRA: {len(kept)} expert weights kept: {', '.join(kept[:4])} (not whole blocks)")
+
+
+def _recomputed(forward, *args, **kwargs):
+    """Run an experts block so that backward recomputes it: autograd keeps its inputs, not
+    the dequantised [experts, ...] weights its matmuls read."""
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def quantized_names(module: nn.Module) -> list[str]:

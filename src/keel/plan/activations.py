@@ -186,7 +186,11 @@ def _moe(layer: LayerInfo, shapes: Shapes, regime: Regime) -> int:
     experts, k = layer.experts, shapes.experts_per_token or 1
     h, c, r, w = shapes.hidden, regime.compute, regime.residual, experts.width
     per_expert = r * (3 * w + h) + (r * (h + w) if experts.trainable else 0)
-    total = 4 * experts.count + 36 * k + k * per_expert
+    if experts.nf4_itemsize:  # recomputed in backward: its input, top-k ids and weights
+        per_expert, total = 8 + r, r * h
+    else:
+        total = 0
+    total += 4 * experts.count + 36 * k + k * per_expert
     total += c * experts.count if regime.cast_inputs else 0
     if experts.router_trainable:
         total += (c if regime.cast_inputs else r) * h
@@ -330,6 +334,19 @@ def dora_transient_bytes(census: Census) -> int:
             for layer in census.layers
             for m in layer.linears
             if m.dora_features
+        ),
+        default=0,
+    )
+
+
+def experts_transient_bytes(census: Census) -> int:
+    """QLoRA's NF4 experts (quantize_experts): one block's weights dequantised while it
+    runs, in forward and again in backward's recompute. 0 without them."""
+    return max(
+        (
+            layer.experts.weight_numel * layer.experts.nf4_itemsize
+            for layer in census.layers
+            if layer.experts is not None
         ),
         default=0,
     )

@@ -1,7 +1,6 @@
 """What a model holds, counted on the meta device: every tensor, its FSDP unit, what trains.
 
-The architecture comes from `config.json` alone (a folder holding nothing else works), or
-for a bundled model that was never converted, from the GGUF file's header. The model is
+The architecture comes from `config.json` alone (keel.plan.architecture). The model is
 built on the meta device and the training method applied there, exactly as training
 builds it (keel.models), so the counts are the real module tree's, not a formula's. A
 vision-language model's tower and projector tensors carry their part and are REPLICATED: in
@@ -11,19 +10,14 @@ no FSDP unit, whole on every rank (keel.plan.vision).
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from keel.config import RunConfig
-from keel.config.schema import BUNDLED_PREFIX, MethodConfig, VisionConfig
-from keel.errors import ModelError
-from keel.models.hub import CONFIG_FILES, download_hub_model, is_hub_id
+from keel.config.schema import MethodConfig, QloraConfig, VisionConfig
 from keel.plan.vision import LANGUAGE, PROJECTOR, TOWER
 from keel.precision import Precision
 from keel.quant.layout import nf4_bytes, quantizable
@@ -120,6 +114,9 @@ class ExpertsInfo:
     weight_numel: int  # all the experts' weights
     trainable: bool  # the experts' weights train
     router_trainable: bool
+    # QLoRA's quantize_experts: bytes per value the NF4 experts dequantise to while their
+    # block runs, which backward recomputes (it keeps its inputs only); 0: not NF4
+    nf4_itemsize: int = 0
 
 
 @dataclass
@@ -198,70 +195,6 @@ class Census:
         )
 
 
-def read_architecture(cfg: RunConfig, model_dir: Path | None = None, log=print):
-    """The model's `PretrainedConfig`, from `model_dir`'s config.json, or from `cfg.model`.
-
-    For `bundled:NAME` the converted folder is used when it exists; otherwise the GGUF
-    file's header (no tensor is read or dequantized).
-    """
-    from transformers import AutoConfig
-
-    remote = cfg.model.trust_remote_code
-    if model_dir is None and cfg.model.path.startswith(BUNDLED_PREFIX):
-        model_dir = _bundled_dir(cfg)
-        if model_dir is None:
-            from keel.models.bundled import BUNDLED_MODELS, find_gguf
-
-            gguf = find_gguf(BUNDLED_MODELS[cfg.model.path.removeprefix(BUNDLED_PREFIX)])
-            log(
-                f"reading the architecture from {gguf.name} (the bundled model is not "
-                f"converted yet; keel converts it to float32)"
-            )
-            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            config.dtype = torch.float32
-            return config
-    if model_dir is None and is_hub_id(cfg.model.path):
-        # config.json alone, not the weights: a plan answers in seconds for any model size
-        model_dir = download_hub_model(
-            cfg.model.path, cfg.model.revision, files=CONFIG_FILES, log=log
-        )
-    directory = Path(model_dir if model_dir is not None else cfg.model.path).expanduser()
-    if not (directory / "config.json").is_file():
-        raise ModelError(
-            f"{directory} has no config.json; keel plan needs the model's "
-            f"config.json (the weights are not needed)"
-        )
-    try:
-        return AutoConfig.from_pretrained(str(directory), trust_remote_code=remote)
-    except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise ModelError(f"cannot read the architecture in {directory}/config.json: {e}") from e
-
-
-def _bundled_dir(cfg: RunConfig) -> Path | None:
-    from keel.models.bundled import BUNDLED_MODELS, MARKER_FILE
-
-    name = cfg.model.path.removeprefix(BUNDLED_PREFIX)
-    if name not in BUNDLED_MODELS:
-        names = ", ".join(BUNDLED_PREFIX + n for n in BUNDLED_MODELS)
-        raise ModelError(f"unknown bundled model {name!r}; available: {names}")
-    target = Path(cfg.model.cache_dir).expanduser() / "models" / name
-    return target if (target / MARKER_FILE).is_file() else None
-
-
-def build_meta_model(config, *, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
-    """The model of `config` on the meta device (no memory behind it), as training loads it:
-    `AutoModelForImageTextToText` for a vision-language family (keel.models.vision), else
-    `AutoModelForCausalLM`."""
-    from keel.models.loading import model_class
-
-    auto, kind = model_class(config)
-    try:
-        with torch.device("meta"):
-            return auto.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, ImportError) as e:
-        raise ModelError(f"cannot build a {kind} model from this config.json: {e}") from e
-
-
 def take_census(
     base: nn.Module,
     method: MethodConfig,
@@ -287,7 +220,8 @@ def take_census(
         model = apply_method(model, method, log=log, vision=vision)
     census = _count(model, method.type)
     if method.type == "qlora":
-        census = _with_nf4(census, model, qlora_compute_itemsize(method, precision))
+        itemsize = qlora_compute_itemsize(method, precision)
+        census = _with_nf4(census, model, method.qlora, itemsize)
     return census
 
 
@@ -301,10 +235,11 @@ def qlora_compute_itemsize(method: MethodConfig, precision: Precision) -> int:
     return precision.compute_itemsize
 
 
-def _with_nf4(census: Census, model: nn.Module, compute_itemsize: int) -> Census:
+def _with_nf4(census: Census, model: nn.Module, qlora: QloraConfig, compute_itemsize: int):
     """QLoRA: the frozen nn.Linear weights inside the decoder layers (LoRA's base layers and
     the linears LoRA does not target; not the embeddings or the output layer) in NF4, as
-    keel.quant stores them."""
+    keel.quant stores them; with quantize_experts also the fused [experts, out, in]
+    weights, held as [experts * out, in] (keel.models.qlora)."""
     from keel.models.trainable import decoder_layers
 
     get_base = getattr(model, "get_base_model", None)
@@ -314,12 +249,32 @@ def _with_nf4(census: Census, model: nn.Module, compute_itemsize: int) -> Census
         for module in decoder_layers(lm).modules()
         if type(module) is nn.Linear and not module.weight.requires_grad
     }
+    experts = set()
+    if qlora.quantize_experts and qlora.quant_backend == "torchao":
+        experts = {
+            id(p) for p in decoder_layers(lm).parameters() if p.dim() == 3 and not p.requires_grad
+        }
     params = list(model.parameters())  # the order _count lists them in
     tensors = [
-        replace(t, itemsize=compute_itemsize, nf4=True) if id(p) in frozen else t
+        replace(t, itemsize=compute_itemsize, nf4=True, shape=_rows(t.shape))
+        if id(p) in frozen | experts
+        else t
         for t, p in zip(census.tensors, params)
     ]
-    return replace(census, tensors=tensors + census.tensors[len(params) :])
+    layers = census.layers
+    if experts:
+        layers = [
+            replace(layer, experts=replace(layer.experts, nf4_itemsize=compute_itemsize))
+            if layer.experts is not None
+            else layer
+            for layer in layers
+        ]
+    return replace(census, tensors=tensors + census.tensors[len(params) :], layers=layers)
+
+
+def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A weight as NF4 holds it: [everything but the last dimension, the last]."""
+    return math.prod(shape[:-1]), shape[-1]
 
 
 def method_variants(method: MethodConfig) -> list[MethodConfig]:

@@ -47,6 +47,7 @@ from keel.plan.activations import (
     activation_bytes,
     autocast_copy_bytes,
     dora_transient_bytes,
+    experts_transient_bytes,
     loss_bytes,
 )
 from keel.plan.census import ROOT, Census
@@ -231,11 +232,13 @@ def estimate(
         early, late = _replica_early_grads(census, shapes, work, strategy, grads), 0
     buffers, overhead = always + late, devices.overhead_bytes
     generation = _generation(census, shapes, devices, work, strategy, gathered)
-    # DoRA's moment in forward comes before the loss's (and again in backward's recompute)
-    dora = dora_transient_bytes(census)
-    recompute = dora if checkpointing else 0
+    # DoRA's moment in forward comes before the loss's (and again in backward's recompute);
+    # NF4 experts are dequantised in forward and in backward, which always recomputes them
+    experts = experts_transient_bytes(census)
+    moment = max(dora_transient_bytes(census), experts)
+    recompute = max(moment if checkpointing else 0, experts)
     peak = _moving_peak(
-        grads, saved, max(logits, dora), always=always, early=early, late=late + recompute
+        grads, saved, max(logits, moment), always=always, early=early, late=late + recompute
     )
     if generation is not None:  # before training; DDP's buckets outlive zero_grad
         peak = max(peak, generation.total + (grads if strategy.replicates else 0))

@@ -20,14 +20,8 @@ from keel.models.vocabulary import (
     with_trained_embeddings,
 )
 from keel.plan.activations import Shapes
-from keel.plan.census import (
-    METHODS,
-    Census,
-    build_meta_model,
-    method_variants,
-    read_architecture,
-    take_census,
-)
+from keel.plan.architecture import build_meta_model, read_architecture
+from keel.plan.census import METHODS, Census, method_variants, take_census
 from keel.plan.devices import DeviceSpec
 from keel.plan.estimate import Option, Workload, estimate, strategies_for
 from keel.plan.generation import GenerationWork

@@ -132,11 +132,20 @@ def _extra_summary(plan: Plan) -> list[str]:
     experts = [layer.experts for layer in plan.censuses[plan.method].layers if layer.experts]
     if experts:
         routed = sum(e.weight_numel for e in experts)
+        qlora = plan.censuses.get("qlora")
+        nf4 = qlora is not None and any(
+            layer.experts.nf4_itemsize for layer in qlora.layers if layer.experts
+        )
+        how = (
+            "in NF4 (method.qlora.quantize_experts)"
+            if nf4
+            else "in model.dtype (method.qlora.quantize_experts: NF4)"
+        )
         lines.append(
             f"mixture of experts: {len(experts)} layers of {experts[0].count} experts "
             f"({plan.shapes.experts_per_token} per token), {routed:,} parameters "
             f"({100 * routed / plan.params:.0f}%) in the routed experts: full and freeze "
-            f"train them; LoRA leaves them frozen, and qlora in model.dtype (not NF4)"
+            f"train them; LoRA leaves them frozen, and qlora {how}"
         )
     if w.generation is not None:
         g = w.generation

@@ -83,6 +83,30 @@ def quantize_on_meta(
     return quantized, kept
 
 
+class StoredAs(nn.Module):
+    """A parametrization (torch.nn.utils.parametrize) that reads an NF4 [rows, cols]
+    parameter as the `shape` tensor it holds, dequantised to its dtype: code that reads
+    the attribute (a mixture of experts' fused [experts, out, in] weights) gets plain
+    values, and only the NF4 bytes are stored (and sharded by FSDP2, by rows)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored.get_original_weight().view(self.shape)
+
+
+def empty_nf4_as(shape: tuple[int, ...], dtype: torch.dtype, world: int) -> nn.Parameter | None:
+    """An empty (meta) NF4 parameter holding a `shape` weight as [prod(shape[:-1]),
+    shape[-1]] rows, for `StoredAs`; None when that does not fit NF4's blocks (split over
+    `world` processes)."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    if not quantizable(rows, cols, world):
+        return None
+    return nn.Parameter(_empty_nf4(rows, cols, dtype), requires_grad=False)
+
+
 def _empty_nf4(rows: int, cols: int, dtype: torch.dtype):
     nf4 = _nf4_module()
     numel = rows * cols

@@ -27,6 +27,7 @@ from keel.distributed.process_group import choose_device
 from keel.errors import ConfigError, DataError, ModelError
 from keel.models import count_parameters, load_tokenizer, resolve_model_path, torch_dtype
 from keel.models.adapters import apply_method, method_problems
+from keel.models.experts import fused_experts
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.models.trainable import find_decoder_layers
@@ -247,7 +248,7 @@ def check_model(
         seconds=time.perf_counter() - started,
     )
     log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
-    problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers)]
+    problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers), *_experts(cfg, model)]
     refused = method_problems(model, method)
     problems += refused
     if not refused:
@@ -398,6 +399,16 @@ def _fsdp(cfg: RunConfig, model: torch.nn.Module, layers) -> list[str]:
         f"keel cannot find the decoder layers of {type(model).__name__} (looked at "
         f"model.get_decoder().layers and model.model.layers); use distributed.strategy "
         f"ddp"
+    ]
+
+
+def _experts(cfg: RunConfig, model: torch.nn.Module) -> list[str]:
+    qlora = cfg.method.qlora
+    if cfg.method.type != "qlora" or not qlora.quantize_experts or fused_experts(model):
+        return []
+    return [
+        f"method.qlora.quantize_experts = true: {type(model).__name__} has no fused routed "
+        f"experts (not a mixture of experts as transformers 5 holds them); remove it"
     ]
 
 

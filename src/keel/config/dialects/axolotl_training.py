@@ -144,10 +144,13 @@ def _experts_implementation(build: Build, key: str, value) -> None:
 
 def _moe_experts_only(build: Build, key: str, value) -> None:
     """What Axolotl does to a mixture of experts' fused experts that keel does not."""
+    if key == "quantize_moe_experts" and value and build.raw.get("adapter") == "qlora":
+        build.put(key, "method.qlora.quantize_experts", True, "NF4 experts beside NF4 linears")
+        return
     whys = {
-        "quantize_moe_experts": "keel's QLoRA quantises the linear modules only; the routed "
-        "experts stay in model.dtype (keel plan counts them there): remove it to train with "
-        "them unquantised",
+        "quantize_moe_experts": "keel stores experts in NF4 under QLoRA only (adapter: qlora, "
+        "load_in_4bit); with another adapter they stay in model.dtype (keel plan counts them "
+        "there): remove it, or use adapter: qlora",
         "lora_target_parameters": "LoRA on parameters (the fused routed experts): keel's LoRA "
         "adapts linear modules only; train the experts with unfrozen_parameters (full or "
         "freeze) instead",
