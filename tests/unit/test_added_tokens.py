@@ -217,6 +217,14 @@ def test_a_lora_run_trains_the_new_rows_and_every_output_holds_them(tiny_model_d
     first, second = tensors(from_checkpoint), tensors(merged)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert len(AutoTokenizer.from_pretrained(str(from_checkpoint))) == VOCAB + 2
+    # A server's adapters share the base as it is: this one is refused, saying why.
+    from keel.errors import ModelError
+    from keel.infer.serve.adapters import AdapterSet
+    from keel.models import load_model
+
+    served = AdapterSet(load_model(tiny_model_dir, dtype=torch.float32), "base")
+    with pytest.raises(ModelError, match="trained with tokens added to the vocabulary"):
+        served.load("tokens", str(run))
 
 
 def test_a_freeze_run_trains_the_new_rows(tiny_model_dir, tmp_path):

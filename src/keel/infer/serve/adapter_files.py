@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from keel.errors import ModelError
@@ -40,6 +40,8 @@ class LoraShapes:
     pairs: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     # the modules it trains in full beside LoRA (adapter_config.json's PEFT modules_to_save)
     in_full: tuple[str, ...] = ()
+    # the shapes of the weights it holds whole (modules_to_save): parameter path -> shape
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dora: bool = False  # DoRA (use_dora): a magnitude per output feature beside each pair
 
 
@@ -109,6 +111,21 @@ def check_against_base(shapes: LoraShapes, base, where: str) -> None:
                 f"{where}: {module_path} has LoRA shapes A {list(a_shape)}, B {list(b_shape)}; "
                 f"the base layer needs A [r, {inputs}] and B [{outputs}, r]; was it trained "
                 "on this base model?"
+            )
+    params = dict(base.named_parameters())
+    for path, shape in shapes.whole.items():
+        own = params.get(path)
+        if own is not None and tuple(own.shape) != shape:
+            grown = own.dim() == 2 and shape[1:] == tuple(own.shape[1:]) and shape[0] > own.shape[0]
+            why = (
+                "; it was trained with tokens added to the vocabulary (model.add_tokens): "
+                "serve it on its own (keel serve --model ADAPTER_DIR grows the base to its "
+                "tokenizer)"
+                if grown
+                else "; was it trained on this base model?"
+            )
+            raise ModelError(
+                f"{where}: its {path} is {list(shape)}, the base's {list(own.shape)}{why}"
             )
 
 
@@ -186,10 +203,15 @@ def _lora_shapes(weights: Path, where: str, caps: AdapterCaps) -> LoraShapes:
                 pairs[module_path] = (a_shape, b_shape)
     if not pairs:
         raise ModelError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights (lora_A/lora_B)")
+    whole = {
+        key.removeprefix("base_model.model."): shape
+        for key, shape in shapes.items()
+        if ".lora_" not in key and "lora_magnitude" not in key
+    }
     for module_path, (a_shape, _) in pairs.items():
         if not a_shape or not 1 <= a_shape[0] <= caps.max_rank:
             raise ModelError(
                 f"{where}: {module_path} has rank {a_shape[:1]}; this server takes ranks "
                 f"1 to {caps.max_rank} (--max-lora-rank)"
             )
-    return LoraShapes(pairs)
+    return LoraShapes(pairs, whole=whole)
