@@ -91,7 +91,8 @@ class QloraConfig:
     quant_backend: Literal["torchao", "bnb"] = "torchao"
     # a mixture of experts' routed experts (their fused [experts, ...] weights, most of such
     # a model) in NF4 too, dequantised when a layer's experts run and again in backward
-    # (the experts block recomputes: no dequantised copy is kept); torchao only
+    # (the experts block recomputes: no dequantised copy is kept): far less memory, slower
+    # steps (much slower on a CPU); torchao only
     quantize_experts: bool = False
 
 
