@@ -54,7 +54,10 @@ demo-grpo: install
 
 # The suite on every core, at most 4 (pytest-xdist): a test module stays on one worker, so
 # its module-scoped runs (one launch for a module's multi-process runs) are made once.
-PARALLEL := -n auto --maxprocesses 4 --dist loadfile
+# Modules start in collection order (tests/distributed, e2e, then unit): xdist's default
+# starts the modules with most tests first, which left the few-test multi-process modules
+# (preemption, watchdogs, minutes each) for last, one worker busy at the end.
+PARALLEL := -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder
 
 test: install-dev browser
 	$(BIN)/ruff check src tests benchmarks tools
