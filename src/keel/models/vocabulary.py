@@ -93,17 +93,14 @@ def embedding_rows(model: nn.Module) -> int:
 
 
 def grow_vocabulary(model: nn.Module, added: AddedTokens | None, log: Log) -> bool:
-    """Give the (meta-device or loaded) Hugging Face `model` a row for every token of the
-    grown tokenizer; True when it has added tokens to learn (rows of theirs to train).
-    New rows of a loaded model start at the mean (`start_new_rows`); on the meta device the
-    loader fills them so (keel.models.materialize)."""
+    """Give the Hugging Face `model`, on the meta device, a row for every token of the
+    grown tokenizer (the loader starts the new rows at the mean: keel.models.materialize);
+    True when it has added tokens to learn (rows of theirs to train)."""
     if added is None:
         return False
     rows = embedding_rows(model)
     if added.size > rows:
         model.resize_token_embeddings(added.size, mean_resizing=False)
-        if model.get_input_embeddings().weight.device.type != "meta":
-            start_new_rows(model, rows, added)
         log(
             f"tokenizer: {added.describe()}; the embeddings grow from {rows} to "
             f"{added.size} rows, new ones starting at the mean of the known rows"

@@ -206,7 +206,7 @@ def _lora_shapes(weights: Path, where: str, caps: AdapterCaps) -> LoraShapes:
     whole = {
         key.removeprefix("base_model.model."): shape
         for key, shape in shapes.items()
-        if ".lora_" not in key and "lora_magnitude" not in key
+        if ".lora_" not in key  # LoRA's pairs and DoRA's magnitudes
     }
     for module_path, (a_shape, _) in pairs.items():
         if not a_shape or not 1 <= a_shape[0] <= caps.max_rank:
