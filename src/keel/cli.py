@@ -203,6 +203,14 @@ def _add_export(sub) -> None:
     export.add_argument(
         "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
+    export.add_argument(
+        "--quantize",
+        nargs="?",
+        const="trained",
+        metavar="SCHEME",
+        help="write the decoder's linear weights as torchao's quantized tensors: alone, with "
+        "the scheme a QAT run (method.qat) trained for; or int8-int4, int4 or fp8",
+    )
 
 
 def _train(args) -> int:
@@ -313,6 +321,7 @@ def _export(args) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         cache_dir=args.cache_dir,
+        quantize=args.quantize,
     )
     export_model(request)
     return 0

@@ -149,6 +149,15 @@ CASES = {
         "qlora",
         (f"model.path={MOE}", "method.qlora.quantize_experts=true"),
     ),
+    # QAT (int8 activations per token, int4 weights per group of 32): each process rounds
+    # the gathered weights and its tokens as one process rounds them. One step, no eval:
+    # rounding is discontinuous, so the 1e-7 the processes' sums differ by after a step
+    # flips some int8 activation a level (1e-4 in the loss) in later forwards
+    "fsdp-full-qat": (
+        "fsdp",
+        "full",
+        ("method.qat.scheme=int8-int4", "train.max_steps=1", "data.val_size=0"),
+    ),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
     "fsdp-freeze-patterns": (
         "fsdp",

@@ -41,6 +41,7 @@ EXPECTED = {
         "--dtype",
         "--max-shard-size",
         "--cache-dir",
+        "--quantize",  # torchao-quantized decoder weights (method.qat's scheme, or one named)
     },
     "serve": {
         "config",

@@ -182,3 +182,44 @@ def test_their_other_attention_kernels_are_keels_auto(kernel):
     assert translation.config["model"]["attn_implementation"] == "auto"
     assert "the same attention" in fates["attn_implementation"].why
     assert "meta device" in fates["experimental_skip_move_to_device"].why
+
+
+@pytest.mark.parametrize(
+    ("qat", "scheme"),
+    [
+        ({"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 64}, "int8-int4"),
+        ({"weight_dtype": "int4"}, "int4"),
+        ({"weight_dtype": "fp8", "activation_dtype": "float8_e4m3fn"}, "fp8"),
+    ],
+)
+def test_their_qat_is_method_qat(qat, scheme):
+    translation, fates = _translate(qat={**qat, "fake_quant_after_n_steps": 10})
+    assert translation.refused() == []
+    assert translation.config["method"]["qat"]["scheme"] == scheme
+    assert translation.config["method"]["qat"]["start_step"] == 10
+    assert translation.config["method"]["qat"].get("group_size", 32) == qat.get("group_size", 32)
+    assert fates["qat.weight_dtype"].target == "method.qat.scheme"
+
+
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        ({"qat": {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4"}}, "Blackwell"),
+        ({"qat": {"weight_dtype": "mxfp4"}}, "Blackwell"),
+        ({"qat": {"weight_dtype": "int8", "activation_dtype": "int8"}}, "not a scheme keel"),
+        ({"qat": {"weight_dtype": "int4"}, "adapter": "lora"}, "not an adapter"),
+    ],
+)
+def test_qat_keel_cannot_train_is_refused(keys, why):
+    _, fates = _translate(**keys)
+    assert fates["qat"].fate == "refused" and why in fates["qat"].why
+
+
+def test_their_qat_examples_schedule_keys():
+    _, fates = _translate(cosine_constant_lr_ratio=0, cosine_min_lr_ratio=1.0, eta_min=7e-7)
+    assert fates["cosine_constant_lr_ratio"].fate == "ignored"
+    assert fates["eta_min"].fate == "ignored" and "reads no such key" in fates["eta_min"].why
+    _, fates = _translate(cosine_constant_lr_ratio=0.8, cosine_min_lr_ratio=0.1)
+    assert fates["cosine_constant_lr_ratio"].fate == "refused"
+    _, fates = _translate(qat={"weight_dtype": "int4", "quantize_embedding": True})
+    assert fates["qat.quantize_embedding"].fate == "refused"

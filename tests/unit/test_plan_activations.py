@@ -12,9 +12,10 @@ import weakref
 import pytest
 import torch
 
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QatConfig
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy
 from keel.models import apply_method
+from keel.models.qat import fake_quantize
 from keel.plan.activations import Regime, Shapes, activation_bytes, autocast_copy_bytes
 from keel.plan.architecture import build_meta_model
 from keel.plan.census import take_census
@@ -86,6 +87,12 @@ CASES = {
     "dora bf16 weights, dropout": dict(
         method="lora", dora=True, dtype=torch.bfloat16, autocast=True, dropout=0.1
     ),
+    # method.qat: torchao's rounding saves several times a plain linear's tensors
+    "qat int8-int4 fp32": dict(method="full", qat="int8-int4"),
+    "qat int8-int4 bf16 autocast, freeze": dict(method="freeze", qat="int8-int4", autocast=True),
+    "qat int4 bf16 weights": dict(method="full", qat="int4", dtype=torch.bfloat16, autocast=True),
+    "qat fp8 fp32, freeze": dict(method="freeze", qat="fp8"),
+    "qat fp8 bf16 autocast": dict(method="full", qat="fp8", autocast=True),
 }
 
 
@@ -98,11 +105,15 @@ def test_saved_tensors_match_the_formula(case):
         type=kw["method"],
         lora=LoraConfig(r=8, dropout=kw.get("dropout", 0.0), dora=kw.get("dora", False)),
         freeze=FreezeConfig(trainable_layers=2),
+        qat=QatConfig(scheme=kw.get("qat", "none")),
     )
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = apply_method(LlamaForCausalLM(config).to(dtype), method, log=lambda _m: None)
+    if "qat" in kw:
+        pytest.importorskip("torchao")
+        fake_quantize(model, method.qat)
     model.train()
     ids = torch.randint(0, config.vocab_size, (ROWS, SEQ))
     positions = torch.arange(SEQ).repeat(ROWS, 1)  # [B, T]

@@ -46,10 +46,13 @@ METHOD_OVERRIDES = {
     "lora-plus": ("method.lora.plus_lr_ratio=16", "method.lora.rslora=true"),
     # the tiny model's embeddings, tied to its output layer, trained in full beside LoRA
     "lora-embeddings": ("method.lora.modules_to_save=[embed_tokens]",),
+    # QAT rounded from step 6 on: the run resumed at step 5 must not round it (the rounding
+    # is read from the step, not carried from the step that switched it on)
+    "full-qat": ("method.qat.scheme=int8-int4", "method.qat.start_step=5"),
 }
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "lora-plus", "lora-embeddings"])
+@pytest.mark.parametrize("method", ["lora", "full", "lora-plus", "lora-embeddings", "full-qat"])
 def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, method):
     def method_config(model_dir, data_file, out, method):
         overrides = METHOD_OVERRIDES[method]
@@ -74,6 +77,13 @@ def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, 
             trained = f.get_tensor(name)
         with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
             assert not torch.equal(trained, f.get_tensor("model.embed_tokens.weight"))
+
+    if method == "full-qat":  # unrounded before step 6, rounded at it
+        plain = run_training(
+            config(tiny_model_dir, data_file, tmp_path / "p", method="full"), log=quiet
+        )
+        assert full.losses[:5] == pytest.approx(plain.losses[:5], rel=1e-6, abs=1e-7)
+        assert abs(full.losses[5] - plain.losses[5]) > 1e-5
 
     def crash_at_5(step, _record):
         if step == 5:

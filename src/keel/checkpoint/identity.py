@@ -63,6 +63,8 @@ def run_identity(
         method["lora"] = dataclasses.asdict(cfg.method.lora)
     if cfg.method.type in ("freeze", "qlora"):
         method[cfg.method.type] = dataclasses.asdict(getattr(cfg.method, cfg.method.type))
+    if cfg.method.qat.scheme != "none":  # the rounding is what the weights trained under
+        method["qat"] = dataclasses.asdict(cfg.method.qat)
     return RunIdentity(
         model_path=str(Path(model_dir).resolve()),
         model_config_sha256=hashlib.sha256(config_bytes).hexdigest(),

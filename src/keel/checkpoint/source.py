@@ -29,6 +29,7 @@ from keel.config.schema import (
     LoraConfig,
     MethodConfig,
     ModelConfig,
+    QatConfig,
     QloraConfig,
     VisionConfig,
 )
@@ -142,10 +143,11 @@ def _method_of(saved: dict, path: Path) -> MethodConfig:
             return MethodConfig(
                 type=kind, lora=LoraConfig(**saved["lora"]), qlora=QloraConfig(**saved["qlora"])
             )
+        qat = QatConfig(**saved.get("qat", {}))  # none in checkpoints from before QAT
         if kind == "freeze":
-            return MethodConfig(type=kind, freeze=FreezeConfig(**saved["freeze"]))
+            return MethodConfig(type=kind, freeze=FreezeConfig(**saved["freeze"]), qat=qat)
         if kind == "full":
-            return MethodConfig(type=kind)
+            return MethodConfig(type=kind, qat=qat)
     except (KeyError, TypeError):
         pass
     raise CheckpointError(

@@ -97,11 +97,26 @@ class QloraConfig:
 
 
 @dataclass(kw_only=True)
+class QatConfig:
+    # Quantization-aware training (method full or freeze; torchao): the decoder layers'
+    # linear layers compute with weights (and activations) rounded as this post-training
+    # quantization scheme rounds them, so the model learns around the rounding; the output
+    # is the trained weights at full precision, and `keel export --quantize` applies the
+    # scheme. int8-int4: int8 activations, int4 weights per group (CPUs, ExecuTorch);
+    # int4: int4 weights per group (CUDA); fp8: fp8 activations and weights (H100 on)
+    scheme: Literal["none", "int8-int4", "int4", "fp8"] = "none"
+    group_size: int = 32  # int8-int4 and int4: input features per weight scale
+    # steps before this one train without the rounding (Axolotl's fake_quant_after_n_steps)
+    start_step: int = 0
+
+
+@dataclass(kw_only=True)
 class MethodConfig:
     type: Literal["full", "freeze", "lora", "qlora"] = "lora"  # which weights train, and how
     lora: LoraConfig = field(default_factory=LoraConfig)  # lora and qlora
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     qlora: QloraConfig = field(default_factory=QloraConfig)
+    qat: QatConfig = field(default_factory=QatConfig)  # full and freeze
 
     @property
     def uses_lora(self) -> bool:

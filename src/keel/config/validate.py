@@ -165,12 +165,30 @@ def _check_method(cfg: RunConfig) -> list[str]:
                 "tensors; set method.qlora.quant_backend=torchao"
             )
     elif cfg.method.type == "qlora" and lora.dora:
+        problems.append(DORA_ON_NF4)
+    return problems + _check_qat(cfg)
+
+
+def _check_qat(cfg: RunConfig) -> list[str]:
+    qat = cfg.method.qat
+    if qat.scheme == "none":
+        return []
+    problems = _positive(qat.group_size, "method.qat.group_size")
+    problems += _positive(qat.start_step, "method.qat.start_step", allow_zero=True)
+    if cfg.method.uses_lora:
         problems.append(
-            "method.lora.dora = true with method.qlora.quant_backend = torchao: PEFT's DoRA "
-            "cannot read torchao's NF4 weights (it fails in the first forward); set "
-            "method.qlora.quant_backend=bnb (one process or DDP), or method.type=lora"
+            f"method.qat.scheme = {qat.scheme} with method.type = {cfg.method.type}: QAT "
+            f"trains the weights the scheme rounds, and a merged adapter would change them "
+            f"after training; use method.type full or freeze, or method.qat.scheme none"
         )
     return problems
+
+
+DORA_ON_NF4 = (
+    "method.lora.dora = true with method.qlora.quant_backend = torchao: PEFT's DoRA "
+    "cannot read torchao's NF4 weights (it fails in the first forward); set "
+    "method.qlora.quant_backend=bnb (one process or DDP), or method.type=lora"
+)
 
 
 # Measured with bitsandbytes 0.50 (issue 13): wrong results, not an error, so keel refuses.

@@ -15,6 +15,7 @@ from keel.errors import ModelError
 from keel.export.hf_compat import add_legacy_keys
 from keel.export.merge import build_merged_model
 from keel.export.partial_folder import write_folder_atomically
+from keel.export.quantize import quantize_model, quantize_scheme
 from keel.export.sources import resolve_sources
 from keel.models.loading import copy_processor_files, load_tokenizer
 from keel.models.model_card import export_card, write_model_card
@@ -36,6 +37,9 @@ class ExportRequest:
     dtype: str | None = None  # bfloat16 | float16 | float32; None: the base model's
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE  # bytes, or "5GB"
     cache_dir: str | Path = "~/.cache/keel"
+    # torchao-quantized decoder weights: "trained" (the scheme a QAT run trained for) or a
+    # scheme name (keel.export.quantize); None: the weights as trained
+    quantize: str | None = None
 
 
 def export_model(request: ExportRequest, log: Log = print) -> Path:
@@ -47,6 +51,11 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     target_dtype = _parse_dtype(request.dtype)
     out = _check_out(Path(request.out).expanduser())
     sources = resolve_sources(request.model, request.adapter, request.cache_dir, log)
+    qat = (
+        None
+        if request.quantize is None
+        else quantize_scheme(request.quantize, sources, request.model)
+    )
     tokenizer = load_tokenizer(sources.tokenizer_dir)
     if sources.checkpoint is not None and sources.checkpoint.added_tokens is not None:
         add_configured_tokens(tokenizer, sources.checkpoint.added_tokens)  # as the run did
@@ -56,12 +65,14 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     dtype = target_dtype or base_dtype
     _cast(model, dtype)
     _stop_at_end_of_turn(model, tokenizer)
+    quantized = None if qat is None else quantize_model(model, qat, log)
     provenance = {
         "base": str(sources.base_dir),
         "adapter": str(sources.adapter_dir) if sources.adapter_dir else None,
         "checkpoint": str(sources.checkpoint.path) if sources.checkpoint else None,
         "dtype": str(dtype).removeprefix("torch."),
         "merge_max_abs_logit_diff": merge_diff,
+        "quantized": quantized,
         "keel_version": __version__,
     }
 
@@ -77,7 +88,8 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
         write_model_card(folder, card, shown_as=out)
 
     write_folder_atomically(out, write, log)
-    log(f"exported {provenance['dtype']} model -> {out}")
+    what = f"{qat.scheme}-quantized " if qat is not None else ""
+    log(f"exported {what}{provenance['dtype']} model -> {out}")
     return out
 
 

@@ -133,6 +133,8 @@ class Census:
     # a vision-language model's projector, per image token: its linears' inputs and hidden
     # outputs (keel.plan.vision); 0 for a text model
     projector_width: int = 0
+    # method.qat's scheme and group size (the decoder layers' linears train rounded), or None
+    qat: tuple[str, int] | None = None
     units: int = field(init=False)
 
     def __post_init__(self):
@@ -219,6 +221,8 @@ def take_census(
     with torch.device("meta"):
         model = apply_method(model, method, log=log, vision=vision)
     census = _count(model, method.type)
+    if method.qat.scheme != "none" and not method.uses_lora:  # the parameters are the same
+        census = replace(census, qat=(method.qat.scheme, method.qat.group_size))
     if method.type == "qlora":
         itemsize = qlora_compute_itemsize(method, precision)
         census = _with_nf4(census, model, method.qlora, itemsize)
@@ -278,8 +282,12 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
 
 
 def method_variants(method: MethodConfig) -> list[MethodConfig]:
-    """The configured method first, then the others (with the configured sub-settings)."""
-    return [method, *(replace(method, type=m) for m in METHODS if m != method.type)]
+    """The configured method first, then the others (with the configured sub-settings);
+    with method.qat only full and freeze, the methods QAT trains."""
+    others = [m for m in METHODS if m != method.type]
+    if method.qat.scheme != "none":
+        others = [m for m in others if m in ("full", "freeze")]
+    return [method, *(replace(method, type=m) for m in others)]
 
 
 def _count(model: nn.Module, method: str) -> Census:

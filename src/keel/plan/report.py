@@ -362,7 +362,7 @@ def lighter(plan: Plan, option: Option, most: int = 4) -> list[str]:
                     ),
                 )
             )
-    if option.method == "full":
+    if option.method == "full" and "lora" in plan.censuses:  # not with method.qat
         candidates.append(
             (
                 "method.type=lora",

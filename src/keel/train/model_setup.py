@@ -37,6 +37,8 @@ from keel.models.materialize import (
     init_computed_buffers,
 )
 from keel.models.offload import offload_activations
+from keel.models.qat import describe as describe_qat
+from keel.models.qat import fake_quantize
 from keel.models.qlora import quantize_base, quantized_names
 from keel.models.trainable import decoder_layers
 from keel.models.vision import VisionFamily, family_of
@@ -188,6 +190,8 @@ def _model_on_meta(build: _Build) -> nn.Module:
         method = with_trained_embeddings(model, method, quiet)
     with torch.device("meta"):
         model = apply_method(model, method, log=quiet, vision=cfg.model.vision)
+    if method.qat.scheme != "none":  # on meta: parallelism and loading see the same params
+        build.log(describe_qat(method.qat, fake_quantize(model, method.qat)))
     return model
 
 

@@ -30,6 +30,7 @@ from keel.models.adapters import apply_method, method_problems
 from keel.models.experts import fused_experts
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
+from keel.models.qat import qat_problems
 from keel.models.trainable import find_decoder_layers
 from keel.models.vision import VisionProcessing, family_of, vision_processing
 from keel.models.vocabulary import (
@@ -249,6 +250,7 @@ def check_model(
     )
     log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
     problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers), *_experts(cfg, model)]
+    problems += qat_problems(model, cfg.method.qat)
     refused = method_problems(model, method)
     problems += refused
     if not refused:

@@ -18,9 +18,11 @@ from keel import __version__
 from keel.checkpoint.checkpointer import Checkpointer
 from keel.checkpoint.layout import step_dir_name
 from keel.config import RunConfig, config_to_dict
+from keel.config.schema import QatConfig
 from keel.distributed.process_group import DistContext
 from keel.distributed.watchdog import Watchdog
 from keel.faults import Fault, at_step_start
+from keel.quant.qat import set_fake_quantization
 from keel.stages.registry import get_stage
 from keel.train.batch_source import BatchSource
 from keel.train.early_stop import EARLY_STOPPING, EarlyStopping
@@ -109,6 +111,7 @@ class TrainingLoop:
         self.env, self.dist, self.log, self.on_step_end = env, env.dist, env.log, env.on_step_end
         self.skipped = SkippedSteps()  # fp16: the loss scaler's skipped steps in a row
         self.early_stop: EarlyStopping | None = checkpointer.parts.extras.get(EARLY_STOPPING)
+        self.rounding: bool | None = None  # method.qat: the fake quantization is on
 
     def run(self, start: int, total: int, meta: dict) -> tuple[list[float], RunStats]:
         """Train steps `start`..`total` - 1 (0-based); returns each step's loss (read back on
@@ -277,6 +280,7 @@ class TrainingLoop:
         # Before the batch: a rollout source's batch holds collectives (grpo's weight gather
         # and its one all-reduce), and a hang fault is documented to fire before them all.
         at_step_start(self.env.fault, step + 1, self.dist.rank)
+        self._round_from(self.cfg.method.qat, step)
         work = self.source.batch(step)
         try:
             result = self.trainer.train_step(
@@ -297,6 +301,18 @@ class TrainingLoop:
             ) from None
         result.source_metrics = work.metrics
         return result
+
+    def _round_from(self, qat: QatConfig, step: int) -> None:
+        """method.qat.start_step: the steps before it train without the rounding. Read from
+        the step alone, so a resumed run rounds exactly where the uninterrupted one did."""
+        if qat.scheme == "none" or not qat.start_step:
+            return
+        rounding = step >= qat.start_step
+        if rounding != self.rounding:
+            set_fake_quantization(self.trainer.objective, rounding)
+            self.rounding = rounding
+            if rounding and step:
+                self.log(f"QAT: the rounding ({qat.scheme}) is on from step {step + 1}")
 
     def _evaluates(self, done: int, total: int) -> bool:
         every = self.cfg.train.eval_every

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
+from keel.config.dialects.axolotl_qat import QAT_HANDLERS
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_tokens import added_tokens, special_tokens
 from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
@@ -396,6 +397,7 @@ def _lora_size(build: Build, key: str, value, empty: str = "empty") -> None:
 
 _HANDLERS = {
     **TRAINING_HANDLERS,
+    **QAT_HANDLERS,
     "adapter": _adapter,
     "load_in_4bit": _load_in_4bit,
     "load_in_8bit": _load_in_8bit,
