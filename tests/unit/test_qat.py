@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from config_support import tiny_lora_config
 from conftest import build_tiny_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -33,18 +34,10 @@ def quiet(_message):
 
 
 def run_config(model_dir, data_file, out, **qat) -> dict:
-    return {
-        "model": {"path": str(model_dir), "cache_dir": str(out.parent / "cache")},
-        "method": {"type": "full", "qat": qat},
-        "data": {"datasets": [str(data_file)], "cutoff_len": 64},
-        "train": {
-            "max_steps": 2,
-            "micro_batch_size": 2,
-            "lr": 1e-2,
-            "precision": "fp32",
-            "threads": 1,
-        },
-        "output": {"dir": str(out), "save_every": 1, "keep_last": 2, "log_every": 1},
+    """A 2-step full run of the tiny model (fp32), with method.qat as given."""
+    output = {"save_every": 1, "keep_last": 2, "log_every": 1}
+    return tiny_lora_config(model_dir, data_file, out, output=output) | {
+        "method": {"type": "full", "qat": qat}
     }
 
 
