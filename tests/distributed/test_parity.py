@@ -149,6 +149,17 @@ CASES = {
         "qlora",
         (f"model.path={MOE}", "method.qlora.quantize_experts=true"),
     ),
+    # LoRA on the routed experts too (PEFT's target_parameters, rank r per expert): each
+    # process holds its rows of the experts and of their LoRA weights, merged on rank 0
+    "fsdp-moe-lora-experts-merged": (
+        "fsdp",
+        "lora",
+        (
+            f"model.path={MOE}",
+            "method.lora.target_parameters=[experts.gate_up_proj, experts.down_proj]",
+            *MERGED,
+        ),
+    ),
     # QAT (int8 activations per token, int4 weights per group of 32): each process rounds
     # the gathered weights and its tokens as one process rounds them. One step, no eval:
     # rounding is discontinuous, so the 1e-7 the processes' sums differ by after a step

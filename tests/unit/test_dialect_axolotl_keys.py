@@ -135,8 +135,11 @@ def test_early_stopping_patience_maps_to_keels():
         ({"quantize_moe_experts": True}, {"quantize_moe_experts": "refused"}),  # BASE: full
         ({"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16,
           "quantize_moe_experts": True}, {"quantize_moe_experts": "mapped"}),
-        ({"lora_target_parameters": ["mlp.experts.gate_up_proj"]},
+        ({"lora_target_parameters": ["mlp.experts.gate_up_proj"]},  # BASE: no adapter
          {"lora_target_parameters": "refused"}),
+        ({"adapter": "lora", "lora_r": 8, "lora_alpha": 16,
+          "lora_target_parameters": ["experts.gate_up_proj", "experts.down_proj"]},
+         {"lora_target_parameters": "mapped"}),
         ({"lora_target_parameters": None, "quantize_moe_experts": False},
          {"lora_target_parameters": "ignored", "quantize_moe_experts": "ignored"}),
     ],

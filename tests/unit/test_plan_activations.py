@@ -163,6 +163,9 @@ MOE_CASES = {
     "mixtral full bf16 autocast": ("mixtral", "full", True),
     "qwen2-moe (shared expert) lora fp32": ("qwen2_moe", "lora", False),
     "qwen3 dense full fp32": ("qwen3", "full", False),
+    # LoRA on the fused experts too: W + BA formed per forward, kept for backward
+    "qwen3-moe lora on the experts fp32": ("qwen3_moe", "lora-experts", False),
+    "mixtral lora on the experts bf16 autocast": ("mixtral", "lora-experts", True),
 }
 
 
@@ -181,9 +184,10 @@ def test_mixture_of_experts_blocks_match_the_formula(case):
         shared_expert_intermediate_size=40, tie_word_embeddings=False,
         max_position_embeddings=SEQ,
     )  # fmt: skip
+    experts = ["experts.gate_up_proj", "experts.down_proj"] if "experts" in method_type else []
     method = MethodConfig(
-        type=method_type,
-        lora=LoraConfig(r=8, dropout=0.0),
+        type=method_type.split("-")[0],
+        lora=LoraConfig(r=8, dropout=0.0, target_parameters=experts),
         freeze=FreezeConfig(trainable_layers=2),
     )
     torch.manual_seed(0)

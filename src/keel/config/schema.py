@@ -66,6 +66,11 @@ class LoraConfig:
     # modules_to_save); the adapter folder holds their trained weights. Tied input and
     # output embeddings stay one matrix: naming either trains both
     modules_to_save: list[str] = field(default_factory=list)
+    # a mixture of experts' fused routed experts to adapt too, by parameter name (PEFT's
+    # target_parameters), e.g. [experts.gate_up_proj, experts.down_proj]: each gets rank r
+    # per expert. The weight plus its LoRA is formed once per forward (a copy of the
+    # layer's experts), dropout must be 0, and DoRA does not apply
+    target_parameters: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

@@ -166,7 +166,28 @@ def _check_method(cfg: RunConfig) -> list[str]:
             )
     elif cfg.method.type == "qlora" and lora.dora:
         problems.append(DORA_ON_NF4)
-    return problems + _check_qat(cfg)
+    return problems + _check_expert_lora(cfg) + _check_qat(cfg)
+
+
+def _check_expert_lora(cfg: RunConfig) -> list[str]:
+    lora = cfg.method.lora
+    if not lora.target_parameters or not cfg.method.uses_lora:
+        return []
+    key = f"method.lora.target_parameters = {lora.target_parameters}"
+    problems = []
+    if lora.dropout:
+        problems.append(
+            f"{key} with method.lora.dropout = {lora.dropout}: a weight's LoRA is added to the "
+            f"weight, where no dropout of the input applies (PEFT refuses it); set dropout 0"
+        )
+    if lora.dora:
+        problems.append(f"{key} with method.lora.dora: PEFT's DoRA adapts linear modules only")
+    if cfg.method.type == "qlora" and cfg.method.qlora.quantize_experts:
+        problems.append(
+            f"{key} with method.qlora.quantize_experts: the experts would be NF4 and adapted at "
+            f"once, which keel does not run; drop one of them"
+        )
+    return problems
 
 
 def _check_qat(cfg: RunConfig) -> list[str]:

@@ -23,6 +23,7 @@ from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
 from keel.models.experts import (
     check_no_wrapped_experts,
+    expert_target_problems,
     fused_experts,
     linear_targets,
     retargeted_names,
@@ -116,7 +117,11 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
     if method.type == "freeze":
         return freeze_problems(model, method.freeze)
     if method.uses_lora:
-        return _lora_problems(model, method.lora) + _full_module_problems(model, method.lora)
+        return [
+            *_lora_problems(model, method.lora),
+            *_full_module_problems(model, method.lora),
+            *expert_target_problems(model, method.lora.target_parameters),
+        ]
     return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora"]
 
 
@@ -226,11 +231,13 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     targets = _lora_targets(lora)
     if targets == "all-linear" and retargeted_names(model):
         targets = linear_targets(model)
-        log(
-            f"note: {type(model).__name__} is a mixture of experts: LoRA adapts its linear "
-            f"modules, not its routed experts ({', '.join(fused_experts(model))}) or router; "
-            f"method.type full or freeze trains those"
-        )
+        if not lora.target_parameters:
+            log(
+                f"note: {type(model).__name__} is a mixture of experts: LoRA adapts its linear "
+                f"modules, not its routed experts ({', '.join(fused_experts(model))}) or "
+                f"router; method.lora.target_parameters adapts the experts, method.type full "
+                f"or freeze trains them"
+            )
     settings = {}
     if family is not None:
         settings["exclude_modules"] = lora_exclusions(family)
@@ -245,13 +252,18 @@ def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         modules_to_save=full or None,
         ensure_weight_tying=tied,
         task_type=TaskType.CAUSAL_LM,
+        target_parameters=lora.target_parameters or None,
         **settings,
     )
     peft_model = get_peft_model(model, peft_config)
-    check_no_wrapped_experts(peft_model)
+    check_no_wrapped_experts(peft_model, lora.target_parameters)
     # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
     # also names modules its exclude_modules then skipped: a vision tower's).
-    wrapped = {n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    wrapped = {
+        n.rsplit(".", 1)[-1]
+        for n, m in peft_model.named_modules()
+        if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")
+    } | set(lora.target_parameters)  # the fused experts' weights, as named
     scale = (
         f" (rsLoRA: scale alpha/sqrt(r) = {lora.alpha / lora.r**0.5:.3g})" if lora.rslora else ""
     )

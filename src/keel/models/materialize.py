@@ -33,6 +33,7 @@ from keel.quant.nf4 import is_nf4
 _PEFT_PREFIX = "base_model.model."
 # torch.nn.utils.parametrize keeps `experts.gate_up_proj` as
 # `experts.parametrizations.gate_up_proj.original` (QLoRA's NF4 experts)
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
 _PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original$")
 
 
@@ -116,7 +117,8 @@ def checkpoint_key(param_name: str) -> str:
     PEFT's modules_to_save (a trainable projector beside LoRA) keeps the original module and
     a trained copy under `original_module.` and `modules_to_save.default.`: both start from
     the checkpoint's tensor."""
-    name = param_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    # a weight LoRA wraps twice (two parameters of one experts module) sits two base_layers in
+    name = _BASE_LAYERS.sub(".", param_name.removeprefix(_PEFT_PREFIX))
     name = name.replace(".original_module.", ".").replace(".modules_to_save.default.", ".")
     return _PARAMETRIZED.sub(r".\1", name)  # a parametrized weight's stored original
 

@@ -187,7 +187,8 @@ def _moe(layer: LayerInfo, shapes: Shapes, regime: Regime) -> int:
     adds its own SwiGLU outputs."""
     experts, k = layer.experts, shapes.experts_per_token or 1
     h, c, r, w = shapes.hidden, regime.compute, regime.residual, experts.width
-    per_expert = r * (3 * w + h) + (r * (h + w) if experts.trainable else 0)
+    weights_grad = experts.trainable or experts.lora_numel  # LoRA's gradient passes W + BA
+    per_expert = r * (3 * w + h) + (r * (h + w) if weights_grad else 0)
     if experts.nf4_itemsize:  # recomputed in backward: its input, top-k ids and weights
         per_expert, total = 8 + r, r * h
     else:
@@ -319,7 +320,9 @@ def activation_bytes(
         per_token += r * h  # the positions with a target, gathered for the loss
     per_token += 2 * 4 * shapes.head_dim + _BATCH_BYTES_PER_TOKEN
     copies = [
-        _dora_weight_copies(layer, regime) + _qat_weight_bytes(layer, regime, census.qat)
+        _dora_weight_copies(layer, regime)
+        + _qat_weight_bytes(layer, regime, census.qat)
+        + _expert_lora_weights(layer, regime)
         for layer, flow in zip(census.layers, flows)
         if flow
     ]
@@ -417,6 +420,16 @@ def _qat_per_token(layer: LayerInfo, regime: Regime, qat: tuple[str, int]) -> in
     return int(
         sum((trained if m.trainable else frozen)(r) * m.in_features + scales for m in layer.linears)
     )
+
+
+def _expert_lora_weights(layer: LayerInfo, regime: Regime) -> int:
+    """LoRA on the fused experts (PEFT's ParamWrapper): each forward forms W + BA, a copy of
+    the block's expert weights in their dtype, which the grouped matmuls keep for backward
+    (the frozen W alone would be kept as the parameter it is)."""
+    experts = layer.experts
+    if experts is None or not experts.lora_numel:
+        return 0
+    return regime.residual * experts.weight_numel
 
 
 def _pinned_bytes(nbytes: int) -> int:

@@ -117,6 +117,8 @@ class ExpertsInfo:
     # QLoRA's quantize_experts: bytes per value the NF4 experts dequantise to while their
     # block runs, which backward recomputes (it keeps its inputs only); 0: not NF4
     nf4_itemsize: int = 0
+    # LoRA on the experts (method.lora.target_parameters): its weights' elements; 0: none
+    lora_numel: int = 0
 
 
 @dataclass
@@ -379,6 +381,8 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
     linears, norms = [], []
     for name, module in layer.named_modules():
         short = name.rsplit(".", 1)[-1]
+        if _adapts_a_parameter(module):  # LoRA on fused experts: counted with them
+            continue
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
             base = module.base_layer
             dropout = module.lora_dropout["default"]
@@ -421,31 +425,41 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
 def _experts_info(layer: nn.Module) -> ExpertsInfo | None:
     """The block's fused routed experts (a module holding 3-D gate_up_proj and down_proj
     parameters), None for a dense block. The router is the experts' sibling that holds a
-    weight of [experts, hidden] (Qwen-MoE's and Mixtral's `gate`)."""
+    weight of [experts, hidden] (Qwen-MoE's and Mixtral's `gate`). LoRA on the experts
+    (PEFT's ParamWrapper, one per adapted parameter) wraps the module, as its base_layer."""
     for name, module in layer.named_modules():
-        down = getattr(module, "down_proj", None)
+        down = vars(module).get("_parameters", {}).get("down_proj")
         if not isinstance(down, nn.Parameter) or down.dim() != 3:
             continue
         count, x, y = down.shape  # [E, hidden, width], or [E, width, hidden] (gpt-oss)
         gate_up = getattr(module, "gate_up_proj", None)  # [E, 2 width, hidden] or transposed
         fused = tuple(gate_up.shape[1:]) if gate_up is not None else ()
         width = x if 2 * x in fused and y in fused and 2 * y not in fused else y
-        parent = layer.get_submodule(name.rpartition(".")[0]) if "." in name else layer
+        outer = name.split(".base_layer")[0]  # the outermost wrapper, or the module itself
+        parent = layer.get_submodule(outer.rpartition(".")[0]) if "." in outer else layer
+        wrapper = layer.get_submodule(outer) if outer else layer
         router = [
             p
             for child in parent.children()
-            if child is not module
+            if child is not wrapper
             for p in child.parameters(recurse=False)
             if p.dim() == 2 and p.shape[0] == count
         ]
+        lora = [p for n, p in wrapper.named_parameters() if ".lora_" in f".{n}"]
         return ExpertsInfo(
             count=count,
             width=width,
             weight_numel=_numel(module),
             trainable=any(p.requires_grad for p in module.parameters()),
             router_trainable=any(p.requires_grad for p in router),
+            lora_numel=sum(p.numel() for p in lora),
         )
     return None
+
+
+def _adapts_a_parameter(module: nn.Module) -> bool:
+    """PEFT's LoRA on a parameter (a fused experts weight), not on a Linear module."""
+    return type(module).__name__ == "ParamWrapper"
 
 
 def _inside_lora(name: str) -> bool:

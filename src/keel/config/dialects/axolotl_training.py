@@ -147,13 +147,16 @@ def _moe_experts_only(build: Build, key: str, value) -> None:
     if key == "quantize_moe_experts" and value and build.raw.get("adapter") == "qlora":
         build.put(key, "method.qlora.quantize_experts", True, "NF4 experts beside NF4 linears")
         return
+    if key == "lora_target_parameters" and value and build.raw.get("adapter"):
+        names = [value] if isinstance(value, str) else value
+        build.put(key, "method.lora.target_parameters", names, "rank lora_r per expert")
+        return
     whys = {
         "quantize_moe_experts": "keel stores experts in NF4 under QLoRA only (adapter: qlora, "
         "load_in_4bit); with another adapter they stay in model.dtype (keel plan counts them "
         "there): remove it, or use adapter: qlora",
-        "lora_target_parameters": "LoRA on parameters (the fused routed experts): keel's LoRA "
-        "adapts linear modules only; train the experts with unfrozen_parameters (full or "
-        "freeze) instead",
+        "lora_target_parameters": "LoRA on parameters without an adapter: set adapter: lora "
+        "(or qlora)",
     }
     if not value:
         build.ignored(key, f"{value!r}: off")

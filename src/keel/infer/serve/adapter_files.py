@@ -177,6 +177,13 @@ def _check_config(config: dict, where: str, caps: AdapterCaps) -> None:
         )
     if config.get("layer_replication"):
         raise ModelError(f"{where}: layer_replication changes the base model; not served")
+    if config.get("target_parameters"):
+        raise ModelError(
+            f"{where}: it adapts weights themselves ({', '.join(config['target_parameters'])}: "
+            f"a mixture of experts' fused experts), which cannot share a batch with other "
+            f"adapters here; serve it alone (keel serve --model ADAPTER_DIR), or merge it "
+            f"(keel export) and serve that"
+        )
 
 
 def _lora_shapes(weights: Path, where: str, caps: AdapterCaps) -> LoraShapes:
