@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.plan.census import Census, LayerInfo, LinearInfo
+from keel.plan.qat import qat_per_token, qat_weight_bytes
 from keel.precision import Precision
 
 # Linears that read the same tensor: q/k/v read the first norm's output, gate/up the
@@ -171,7 +172,7 @@ def block_bytes_per_token(
         + _attention(shapes, c, seq=seq, packed=packed, attn=attn)
         + mlp
         + _linear_inputs(layer, shapes, regime, grad_in=grad_in)
-        + (_qat_per_token(layer, regime, qat) if qat else 0)
+        + (qat_per_token(layer, regime, qat) if qat else 0)
     )
 
 
@@ -321,7 +322,7 @@ def activation_bytes(
     per_token += 2 * 4 * shapes.head_dim + _BATCH_BYTES_PER_TOKEN
     copies = [
         _dora_weight_copies(layer, regime)
-        + _qat_weight_bytes(layer, regime, census.qat)
+        + qat_weight_bytes(layer, regime, census.qat)
         + _expert_lora_weights(layer, regime)
         for layer, flow in zip(census.layers, flows)
         if flow
@@ -376,49 +377,6 @@ def _dora_weight_copies(layer: LayerInfo, regime: Regime) -> int:
         regime.compute * m.dora_features * m.in_features
         for m in layer.linears
         if m.dora_features and m.lora_dropout
-    )
-
-
-# method.qat: what torchao's rounding (0.18, keel.quant.qat) saves for backward beyond a
-# plain linear layer's tensors, measured with autograd's saved-tensor hooks on random Llama
-# models (fp32 and bf16 weights, bf16 autocast on fp32 weights, groups of 32 and 64; r: the
-# weights' itemsize, g: the group size):
-# - per weight element (whatever the tokens): the rounded copy (r) when the weight is
-#   frozen; trained, int8-int4 2r + 2r/g (the copy, the scales, zero points and the
-#   straight-through mask), int4 20 - r + 16/g and fp8 16 (fp32 intermediates). Under
-#   autocast the rounded weight's compute-dtype copy replaces the weight's: r less;
-# - per token and input feature, (trained, frozen) below; int8-int4 also keeps per-token
-#   scales, 3r per linear layer.
-_QAT_PER_INPUT = {  # (scheme, autocast on fp32 weights): bytes, as functions of r
-    ("int8-int4", False): (lambda r: 1.5 * r, lambda r: r),
-    ("int8-int4", True): (lambda r: 3.5, lambda r: 3.25),
-    ("fp8", False): (lambda r: 16, lambda r: 16 - r / 2),
-    ("fp8", True): (lambda r: 14.5, lambda r: 14.25),
-}
-
-
-def _qat_weight_bytes(layer: LayerInfo, regime: Regime, qat: tuple[str, int] | None) -> int:
-    """Bytes method.qat's rounding saves per block whatever the tokens (see above)."""
-    if qat is None:
-        return 0
-    scheme, g = qat
-    r = regime.residual
-    trained = {"int8-int4": 2 * r + 2 * r / g, "int4": 20 - r + 16 / g, "fp8": 16}[scheme]
-    copy = r if regime.weight_copies else 0  # autocast's copy of it replaces the weight's
-    return int(
-        sum(((trained if m.trainable else r) - copy) * m.weight_numel for m in layer.linears)
-    )
-
-
-def _qat_per_token(layer: LayerInfo, regime: Regime, qat: tuple[str, int]) -> int:
-    """Bytes per token method.qat's rounding saves in a block (see above)."""
-    coefficients = _QAT_PER_INPUT.get((qat[0], regime.weight_copies))
-    if coefficients is None:  # int4: the inputs are not rounded
-        return 0
-    r, (trained, frozen) = regime.residual, coefficients
-    scales = 3 * r if qat[0] == "int8-int4" else 0
-    return int(
-        sum((trained if m.trainable else frozen)(r) * m.in_features + scales for m in layer.linears)
     )
 
 
