@@ -221,3 +221,56 @@ def test_template_that_rewrites_history_is_a_data_error(tiny_tokenizer, tmp_path
     with pytest.raises(DataError) as err:
         _prepare(tmp_path, tiny_tokenizer, [CONVERSATION], template="rewrite.jinja")
     assert "d.jsonl row 1" in str(err.value) and "data.template" in str(err.value)
+
+
+# --- an answer's reasoning (reasoning_content, thinking) ---------------------------------
+
+# Qwen3's way: the reasoning of the answers after the last user turn, in <think>
+THINKS = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m.role == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content and loop.index0 > ns.last %}"
+    "<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+GPT_OSS_STYLE = THINKS.replace("m.reasoning_content", "m.thinking")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "thinking"])
+@pytest.mark.parametrize("template", [THINKS, GPT_OSS_STYLE])
+def test_an_answers_reasoning_is_rendered_and_trained(tiny_tokenizer, tmp_path, field, template):
+    row = {
+        "messages": [
+            {"role": "user", "content": "Add 2 and 3.", field: None},
+            {"role": "assistant", "content": "5", field: "2 plus 3 is 5"},
+        ]
+    }
+    data = _prepare(tmp_path, tiny_tokenizer, [row], template=template)
+    runs = trained_runs(tiny_tokenizer, data.train[0]["input_ids"], data.train[0]["targets"])
+    assert runs == [f"<think>2 plus 3 is 5</think>5{EOS}"]
+
+
+@pytest.mark.parametrize(
+    ("messages", "template", "why"),
+    [  # a template that reads neither field: the reasoning would be lost
+        ([("user", "Q", None), ("assistant", "A", "because")], CHATML_TEMPLATE, "does not render"),
+        # Qwen3's drops the reasoning of answers before the last user turn
+        (
+            [("user", "Q", None), ("assistant", "A", "because"), ("user", "Q2", None),
+             ("assistant", "B", None)],
+            THINKS,
+            "drops it in this turn",
+        ),
+        ([("user", "Q", "hmm"), ("assistant", "A", None)], THINKS, "a user message holds reasoning"),
+    ],
+)  # fmt: skip
+def test_reasoning_that_would_be_lost_is_refused(tiny_tokenizer, tmp_path, messages, template, why):
+    row = {
+        "messages": [
+            {"role": role, "content": content, **({"reasoning_content": r} if r else {})}
+            for role, content, r in messages
+        ]
+    }
+    with pytest.raises(DataError, match=why):
+        _prepare(tmp_path, tiny_tokenizer, [row], template=template)

@@ -226,3 +226,14 @@ def test_their_qat_examples_schedule_keys():
     assert fates["cosine_constant_lr_ratio"].fate == "refused"
     _, fates = _translate(qat={"weight_dtype": "int4", "quantize_embedding": True})
     assert fates["qat.quantize_embedding"].fate == "refused"
+
+
+def test_their_thinking_fields_are_the_ones_keel_reads():
+    dataset = {"path": "d.jsonl", "type": "chat_template", "field_thinking": "thinking",
+               "template_thinking_key": "reasoning_content"}  # fmt: skip
+    translation, fates = _translate(datasets=[dataset])
+    assert translation.refused() == []
+    assert fates["datasets.0.field_thinking"].fate == "ignored"
+    other = {**dataset, "field_thinking": "analysis"}
+    _, fates = _translate(datasets=[other])
+    assert fates["datasets.0.field_thinking"].fate == "refused"

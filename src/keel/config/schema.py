@@ -129,6 +129,11 @@ class MethodConfig:
         return self.type in ("lora", "qlora")
 
 
+# The message fields an answer's reasoning is read from, as chat templates read it: vLLM's
+# and Qwen3's reasoning_content, gpt-oss's thinking (keel.data.formats)
+REASONING_FIELDS = ("reasoning_content", "thinking")
+
+
 @dataclass(kw_only=True)
 class DatasetConfig:
     # a file, a folder, a local HF datasets dir, a name in dataset_info.json, or a Hugging

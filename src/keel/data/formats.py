@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from difflib import get_close_matches
 
+from keel.config.schema import REASONING_FIELDS
 from keel.errors import DataError
 from keel.models.vision.family import PLACEHOLDER
 
@@ -385,7 +386,24 @@ def parse_message(m, i: int, col: str, t: dict, inline: list | None = None) -> d
     content = _message_content(m.get(t["content_tag"]), i, t["content_tag"], roles[role], refs)
     if inline is not None:
         inline += refs
-    return {"role": roles[role], "content": content}
+    return {"role": roles[role], "content": content, **_reasoning(m, i, roles[role])}
+
+
+def _reasoning(m: dict, i: int, role: str) -> dict:
+    """{reasoning_content, thinking} of message `i`, or {} when it has none: a message
+    carries its answer's reasoning under both names, for either kind of template
+    (keel.data.template checks that it shows)."""
+    found = {key: m[key] for key in REASONING_FIELDS if m.get(key) not in (None, "")}
+    if not found:
+        return {}
+    key, text = next(iter(found.items()))
+    if not isinstance(text, str):
+        raise RowError(f"message {i}: field '{key}' must be text, got {type(text).__name__}")
+    if len({str(v) for v in found.values()}) > 1:
+        raise RowError(f"message {i}: fields {' and '.join(found)} hold different reasoning")
+    if role != "assistant":
+        raise RowError(f"message {i}: a {role} message holds reasoning ('{key}'); only answers do")
+    return {"reasoning_content": text, "thinking": text}
 
 
 def _message_content(content, i: int, tag: str, role: str, refs: list) -> str:

@@ -106,6 +106,7 @@ def assistant_spans(
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or (last_only and i != len(messages) - 1):
             continue
+        _check_reasoning_shows(full, message, i, template)
         before = render(tokenizer, template, messages[:i], generation=True, tools=tools)
         upto = (
             full
@@ -119,6 +120,21 @@ def assistant_spans(
             )
         spans.append(_trim_span(full, len(before), len(upto), message["content"], eos))
     return full, spans
+
+
+def _check_reasoning_shows(full: str, message: dict, i: int, template: ChatTemplate) -> None:
+    """An answer's reasoning (reasoning_content) is in the render: a template that does not
+    read it, or drops it (Qwen3's keeps the reasoning after the last user turn only), would
+    train the answer without it, silently."""
+    reasoning = message.get("reasoning_content", "").strip()
+    if reasoning and reasoning not in full:
+        raise RowError(
+            f"assistant message {i + 1} has reasoning (reasoning_content/thinking) that the "
+            f"chat template ({template.name}) does not render here: it reads neither field, "
+            f"or drops it in this turn; put the reasoning in the answer itself (e.g. "
+            f"<think>...</think>), keep it on the last answer only, or use a template that "
+            f"renders it"
+        )
 
 
 def _trim_span(text: str, start: int, end: int, content: str, eos: str) -> tuple[int, int]:

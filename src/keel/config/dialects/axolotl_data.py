@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from keel.config.dialects.build import Build
 from keel.config.dialects.report import unknown_key
+from keel.config.schema import REASONING_FIELDS
 
 PAIR_STAGES = ("dpo", "orpo", "simpo", "rm")
 
@@ -48,6 +49,7 @@ _DATASET_KEYS = (
     *("path", "type", "split", "revision", "ds_type", "data_files", "name"),
     *("message_property_mappings", "roles", "roles_to_train", "train_on_eos"),
     "drop_system_message",
+    *("field_thinking", "template_thinking_key"),
     *_COLUMNS,
     *_LEGACY_TAGS,
 )
@@ -145,6 +147,8 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
         _roles_to_train(build, name, value)
     elif key == "train_on_eos":
         _train_on_eos(build, name, value)
+    elif key in ("field_thinking", "template_thinking_key"):
+        _thinking(build, name, key, value)
     elif key == "drop_system_message":
         ds["drop_system"] = bool(value)
         build.mapped(
@@ -153,6 +157,24 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
     else:
         why = "an Axolotl dataset key keel has no counterpart for; remove it"
         build.refused(name, unknown_key(key, _DATASET_KEYS, why))
+
+
+def _thinking(build: Build, name: str, key: str, value) -> None:
+    """Their names of an answer's reasoning, in the rows and in the template: keel reads
+    reasoning_content or thinking from the rows and gives the template both."""
+    if value in REASONING_FIELDS:
+        build.ignored(
+            name,
+            f"{value}: keel reads an answer's reasoning from reasoning_content or thinking and "
+            f"gives the chat template both",
+        )
+    else:
+        where = "its messages" if key == "field_thinking" else "the chat template"
+        build.refused(
+            name,
+            f"{value!r}: keel reads an answer's reasoning as reasoning_content or thinking in "
+            f"{where}; rename the field",
+        )
 
 
 def _type(build: Build, name: str, kind, ds: dict, target: str) -> None:
