@@ -237,3 +237,14 @@ def test_their_thinking_fields_are_the_ones_keel_reads():
     other = {**dataset, "field_thinking": "analysis"}
     _, fates = _translate(datasets=[other])
     assert fates["datasets.0.field_thinking"].fate == "refused"
+
+
+def test_their_mxfp4_loading_is_keels_dequantized_load():
+    translation, fates = _translate(
+        model_quantization_config="Mxfp4Config",
+        model_quantization_config_kwargs={"dequantize": True},
+    )
+    assert translation.refused() == []
+    assert "dequantizes" in fates["model_quantization_config"].why
+    _, fates = _translate(model_quantization_config="FineGrainedFP8Config")
+    assert fates["model_quantization_config"].fate == "refused"

@@ -45,15 +45,15 @@ class StackedExperts:
             return None  # the experts of one part differ in shape
         return (len(self.parts[0]), sum(s[0] for s in firsts), *firsts[0][1:])
 
-    def read(
-        self, get: Callable[[str], torch.Tensor], region: tuple[slice, ...] | None
-    ) -> torch.Tensor:
-        """The fused tensor, or only `region` of it: only the experts in its first slice
-        are read."""
+    def read(self, reader, region: tuple[slice, ...] | None) -> torch.Tensor:
+        """The fused tensor, or only `region` of it, from `reader` (a CheckpointReader): only
+        the experts in its first slice are read."""
         experts = range(len(self.parts[0]))
         if region is not None:
             experts = experts[region[0]]
-        stacked = torch.stack([torch.cat([get(part[e]) for part in self.parts]) for e in experts])
+        stacked = torch.stack(
+            [torch.cat([reader.get(part[e]) for part in self.parts]) for e in experts]
+        )
         return stacked if region is None else stacked[(slice(None), *region[1:])]
 
 

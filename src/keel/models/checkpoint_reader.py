@@ -9,6 +9,7 @@ import torch
 
 from keel.errors import ModelError
 from keel.models.checkpoint_names import StackedExperts
+from keel.models.mxfp4 import Mxfp4Experts
 from keel.models.safetensors_files import check_model_dir
 
 _SAFETENSORS_DTYPES = {
@@ -52,11 +53,13 @@ class CheckpointReader:
                         f"{info['dtype']}, which keel cannot train from"
                     )
                 self._where[key] = (handle, file.data_start, info)
-        self._stacked: dict[str, StackedExperts] = {}
+        # fused expert tensors built from other tensors (per-expert ones, MXFP4 blocks)
+        self._stacked: dict[str, StackedExperts | Mxfp4Experts] = {}
         self.model_dir = model_dir
 
-    def add_stacked(self, stacked: dict[str, StackedExperts]) -> None:
-        """Read these names as experts stacked from their per-expert tensors."""
+    def add_stacked(self, stacked: dict[str, StackedExperts | Mxfp4Experts]) -> None:
+        """Read these names as experts stacked from their per-expert tensors, or dequantized
+        from MXFP4 blocks and scales."""
         self._stacked.update(stacked)
 
     def keys(self) -> list[str]:
@@ -71,7 +74,7 @@ class CheckpointReader:
     def get(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor `key`, or only `region` of it (rows read from disk without the rest)."""
         if key in self._stacked:
-            return self._stacked[key].read(self.get, region)
+            return self._stacked[key].read(self, region)
         handle, data_start, info = self._where[key]
         shape, dtype = list(info["shape"]), _SAFETENSORS_DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]

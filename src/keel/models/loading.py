@@ -13,6 +13,7 @@ import torch
 from safetensors import SafetensorError
 
 from keel.errors import ModelError
+from keel.models.mxfp4 import is_mxfp4
 from keel.models.safetensors_files import check_model_dir
 from keel.models.vision import family_of
 
@@ -92,12 +93,18 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         auto_class, kind = model_class(config)
+        extra = {}
+        if is_mxfp4(config):  # gpt-oss: its experts in dtype, as keel trains and merges them
+            from transformers import Mxfp4Config
+
+            extra["quantization_config"] = Mxfp4Config(dequantize=True)
         return auto_class.from_pretrained(
             source,
             dtype=dtype if dtype is not None else "auto",
             # auto: transformers' own choice, sdpa where the architecture has it, else eager
             attn_implementation=None if attn_implementation == "auto" else attn_implementation,
             trust_remote_code=trust_remote_code,
+            **extra,
         )
     except (OSError, ValueError, ImportError, SafetensorError) as e:
         raise ModelError(f"cannot load a {kind} model from {source}: {e}") from e

@@ -27,6 +27,7 @@ from keel.models.attention import auto_attention
 from keel.models.checkpoint_names import stored_names
 from keel.models.checkpoint_reader import CheckpointReader
 from keel.models.loading import model_class
+from keel.models.mxfp4 import is_mxfp4, mxfp4_weights
 from keel.models.vocabulary import AddedTokens, embedding_names, mean_start
 from keel.quant.nf4 import is_nf4
 
@@ -70,6 +71,8 @@ def build_empty_model(
         if "does not support an attention implementation" in str(e):
             hint = " (set model.attn_implementation: eager for this architecture)"
         raise ModelError(f"cannot build a {kind} model from {source}{hint}: {e}") from e
+    if is_mxfp4(model.config):  # keel dequantizes the experts while loading (keel.models.mxfp4)
+        del model.config.quantization_config
     # PEFT copies name_or_path into adapter_config.json as the base model: keep it absolute.
     model.name_or_path = source
     model.config._name_or_path = source
@@ -132,6 +135,7 @@ def stored_key_lookup(model: nn.Module, reader: CheckpointReader) -> Callable[[s
     names = [checkpoint_key(name) for name, _ in materialized_tensors(model)]
     found = stored_names(hf_model, names, reader.keys())
     reader.add_stacked(found.stacked)  # a fused expert tensor is read under its own name
+    reader.add_stacked(mxfp4_weights(names, reader.keys()))  # gpt-oss: dequantized
 
     def key_of(param_name: str) -> str:
         own = checkpoint_key(param_name)

@@ -1,5 +1,6 @@
-"""Axolotl's quantization-aware training (`qat:`, torchao) as keel's method.qat, and the
-schedule keys their QAT examples set beside it."""
+"""Axolotl's quantization-aware training (`qat:`, torchao) as keel's method.qat, the
+schedule keys their QAT examples set beside it, and the quantization a checkpoint loads
+with (`model_quantization_config`: gpt-oss's MXFP4)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,31 @@ def _not_theirs(build: Build, key: str, value) -> None:
     )
 
 
+def _model_quantization(build: Build, key: str, value) -> None:
+    """transformers' quantization config for loading the base: Mxfp4Config (gpt-oss), which
+    keel always dequantizes while loading; any other refused."""
+    if key == "model_quantization_config_kwargs":
+        if build.raw.get("model_quantization_config") == "Mxfp4Config":
+            build.ignored(key, "keel dequantizes MXFP4 experts while loading, always")
+        else:
+            build.refused(key, "read with model_quantization_config (which see)")
+    elif value == "Mxfp4Config":
+        build.ignored(
+            key,
+            "keel dequantizes a gpt-oss checkpoint's MXFP4 experts to model.dtype while "
+            "loading (as Mxfp4Config(dequantize=True) does) and trains them there",
+        )
+    else:
+        build.refused(
+            key,
+            f"{value!r}: keel loads MXFP4 checkpoints (dequantized) and quantizes with "
+            f"adapter: qlora; other quantized checkpoints are not read",
+        )
+
+
 QAT_HANDLERS = {
+    "model_quantization_config": _model_quantization,
+    "model_quantization_config_kwargs": _model_quantization,
     "qat": _qat,
     "cosine_constant_lr_ratio": _cosine_constant_lr_ratio,
     "eta_min": _not_theirs,
