@@ -9,48 +9,24 @@ import pytest
 import torch
 from config_support import qa_rows, tiny_lora_config
 from conftest import build_tiny_tokenizer
-from safetensors.torch import load_file, save_file
+from moe_support import EXPERT_WEIGHTS, write_mxfp4_gpt_oss
+from safetensors.torch import load_file
 
 from keel.config import load_config
 from keel.models.checkpoint_reader import CheckpointReader
 from keel.models.materialize import build_empty_model, stored_key_lookup
 from keel.train.run import run_training
 
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-
 
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
-    """A tiny gpt-oss saved plainly ("plain") and with its experts as MXFP4 blocks and
-    scales, as the Hub's checkpoints hold them ("mxfp4"); the data to train on."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A tiny gpt-oss with its experts as MXFP4 blocks and scales, as the Hub's checkpoints
+    hold them ("mxfp4"), the same weights stored plainly ("plain"), and data."""
+    from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("gpt-oss")
     tokenizer = build_tiny_tokenizer()
-    config = AutoConfig.for_model(
-        "gpt_oss", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(root / "mxfp4")
-    tokenizer.save_pretrained(root / "mxfp4")
-    tensors = load_file(root / "mxfp4" / "model.safetensors")
-    generator = torch.Generator().manual_seed(0)
-    for key in [k for k in tensors if k.endswith(EXPERT_WEIGHTS)]:
-        experts, inputs, outputs = tensors.pop(key).shape
-        groups = (experts, outputs, inputs // 32)
-        tensors[key + "_blocks"] = torch.randint(
-            0, 256, (*groups, 16), dtype=torch.uint8, generator=generator
-        )
-        tensors[key + "_scales"] = torch.randint(
-            120, 128, groups, dtype=torch.uint8, generator=generator
-        )
-    save_file(tensors, root / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
-    config_file = root / "mxfp4" / "config.json"
-    saved = json.loads(config_file.read_text())
-    saved["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
-    config_file.write_text(json.dumps(saved))
+    write_mxfp4_gpt_oss(root / "mxfp4", tokenizer)
     # the same weights as plain tensors, through transformers' own dequantization
     from transformers import Mxfp4Config
 

@@ -24,7 +24,6 @@ class Scheme:
 
     summary: str  # what is rounded to what, for the log and the docs
     grouped: bool  # weights are scaled in groups of method.qat.group_size input features
-    fixed_group: int | None = None  # the scheme's own group size (group_size is ignored)
 
 
 SCHEMES = {
