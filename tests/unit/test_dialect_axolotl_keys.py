@@ -248,3 +248,12 @@ def test_their_mxfp4_loading_is_keels_dequantized_load():
     assert "dequantizes" in fates["model_quantization_config"].why
     _, fates = _translate(model_quantization_config="FineGrainedFP8Config")
     assert fates["model_quantization_config"].fate == "refused"
+
+
+def test_their_older_batch_size_and_fan_in_fan_out():
+    translation, fates = _translate(batch_size=32, micro_batch_size=4, lora_fan_in_fan_out=False)
+    assert translation.refused() == []
+    assert translation.config["train"]["grad_accum"] == 8
+    assert fates["lora_fan_in_fan_out"].fate == "ignored"
+    _, fates = _translate(batch_size=32, micro_batch_size=4, gradient_accumulation_steps=2)
+    assert fates["batch_size"].fate == "ignored"

@@ -164,7 +164,30 @@ def _moe_experts_only(build: Build, key: str, value) -> None:
         build.refused(key, whys[key])
 
 
+def _batch_size(build: Build, key: str, value) -> None:
+    """Their older spelling of a process's batch: gradient_accumulation_steps is
+    batch_size // micro_batch_size when they leave it out (their normalize_config)."""
+    micro = build.raw.get("micro_batch_size") or 1
+    if build.raw.get("gradient_accumulation_steps"):
+        build.ignored(key, "gradient_accumulation_steps is set, which Axolotl takes then")
+    elif not isinstance(value, int) or value < micro:
+        build.refused(key, f"{value!r}: a whole number of rows, at least micro_batch_size")
+    else:
+        why = f"batch_size // micro_batch_size = {value} // {micro}, as Axolotl computes it"
+        build.put(key, "train.grad_accum", value // micro, why)
+
+
+def _fan_in_fan_out(build: Build, key: str, value) -> None:
+    build.ignored(
+        key,
+        f"{value!r}: PEFT decides it from the layer (true for GPT-2's Conv1D, false for "
+        f"Linear), whatever is set",
+    )
+
+
 TRAINING_HANDLERS = {
+    "batch_size": _batch_size,
+    "lora_fan_in_fan_out": _fan_in_fan_out,
     "model_config": _model_config,
     "quantize_moe_experts": _moe_experts_only,
     "lora_target_parameters": _moe_experts_only,
