@@ -177,6 +177,13 @@ CASES = {
         "full",
         ("method.qat.scheme=int8-int4", "train.max_steps=1", "data.val_size=0"),
     ),
+    # each token's cross-entropy weighted by the model's top-k entropy (packed rows): the
+    # weighted sums and the unweighted ce_loss beside them reduced over processes
+    "fsdp-full-eaft-packed": (
+        "fsdp",
+        "full",
+        ("train.token_weighting=eaft", "train.eaft_top_k=8", "data.packing=true"),
+    ),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
     "fsdp-freeze-patterns": (
         "fsdp",
@@ -231,6 +238,11 @@ def test_two_processes_match_one(workspace, reference, two_processes, case):
     assert len(summary["per_rank"]) == 2
     assert_same_losses(train_losses(got), train_losses(want))
     assert_same_losses(eval_losses(got), eval_losses(want))
+    if "train.token_weighting=eaft" in extra:
+        ce_got, ce_want = (_ce_losses(run) for run in (got, want))
+        assert ce_want and ce_got.keys() == train_losses(got).keys()
+        assert_same_losses(ce_got, ce_want)
+        assert all(train_losses(want)[step] < ce_want[step] for step in ce_want)
     # An expert few tokens reach has gradients near 0, whose sign the order of the sums
     # decides and which Adam scales up to full steps: weights agree to 3e-5 after 6 steps
     # that move them by 0.06 (a rank that trained the wrong experts would be off by that).
@@ -244,6 +256,12 @@ def test_two_processes_match_one(workspace, reference, two_processes, case):
         assert_same_weights(got / "merged", want / "merged")
     if f"model.path={MOE}" in extra and method == "full":  # saved as its checkpoints are
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in load_file(got / "model.safetensors")
+
+
+def _ce_losses(out: Path) -> dict[int, float]:
+    """step -> ce_loss (the unweighted cross-entropy of a token-weighted run)."""
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["ce_loss"] for r in records if "ce_loss" in r}
 
 
 @pytest.mark.parametrize("name", RESUMES)

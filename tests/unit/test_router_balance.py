@@ -37,13 +37,14 @@ def moe_dir(tmp_path_factory):
     return path
 
 
-def build(path, coef, padding_free: bool):
+def build(path, coef, padding_free: bool, token_weighting: str = "none"):
     cfg = RunConfig(
         model=ModelConfig(path=str(path)),
         data=DataConfig(datasets=[]),
         output=OutputConfig(dir=str(path / "out")),
     )
     cfg.train.router_aux_loss_coef = coef
+    cfg.train.token_weighting = token_weighting
     cfg.train.padding_free = padding_free
     built = build_training_model(cfg, path, DistContext(), Precision("fp32", "test"), print)
     return built.objective.train()
@@ -93,7 +94,7 @@ def test_the_balance_term_is_transformers_own(moe_dir, padding_free):
 
 def test_model_takes_the_config_coefficient_and_eval_leaves_it_out(moe_dir):
     objective = build(moe_dir, "model", padding_free=True)
-    assert objective.router_balance.coefficient == 0.001
+    assert objective.terms.router_balance.coefficient == 0.001
     got, _ = keel_loss(objective, True)
     assert got == pytest.approx(hugging_face_loss(moe_dir, 0.001), rel=1e-5)
     objective.eval()
@@ -101,6 +102,24 @@ def test_model_takes_the_config_coefficient_and_eval_leaves_it_out(moe_dir):
         assert keel_loss(objective, True)[0] == pytest.approx(
             hugging_face_loss(moe_dir, 0.0), rel=1e-5
         )
+
+
+def test_with_token_weighting_the_terms_add_up_and_both_are_logged(moe_dir):
+    weighted = build(moe_dir, 0.0, True, token_weighting="dft")
+    both = build(moe_dir, COEF, True, token_weighting="dft")
+    assert both.metric_names == ("ce_loss", "aux_loss")
+    rows = [
+        {"input_ids": ids, "targets": t, "position_ids": list(range(len(ids)))}
+        for ids, t in SAMPLES
+    ]
+    batch = collate(rows, pad_id=0, padding_free=True)
+    alone, out = weighted(batch), both(batch)
+    ce_sum, tokens, aux, counted = out.statistics.tolist()
+    assert (tokens, counted) == (float(out.count), 1.0)
+    assert ce_sum == pytest.approx(float(alone.statistics[0]), rel=1e-6)
+    assert ce_sum > 2 * float(alone.loss)  # the weighted loss is not the plain one
+    want = alone.loss + COEF * aux * out.count
+    assert float(out.loss) == pytest.approx(float(want), rel=1e-6)
 
 
 def test_a_model_without_routers_is_refused(tiny_model_dir, tmp_path):

@@ -251,6 +251,14 @@ class TrainConfig:
     # added to the loss (transformers' output_router_logits); 0: off, as transformers'
     # default; model: the config's router_aux_loss_coef. Logged as aux_loss
     router_aux_loss_coef: float | Literal["model"] = 0.0
+    # pt and sft: weight each target token's cross-entropy by a factor of the model's own
+    # prediction there, held constant: dft, its probability of the token (Dynamic
+    # Fine-Tuning); eaft, the entropy of its eaft_top_k likeliest next tokens over
+    # ln(eaft_top_k), to the power eaft_alpha. Training logs ce_loss, the unweighted one;
+    # eval_loss stays unweighted
+    token_weighting: Literal["none", "dft", "eaft"] = "none"
+    eaft_alpha: float = 1.0  # eaft: the exponent of the normalised entropy (>= 0)
+    eaft_top_k: int = 20  # eaft: the likeliest next tokens whose entropy is taken (>= 2)
     # Stop once eval_loss has not improved (by more than early_stopping_threshold) in this
     # many evaluations in a row (every train.eval_every steps), and keep the best
     # evaluation's model as the final one; 0: off

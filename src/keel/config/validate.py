@@ -14,6 +14,7 @@ from keel.config.schema import (
     WandbConfig,
 )
 from keel.config.sizes import parse_memory
+from keel.config.validate_method import check_method, positive
 from keel.extras import extra_problem
 from keel.stages.base import Stage
 from keel.stages.registry import STAGES, spoken, stage_sections
@@ -28,7 +29,7 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_model(cfg),
         *_check_added_tokens(cfg),
         *_check_vision(cfg),
-        *_check_method(cfg),
+        *check_method(cfg),
         *_check_data(cfg),
         *_check_train(cfg),
         *_check_stage(cfg),
@@ -54,13 +55,6 @@ def _non_finite(node, key: str) -> list[str]:
     if isinstance(node, float) and not math.isfinite(node):
         return [f"{key.rstrip('.')} = {node!r} must be a finite number"]
     return []
-
-
-def _positive(value, key: str, *, allow_zero: bool = False) -> list[str]:
-    if value > 0 or (allow_zero and value == 0):
-        return []
-    bound = ">= 0" if allow_zero else "> 0"
-    return [f"{key} = {value!r} must be {bound}"]
 
 
 # owner/name as the Hub spells repo ids (huggingface_hub's validate_repo_id, two parts).
@@ -123,7 +117,7 @@ def _check_vision(cfg: RunConfig) -> list[str]:
     """model.vision's image size bounds (checked for every model: a config is validated
     before keel knows whether the model sees images)."""
     vision = cfg.model.vision
-    problems = _positive(vision.image_min_pixels, "model.vision.image_min_pixels")
+    problems = positive(vision.image_min_pixels, "model.vision.image_min_pixels")
     if vision.image_max_pixels > MAX_IMAGE_PIXELS:
         problems.append(
             f"model.vision.image_max_pixels = {vision.image_max_pixels} is above "
@@ -136,90 +130,6 @@ def _check_vision(cfg: RunConfig) -> list[str]:
             f"image_min_pixels"
         )
     return problems
-
-
-def _check_method(cfg: RunConfig) -> list[str]:
-    lora, freeze = cfg.method.lora, cfg.method.freeze
-    problems = _positive(lora.r, "method.lora.r") + _positive(lora.alpha, "method.lora.alpha")
-    if not 0 <= lora.dropout < 1:
-        problems.append(f"method.lora.dropout = {lora.dropout} must be in [0, 1)")
-    if lora.plus_lr_ratio is not None:
-        problems += _positive(lora.plus_lr_ratio, "method.lora.plus_lr_ratio")
-    if cfg.method.type == "freeze" and freeze.trainable_layers >= 0:  # -N: the first N
-        problems += _positive(
-            freeze.trainable_layers,
-            "method.freeze.trainable_layers",
-            allow_zero=bool(freeze.trainable_modules or freeze.trainable_params),
-        )
-    if cfg.output.merge_lora and not cfg.method.uses_lora:
-        problems.append(
-            f"output.merge_lora = true needs method.type = lora or qlora "
-            f"(it is {cfg.method.type}); remove output.merge_lora"
-        )
-    if cfg.method.type == "qlora" and cfg.method.qlora.quant_backend == "bnb":
-        if cfg.distributed.strategy == "fsdp":
-            problems.append(BNB_UNDER_FSDP)
-        if cfg.method.qlora.quantize_experts:
-            problems.append(
-                "method.qlora.quantize_experts = true stores experts as torchao's NF4 "
-                "tensors; set method.qlora.quant_backend=torchao"
-            )
-    elif cfg.method.type == "qlora" and lora.dora:
-        problems.append(DORA_ON_NF4)
-    return problems + _check_expert_lora(cfg) + _check_qat(cfg)
-
-
-def _check_expert_lora(cfg: RunConfig) -> list[str]:
-    lora = cfg.method.lora
-    if not lora.target_parameters or not cfg.method.uses_lora:
-        return []
-    key = f"method.lora.target_parameters = {lora.target_parameters}"
-    problems = []
-    if lora.dropout:
-        problems.append(
-            f"{key} with method.lora.dropout = {lora.dropout}: a weight's LoRA is added to the "
-            f"weight, where no dropout of the input applies (PEFT refuses it); set dropout 0"
-        )
-    if lora.dora:
-        problems.append(f"{key} with method.lora.dora: PEFT's DoRA adapts linear modules only")
-    if cfg.method.type == "qlora" and cfg.method.qlora.quantize_experts:
-        problems.append(
-            f"{key} with method.qlora.quantize_experts: the experts would be NF4 and adapted at "
-            f"once, which keel does not run; drop one of them"
-        )
-    return problems
-
-
-def _check_qat(cfg: RunConfig) -> list[str]:
-    qat = cfg.method.qat
-    if qat.scheme == "none":
-        return []
-    problems = _positive(qat.group_size, "method.qat.group_size")
-    problems += _positive(qat.start_step, "method.qat.start_step", allow_zero=True)
-    if cfg.method.uses_lora:
-        problems.append(
-            f"method.qat.scheme = {qat.scheme} with method.type = {cfg.method.type}: QAT "
-            f"trains the weights the scheme rounds, and a merged adapter would change them "
-            f"after training; use method.type full or freeze, or method.qat.scheme none"
-        )
-    return problems
-
-
-DORA_ON_NF4 = (
-    "method.lora.dora = true with method.qlora.quant_backend = torchao: PEFT's DoRA "
-    "cannot read torchao's NF4 weights (it fails in the first forward); set "
-    "method.qlora.quant_backend=bnb (one process or DDP), or method.type=lora"
-)
-
-
-# Measured with bitsandbytes 0.50 (issue 13): wrong results, not an error, so keel refuses.
-BNB_UNDER_FSDP = (
-    "method.qlora.quant_backend = bnb cannot run under distributed.strategy = fsdp: "
-    "bitsandbytes' 4-bit weights shard correctly only when their storage dtype equals "
-    "FSDP2's parameter dtype (with fp32 storage and a bf16 policy training is silently "
-    "wrong, accelerate#3983), and its optimizers fail on sharded tensors; use "
-    "quant_backend torchao (NF4 built for FSDP2), or distributed.strategy ddp"
-)
 
 
 def _check_data(cfg: RunConfig) -> list[str]:
@@ -239,8 +149,8 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"data.val_size = {data.val_size} and data.eval_datasets both choose the evaluation "
             f"data; keep one (val_size holds rows of data.datasets out)"
         )
-    problems += _positive(data.num_proc, "data.num_proc")
-    problems += _positive(data.max_row_bytes, "data.max_row_bytes")
+    problems += positive(data.num_proc, "data.num_proc")
+    problems += positive(data.max_row_bytes, "data.max_row_bytes")
     stage = STAGES.get(cfg.train.stage)  # None: _check_stage reports it
     if stage and stage.unit == "prompt" and data.packing:
         problems.append(
@@ -263,9 +173,9 @@ def _check_data(cfg: RunConfig) -> list[str]:
         if stage and ds.format != "auto" and ds.format not in stage.formats:
             problems.append(_format_problem(f"data.datasets.{index}.format", ds.format, stage))
         if ds.max_samples is not None:
-            problems += _positive(ds.max_samples, f"data.datasets.{index}.max_samples")
+            problems += positive(ds.max_samples, f"data.datasets.{index}.max_samples")
         if ds.num_samples is not None:
-            problems += _positive(ds.num_samples, f"data.datasets.{index}.num_samples")
+            problems += positive(ds.num_samples, f"data.datasets.{index}.num_samples")
     if data.dataset_dir is not None and not Path(data.dataset_dir).is_dir():
         problems.append(
             f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
@@ -285,33 +195,33 @@ _TRAINED_TOKENS = {
 
 def _check_train(cfg: RunConfig) -> list[str]:
     t = cfg.train
-    problems = _positive(t.micro_batch_size, "train.micro_batch_size")
-    problems += _positive(t.grad_accum, "train.grad_accum")
+    problems = positive(t.micro_batch_size, "train.micro_batch_size")
+    problems += positive(t.grad_accum, "train.grad_accum")
     if t.global_batch_size is not None:
-        problems += _positive(t.global_batch_size, "train.global_batch_size")
+        problems += positive(t.global_batch_size, "train.global_batch_size")
         if t.grad_accum != 1:
             problems.append(
                 f"train.grad_accum = {t.grad_accum} and train.global_batch_size = "
                 f"{t.global_batch_size} both set the batch; set only one (with "
                 f"global_batch_size, keel derives the accumulation per process)"
             )
-    problems += _positive(t.lr, "train.lr")
-    problems += _positive(t.loss_chunk_size, "train.loss_chunk_size")
-    problems += _positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
-    problems += _positive(t.weight_decay, "train.weight_decay", allow_zero=True)
-    problems += _positive(t.max_grad_norm, "train.max_grad_norm", allow_zero=True)
-    problems += _positive(t.threads, "train.threads", allow_zero=True)
-    problems += _positive(t.eval_every, "train.eval_every", allow_zero=True)
-    problems += _positive(t.evals_per_epoch, "train.evals_per_epoch", allow_zero=True)
+    problems += positive(t.lr, "train.lr")
+    problems += positive(t.loss_chunk_size, "train.loss_chunk_size")
+    problems += positive(t.warmup_steps, "train.warmup_steps", allow_zero=True)
+    problems += positive(t.weight_decay, "train.weight_decay", allow_zero=True)
+    problems += positive(t.max_grad_norm, "train.max_grad_norm", allow_zero=True)
+    problems += positive(t.threads, "train.threads", allow_zero=True)
+    problems += positive(t.eval_every, "train.eval_every", allow_zero=True)
+    problems += positive(t.evals_per_epoch, "train.evals_per_epoch", allow_zero=True)
     if t.eval_every and t.evals_per_epoch:
         problems.append(
             f"train.eval_every = {t.eval_every} and train.evals_per_epoch = "
             f"{t.evals_per_epoch} both set how often to evaluate; keep one"
         )
     if t.max_steps is None:
-        problems += _positive(t.epochs, "train.epochs")
+        problems += positive(t.epochs, "train.epochs")
     else:
-        problems += _positive(t.max_steps, "train.max_steps")
+        problems += positive(t.max_steps, "train.max_steps")
     if not 0 <= t.min_lr_ratio <= 1:
         problems.append(f"train.min_lr_ratio = {t.min_lr_ratio} must be in [0, 1]")
     if not 0 <= t.warmup_ratio < 1:
@@ -319,6 +229,7 @@ def _check_train(cfg: RunConfig) -> list[str]:
     if len(t.adam_betas) != 2 or not all(0 <= b < 1 for b in t.adam_betas):
         problems.append(f"train.adam_betas = {t.adam_betas} must be two numbers in [0, 1)")
     problems += _router_balance_problems(t)
+    problems += _token_weighting_problems(t)
     problems += _early_stopping_problems(cfg)
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         problems.append(
@@ -330,10 +241,8 @@ def _check_train(cfg: RunConfig) -> list[str]:
 def _early_stopping_problems(cfg: RunConfig) -> list[str]:
     """Early stopping needs periodic evaluations of held-out data."""
     t = cfg.train
-    problems = _positive(
-        t.early_stopping_patience, "train.early_stopping_patience", allow_zero=True
-    )
-    problems += _positive(
+    problems = positive(t.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
+    problems += positive(
         t.early_stopping_threshold, "train.early_stopping_threshold", allow_zero=True
     )
     if problems or not t.early_stopping_patience:
@@ -363,6 +272,21 @@ def _router_balance_problems(t) -> list[str]:
         f"train.router_aux_loss_coef = {setting} adds the routers' balance to a next-token "
         f"loss (stage pt or sft), not to {t.stage}'s; set it to 0"
     ]
+
+
+def _token_weighting_problems(t) -> list[str]:
+    """train.token_weighting weights a next-token cross-entropy; eaft's settings in range."""
+    problems = positive(t.eaft_alpha, "train.eaft_alpha", allow_zero=True)
+    if t.eaft_top_k < 2:
+        problems.append(
+            f"train.eaft_top_k = {t.eaft_top_k} must be at least 2 (the entropy of one token is 0)"
+        )
+    if t.token_weighting != "none" and t.stage not in ("pt", "sft"):
+        problems.append(
+            f"train.token_weighting = {t.token_weighting} weights a next-token "
+            f"cross-entropy (stage pt or sft), not {t.stage}'s loss; set it to none"
+        )
+    return problems
 
 
 def _check_stage(cfg: RunConfig) -> list[str]:
@@ -413,10 +337,10 @@ def _check_stage_sections(cfg: RunConfig) -> list[str]:
 
 def _check_output(cfg: RunConfig) -> list[str]:
     out = cfg.output
-    problems = _positive(out.log_every, "output.log_every")
-    problems += _positive(out.keep_last, "output.keep_last")
-    problems += _positive(out.save_every, "output.save_every", allow_zero=True)
-    problems += _positive(out.saves_per_epoch, "output.saves_per_epoch", allow_zero=True)
+    problems = positive(out.log_every, "output.log_every")
+    problems += positive(out.keep_last, "output.keep_last")
+    problems += positive(out.save_every, "output.save_every", allow_zero=True)
+    problems += positive(out.saves_per_epoch, "output.saves_per_epoch", allow_zero=True)
     if out.save_every and out.saves_per_epoch:
         problems.append(
             f"output.save_every = {out.save_every} and output.saves_per_epoch = "
@@ -465,8 +389,8 @@ def _check_wandb(w: WandbConfig) -> list[str]:
 
 def _check_distributed(cfg: RunConfig) -> list[str]:
     d = cfg.distributed
-    problems = _positive(d.timeout_s, "distributed.timeout_s")
-    problems += _positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
+    problems = positive(d.timeout_s, "distributed.timeout_s")
+    problems += positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
     if d.device_memory != "auto":
         try:
             parse_memory(d.device_memory)
@@ -477,8 +401,8 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
 
 def _check_watchdog(cfg: RunConfig) -> list[str]:
     w = cfg.watchdog
-    problems = _positive(w.hang_timeout_s, "watchdog.hang_timeout_s")
-    problems += _positive(w.slow_phase_timeout_s, "watchdog.slow_phase_timeout_s")
+    problems = positive(w.hang_timeout_s, "watchdog.hang_timeout_s")
+    problems += positive(w.slow_phase_timeout_s, "watchdog.slow_phase_timeout_s")
     if w.stall_timeout_s != "auto":
-        problems += _positive(w.stall_timeout_s, "watchdog.stall_timeout_s")
+        problems += positive(w.stall_timeout_s, "watchdog.stall_timeout_s")
     return problems

@@ -8,7 +8,10 @@ means would over-weight tokens in short micro-batches.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +33,63 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     )
 
 
+@dataclass(frozen=True)
+class TokenWeighting:
+    """train.token_weighting: each target token's cross-entropy times a weight computed from
+    the model's own next-token distribution at that position, held constant (no gradient
+    flows through it).
+
+    - dft (Dynamic Fine-Tuning, Wu et al. 2025): the probability the model gives the target,
+      p = exp(-CE). Tokens the model already finds likely weigh most, which the paper reads
+      as SFT's gradient with its implicit 1/p reward weighting taken out.
+    - eaft (entropy-adaptive): the entropy of the model's `top_k` most likely next tokens
+      over its maximum, ln(top_k), to the power `alpha`: weights in [0, 1], near 0 where the
+      model is sure (a confident conflict with the data is not forced), near 1 where it is
+      unsure.
+    """
+
+    kind: Literal["dft", "eaft"]
+    alpha: float = 1.0  # eaft's exponent
+    top_k: int = 20  # eaft: the next tokens whose entropy is taken (>= 2)
+
+    @torch.no_grad()
+    def weights(self, logits: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
+        """[N] weights of positions with fp32 `logits` [N, V] and cross-entropies [N]."""
+        if self.kind == "dft":
+            return torch.exp(-losses)
+        top = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values  # [N, k]
+        log_probs = top.log_softmax(dim=-1)
+        entropy = -(log_probs.exp() * log_probs).sum(dim=-1)
+        return (entropy / math.log(self.top_k)).pow(self.alpha)
+
+
+def weighted_cross_entropy_sums(
+    logits: torch.Tensor, targets: torch.Tensor, weighting: TokenWeighting
+) -> torch.Tensor:
+    """[2]: (sum_i w_i * CE_i, sum_i CE_i detached) over targets != -100, in fp32; w_i from
+    `weighting` (see TokenWeighting). The second is what the run logs as ce_loss."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    targets = targets.reshape(-1)
+    keep = targets != IGNORE_INDEX
+    logits, targets = logits[keep], targets[keep]
+    losses = F.cross_entropy(logits, targets, reduction="none")  # [N]
+    weights = weighting.weights(logits.detach(), losses.detach())
+    return torch.stack([(weights * losses).sum(), losses.detach().sum()])
+
+
 def _head_cross_entropy(
     head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor
 ) -> torch.Tensor:
     return cross_entropy_sum(head(hidden), targets)
+
+
+def _head_weighted_cross_entropy(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weighting: TokenWeighting,
+) -> torch.Tensor:
+    return weighted_cross_entropy_sums(head(hidden), targets, weighting)
 
 
 def _head_token_logps(
@@ -77,6 +133,23 @@ def chunked_cross_entropy(
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     for part in _by_chunks(_head_cross_entropy, hidden, targets, head, chunk_size):
+        total = total + part
+    return total
+
+
+def chunked_weighted_cross_entropy(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    weighting: TokenWeighting,
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """`weighted_cross_entropy_sums` of `head(hidden)`, chunk by chunk as
+    `chunked_cross_entropy` computes the plain one: [2] (weighted sum, plain sum)."""
+    total = hidden.new_zeros((2,), dtype=torch.float32)
+    chunks = _by_chunks(_head_weighted_cross_entropy, hidden, targets, head, chunk_size, weighting)
+    for part in chunks:
         total = total + part
     return total
 

@@ -14,7 +14,7 @@ from torch.nn.utils.parametrize import register_parametrization
 from torch.utils.checkpoint import checkpoint
 
 from keel.config.schema import QloraConfig
-from keel.config.validate import BNB_UNDER_FSDP
+from keel.config.validate_method import BNB_UNDER_FSDP
 from keel.distributed.strategy import Strategy
 from keel.errors import ConfigError
 from keel.models.loading import torch_dtype

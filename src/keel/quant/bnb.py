@@ -1,5 +1,5 @@
 """QLoRA's frozen base with bitsandbytes (`method.qlora.quant_backend: bnb`): one process
-or DDP only (see keel.config.validate.BNB_UNDER_FSDP).
+or DDP only (see keel.config.validate_method.BNB_UNDER_FSDP).
 
 The frozen decoder linears become `bnb.nn.Linear4bit` on the meta device with an empty
 placeholder weight, so allocating the model allocates no full-precision copy of them;

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from keel.config import RunConfig
+from keel.config.schema import TrainConfig
 from keel.distributed.parallelize import (
     ParallelizeSettings,
     device_memory_bytes,
@@ -26,6 +27,7 @@ from keel.distributed.parallelize import (
 )
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
+from keel.losses import TokenWeighting
 from keel.models import apply_method, torch_dtype
 from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
 from keel.models.loading import enable_activation_checkpointing
@@ -58,7 +60,13 @@ from keel.stages.base import (
 )
 from keel.stages.registry import get_stage
 from keel.train.grpo_objective import PolicyGradientObjective
-from keel.train.objective import CausalLMObjective, causal_lm_of, use_attention, vision_modules
+from keel.train.objective import (
+    CausalLMObjective,
+    LossTerms,
+    causal_lm_of,
+    use_attention,
+    vision_modules,
+)
 from keel.train.preference import PreferenceObjective
 from keel.train.reference import build_reference_copy
 from keel.train.reward_objective import RewardObjective
@@ -125,6 +133,11 @@ def build_training_model(
         layers = decoder_layers(causal_lm_of(model))
         quantize_base(layers, cfg.method.qlora, precision, dist, strategy, log)
     objective = make_objective(cfg, model)
+    if cfg.train.token_weighting != "none":
+        log(
+            f"loss: each target token's cross-entropy weighted ({cfg.train.token_weighting}); "
+            "ce_loss is the unweighted one, eval_loss stays unweighted"
+        )
     _materialize(build, model, objective, strategy)
     fast_head = _choose_loss_head(objective, dist, log)
     padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
@@ -289,12 +302,19 @@ class _ObjectiveKit:
     settings: StageSettings | None
     vision: VisionFamily | None = None  # a vision-language model's family
     seed: int = 0  # train.seed: new weights (rm's score head) start from it
-    router_aux_loss_coef: float | str = 0.0  # train.router_aux_loss_coef (pt, sft)
+    train: TrainConfig | None = None  # pt, sft: token_weighting, router_aux_loss_coef
 
     def causal_lm(self) -> Objective:
-        balance = RouterBalance.of(causal_lm_of(self.model), self.router_aux_loss_coef)
+        t = self.train or TrainConfig()
+        weighting = None
+        if t.token_weighting != "none":
+            weighting = TokenWeighting(t.token_weighting, t.eaft_alpha, t.eaft_top_k)
+        terms = LossTerms(
+            token_weighting=weighting,
+            router_balance=RouterBalance.of(causal_lm_of(self.model), t.router_aux_loss_coef),
+        )
         return CausalLMObjective(
-            self.model, chunk_size=self.chunk_size, vision=self.vision, router_balance=balance
+            self.model, chunk_size=self.chunk_size, vision=self.vision, terms=terms
         )
 
     def sequence_scores(self, stage: Stage) -> Objective:
@@ -326,7 +346,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
         settings=cfg.stage_settings,
         vision=family_of(causal_lm_of(model).config),
         seed=cfg.train.seed,
-        router_aux_loss_coef=cfg.train.router_aux_loss_coef,
+        train=cfg.train,
     )
     return stage.objective(kit, stage)
 

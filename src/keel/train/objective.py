@@ -14,10 +14,19 @@ set-up; the objective uses the fast head only when they agree.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from keel.losses import IGNORE_INDEX, chunked_cross_entropy, cross_entropy_sum
+from keel.losses import (
+    IGNORE_INDEX,
+    TokenWeighting,
+    chunked_cross_entropy,
+    chunked_weighted_cross_entropy,
+    cross_entropy_sum,
+    weighted_cross_entropy_sums,
+)
 from keel.models.attention import (
     PREFIX_GROUPS,
     SEQ_LENS,
@@ -128,6 +137,24 @@ def text_model(lm: nn.Module) -> nn.Module:
     return lm if vision is None else lm.get_submodule(vision.language_model)
 
 
+@dataclass(frozen=True)
+class LossTerms:
+    """What pt and sft training change in the plain summed cross-entropy; each is logged
+    as a training metric beside the loss."""
+
+    # train.token_weighting: each token's cross-entropy weighted (logged: ce_loss, the
+    # unweighted one, for comparison with eval_loss)
+    token_weighting: TokenWeighting | None = None
+    # train.router_aux_loss_coef: a mixture of experts' load-balancing term (logged: aux_loss)
+    router_balance: RouterBalance | None = None
+
+    def metric_names(self) -> tuple[str, ...]:
+        """In the order forward stacks their (sum, count) pairs."""
+        return ("ce_loss",) * (self.token_weighting is not None) + ("aux_loss",) * (
+            self.router_balance is not None
+        )
+
+
 class CausalLMObjective(nn.Module):
     """Next-token cross-entropy summed over target tokens (pt and sft).
 
@@ -150,17 +177,16 @@ class CausalLMObjective(nn.Module):
         chunk_size: int = 1024,
         fast_head: bool = False,
         vision: VisionFamily | None = None,
-        router_balance: RouterBalance | None = None,
+        terms: LossTerms | None = None,
     ):
         super().__init__()
         self.model = model
         self.chunk_size = chunk_size
         self.fast_head = fast_head
         self.vision = vision  # the family of a vision-language model, None for text
-        # a mixture of experts' load-balancing term (train.router_aux_loss_coef), logged as
-        # aux_loss; added in training only, so eval_loss stays the cross-entropy
-        self.router_balance = router_balance
-        self.metric_names = ("aux_loss",) if router_balance is not None else ()
+        # what training adds to the plain cross-entropy (eval_loss stays the cross-entropy)
+        self.terms = terms or LossTerms()
+        self.metric_names = self.terms.metric_names()
 
     def inputs(self, batch: dict, prefix: str = "") -> dict:
         """`model_inputs` of this objective's model (with its family's, for a VLM)."""
@@ -192,31 +218,44 @@ class CausalLMObjective(nn.Module):
         targets = batch["targets"]  # [B, T], pre-shifted
         mask = targets != IGNORE_INDEX  # [B, T]
         num_targets = mask.sum()
-        balance = self.router_balance if self.training else None
+        balance = self.terms.router_balance if self.training else None
+        weighting = self.terms.token_weighting if self.training else None
         if balance is not None:
             inputs["output_router_logits"] = True
         if not self.fast_head:
             out = self.model(**inputs)
-            loss = cross_entropy_sum(out.logits, targets)  # logits [B, T, V]
+            logits = out.logits  # [B, T, V]
+            if weighting is None:
+                loss = cross_entropy_sum(logits, targets)
+            else:
+                loss = weighted_cross_entropy_sums(logits, targets, weighting)
         else:
             lm = causal_lm_of(self.model)
             out = decoder_of(lm, self.vision)(**inputs)
             selected = out.last_hidden_state[mask]  # [N, H]
-            loss = chunked_cross_entropy(
-                selected, targets[mask], lm.get_output_embeddings(), chunk_size=self.chunk_size
-            )
-        if balance is None:
+            head, chunk = lm.get_output_embeddings(), self.chunk_size
+            if weighting is None:
+                loss = chunked_cross_entropy(selected, targets[mask], head, chunk_size=chunk)
+            else:
+                loss = chunked_weighted_cross_entropy(
+                    selected, targets[mask], head, weighting, chunk_size=chunk
+                )
+        if balance is None and weighting is None:
             return ObjectiveOutput(loss, num_targets, self._no_statistics(loss))
-        aux = balance.loss(out.router_logits, batch)
         counted = (num_targets > 0).float()  # a filler micro-batch reports nothing
-        statistics = torch.stack([aux.detach().float() * counted, counted])
-        return ObjectiveOutput(
-            loss + balance.coefficient * aux * num_targets, num_targets, statistics
-        )
+        statistics = []
+        if weighting is not None:  # [2]: (weighted sum, plain sum)
+            statistics += [loss[1].float(), num_targets.float()]
+            loss = loss[0]
+        if balance is not None:
+            aux = balance.loss(out.router_logits, batch)
+            statistics += [aux.detach().float() * counted, counted]
+            loss = loss + balance.coefficient * aux * num_targets
+        return ObjectiveOutput(loss, num_targets, torch.stack(statistics))
 
     def _no_statistics(self, loss: torch.Tensor) -> torch.Tensor | None:
-        """Zero (sum, count) pairs where the run logs aux_loss but this forward (eval) has
-        none to add; None otherwise."""
+        """Zero (sum, count) pairs where the run logs training-only metrics (ce_loss,
+        aux_loss) but this forward (eval) has none to add; None otherwise."""
         if not self.metric_names:
             return None
         return loss.new_zeros(2 * len(self.metric_names), dtype=torch.float32)

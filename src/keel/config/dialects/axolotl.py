@@ -17,12 +17,14 @@ from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
 from keel.config.dialects.build import (
     Build,
+    eval_strategy,
     optimizer,
     save_strategy,
     scheduler,
 )
 from keel.config.dialects.report import Translation, unknown_key
 from keel.config.dialects.templates import axolotl_chat_template, axolotl_chat_template_jinja
+from keel.config.dialects.token_weighting import AXOLOTL_HANDLERS as TOKEN_WEIGHTING_HANDLERS
 
 DIRECT = {
     "base_model": "model.path",
@@ -433,7 +435,10 @@ _HANDLERS = {
     "datasets": _datasets,
     "test_datasets": _datasets,
     "save_strategy": save_strategy,
+    "eval_strategy": eval_strategy,
+    "evaluation_strategy": eval_strategy,
     **RUNTIME_HANDLERS,
+    **TOKEN_WEIGHTING_HANDLERS,
 }
 # Keys whose null has a meaning of its own (no adapter: full fine-tuning; no datasets: the
 # fix to name some; no LoRA rank: their LoRA run stops); any other known key left empty is

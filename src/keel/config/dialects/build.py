@@ -186,3 +186,21 @@ def save_strategy(build: Build, key: str, value) -> None:
         build.ignored(key, "steps: save_steps sets output.save_every")
     else:
         build.refused(key, f"{value!r}: keel saves every output.save_every steps (save_steps)")
+
+
+def eval_strategy(build: Build, key: str, value) -> None:
+    """The Trainer's `eval_strategy` (`evaluation_strategy`, its old name): keel evaluates
+    every train.eval_every steps or train.evals_per_epoch times an epoch."""
+    if value == "steps":
+        build.ignored(key, "steps: eval_steps sets train.eval_every")
+    elif value == "no":
+        build.ignored(
+            key,
+            "no: keel evaluates at the end when there is evaluation data (val_size, eval_dataset)",
+        )
+    elif value == "epoch" and build.raw.get("eval_steps"):
+        build.ignored(key, "epoch: eval_steps is set too, and sets train.eval_every")
+    elif value == "epoch":
+        build.put(key, "train.evals_per_epoch", 1)
+    else:
+        build.refused(key, f"{value!r}: keel evaluates every train.eval_every steps (eval_steps)")

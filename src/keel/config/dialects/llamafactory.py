@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config.dialects.build import Build, optimizer, save_strategy, scheduler
+from keel.config.dialects.build import Build, eval_strategy, optimizer, save_strategy, scheduler
 from keel.config.dialects.deepspeed import apply_deepspeed
 from keel.config.dialects.llamafactory_keys import KEY_RULES, Rule, keel_stage
 from keel.config.dialects.report import Translation, unknown_key
+from keel.config.dialects.token_weighting import LLAMAFACTORY_HANDLERS
 
 
 def translate_llamafactory(
@@ -154,18 +155,6 @@ def _resume(build: Build, key: str, value) -> None:
         build.put(key, "train.resume", str(value), "a keel checkpoint folder")
 
 
-def _eval_strategy(build: Build, key: str, value) -> None:
-    if value == "steps":
-        build.ignored(key, "steps: eval_steps sets train.eval_every")
-    elif value == "no":
-        build.ignored(
-            key,
-            "no: keel evaluates at the end when there is evaluation data (val_size, eval_dataset)",
-        )
-    else:
-        build.refused(key, f"{value}: keel evaluates every train.eval_every steps (eval_steps)")
-
-
 def _flag(build: Build, key: str, value) -> None:
     """do_train / do_eval: what keel train does anyway, or refused when switched off."""
     if key == "do_eval":
@@ -231,14 +220,15 @@ RULES: dict[str, Rule] = {
     "adam_beta2": _adam_beta,
     "max_steps": _max_steps,
     "moe_aux_loss_coef": _moe_aux_loss,
+    **LLAMAFACTORY_HANDLERS,
     "gradient_checkpointing": _gradient_checkpointing,
     "disable_gradient_checkpointing": _gradient_checkpointing,
     "report_to": _report_to,
     "run_name": _run_name,
     "resume_from_checkpoint": _resume,
     "save_strategy": save_strategy,
-    "eval_strategy": _eval_strategy,
-    "evaluation_strategy": _eval_strategy,
+    "eval_strategy": eval_strategy,
+    "evaluation_strategy": eval_strategy,
     "do_train": _flag,
     "do_eval": _flag,
     "eval_dataset": _eval_dataset,

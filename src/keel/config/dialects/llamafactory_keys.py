@@ -98,9 +98,8 @@ _SWITCHES = {
     "streaming": "keel reads the datasets whole (data.max_samples limits them)",
     "freeze_language_model": "keel trains the language model",
     "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
-    "use_dft_loss": "the DFT loss is not available",
-    "use_asft_loss": "the ASFT loss is not available",
-    "use_eaft_loss": "the EAFT loss is not available",
+    "use_asft_loss": "ASFT (DFT plus a KL term to a reference model's next-token "
+    "distributions) is not available; use_dft_loss is",
 }
 
 
