@@ -59,7 +59,7 @@ def one_step(optimizer: torch.optim.Optimizer, params) -> None:
     optimizer.step()
 
 
-@pytest.mark.parametrize("choice", ["adamw", "adamw_8bit", "adamw_4bit"])
+@pytest.mark.parametrize("choice", ["adamw", "adamw_8bit", "adamw_4bit", "muon"])
 def test_the_plan_counts_what_the_optimizer_allocates(model_dir, choice):
     cfg = config(model_dir, choice)
     devices = DeviceSpec(kind="cpu", per_node=1, memory_bytes=2**40)
@@ -81,8 +81,11 @@ def test_the_plan_counts_what_the_optimizer_allocates(model_dir, choice):
         # codes + one fp32 scale per block + a 256- (8-bit) or 16-entry (4-bit) code book
         "adamw_8bit": 2 * (quantised + 4 * quantised // 256 + 11 * 4 * 256) + kept_fp32 + steps,
         "adamw_4bit": 2 * (quantised // 2 + 4 * quantised // 128 + 11 * 4 * 16) + kept_fp32 + steps,
+        # Muon: one fp32 buffer for the 14 matrices (73,728 values), AdamW for the
+        # embeddings and norms (20,800); a step each
+        "muon": 4 * 73_728 + 2 * 4 * 20_800 + steps,
     }
-    assert want == by_hand[choice]  # 756,304 / 265,424 / 160,976 bytes
+    assert want == by_hand[choice]  # 756,304 / 265,424 / 160,976 / 461,392 bytes
 
 
 @pytest.mark.parametrize("choice", ["adamw_8bit", "adamw_4bit"])

@@ -49,10 +49,12 @@ METHOD_OVERRIDES = {
     # QAT rounded from step 6 on: the run resumed at step 5 must not round it (the rounding
     # is read from the step, not carried from the step that switched it on)
     "full-qat": ("method.qat.scheme=int8-int4", "method.qat.start_step=5"),
+    # Muon's momentum buffers (the matrices) beside AdamW's moments (the rest)
+    "full-muon": ("train.optimizer=muon",),
 }
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "lora-plus", "lora-embeddings", "full-qat"])
+@pytest.mark.parametrize("method", list(METHOD_OVERRIDES))
 def test_resumed_run_matches_uninterrupted(tiny_model_dir, data_file, tmp_path, method):
     def method_config(model_dir, data_file, out, method):
         overrides = METHOD_OVERRIDES[method]

@@ -230,8 +230,10 @@ class TrainConfig:
     # layer inputs in pinned host memory until backward (GPU; on a CPU it is plain true)
     gradient_checkpointing: bool | Literal["offload"] = False
     # adamw: fp32 moments; adamw_8bit / adamw_4bit: torchao's block-quantised moments
-    # (~4x / ~8x less optimizer memory; the first step compiles them, needs a C compiler)
-    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit"] = "adamw"
+    # (~4x / ~8x less optimizer memory; the first step compiles them, needs a C compiler);
+    # muon: Muon (orthogonalised momentum, scaled to AdamW's RMS, so train.lr means the
+    # same) on the weight matrices, AdamW on the embeddings, output layer, norms and biases
+    optimizer: Literal["adamw", "adamw_8bit", "adamw_4bit", "muon"] = "adamw"
     # Lay each micro-batch's samples end to end in one row (no compute on padding; the same
     # samples per step, so the same loss) where the model's attention allows it (probed at
     # set-up); false: right-padded rows

@@ -144,3 +144,32 @@ def apply_freeze(model: torch.nn.Module, freeze: FreezeConfig, log: Log) -> None
     tied = outputs is not None and inputs is not None and outputs.weight is inputs.weight
     if tied and inputs.weight.requires_grad:
         log("note: lm_head and the input embeddings share one weight here, so both train")
+
+
+def muon_weights(model: torch.nn.Module) -> set[int]:
+    """ids of the trainable parameters train.optimizer muon steps by Muon: each trained
+    matrix (2-D) outside the input embeddings and the output layer (a row per token, not a
+    linear map), LoRA's A and B included, and a mixture of experts' fused [experts, rows,
+    columns] weights (a matrix per expert). `model`: any module around the Hugging Face
+    model (PEFT, DDP, keel's objective)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    output_name = "lm_head"
+    for module in model.modules():
+        try:
+            output = module.get_output_embeddings()
+        except (AttributeError, NotImplementedError):
+            continue
+        if isinstance(output, torch.nn.Module) and id(output) in names:
+            output_name = names[id(output)].split(".")[-1]
+            break
+    chosen = set()
+    for name, param in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        parts = name.split(".")
+        if not param.requires_grad or isinstance(owner, torch.nn.Embedding):
+            continue
+        if output_name in parts:
+            continue
+        if param.ndim == 2 or (param.ndim == 3 and parts[-2] == "experts"):
+            chosen.add(id(param))
+    return chosen

@@ -46,6 +46,8 @@ class TensorInfo:
     # ranks that split it), else kept in the compute dtype, whose size `itemsize` is then
     nf4: bool = False
     part: str = LANGUAGE  # LANGUAGE, or a vision-language model's TOWER or PROJECTOR
+    # a weight matrix train.optimizer muon steps by Muon (keel.models.trainable.muon_weights)
+    matrix: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -293,7 +295,7 @@ def method_variants(method: MethodConfig) -> list[MethodConfig]:
 
 
 def _count(model: nn.Module, method: str) -> Census:
-    from keel.models.trainable import decoder_layers
+    from keel.models.trainable import decoder_layers, muon_weights
 
     get_base = getattr(model, "get_base_model", None)
     lm = get_base() if callable(get_base) else model  # the *ForCausalLM inside PEFT
@@ -308,6 +310,7 @@ def _count(model: nn.Module, method: str) -> Census:
     for index, layer in enumerate(layers):
         units.update({id(p): index + offset for p in layer.parameters()})
     units.update({key: REPLICATED for key in parts})
+    matrices = muon_weights(model)
     tensors = [
         TensorInfo(
             tuple(p.shape),
@@ -315,6 +318,7 @@ def _count(model: nn.Module, method: str) -> Census:
             p.requires_grad,
             units.get(id(p), ROOT),
             part=parts.get(id(p), LANGUAGE),
+            matrix=id(p) in matrices,
         )
         for p in model.parameters()
     ]

@@ -7,7 +7,9 @@ Per device, for one micro-batch of micro_batch_size x cutoff_len tokens:
 - optimizer: AdamW's two moments per trainable weight, in the weight's dtype (fp32 master
   weights with model.dtype auto), unpadded shards under FSDP2, plus a 4-byte step each;
   train.optimizer adamw_8bit / adamw_4bit: torchao's block-quantised moments where it
-  quantises them (keel.quant.optim_state);
+  quantises them (keel.quant.optim_state); muon: a momentum buffer and a step per weight
+  matrix Muon steps, AdamW's state for the rest (the step's transient, one matrix's
+  update whole with its bf16 iterates, is less than a step's activations: not counted);
 - activations, logits: see keel.plan.activations;
 - buffers: FSDP2's gathered units in the compute dtype (the root, which stays gathered
   through backward, plus the largest two neighbouring units: the running one and the
@@ -61,7 +63,7 @@ from keel.plan.vision import (
     vision_activation_bytes,
 )
 from keel.precision import Precision
-from keel.quant.optim_state import adamw_state_bytes
+from keel.quant.optim_state import STEP_BYTES, adamw_state_bytes
 
 COMPONENTS = (
     "params",
@@ -91,7 +93,7 @@ class Workload:
     sequences_per_row: int = 1
     # DPO/KTO with a live reference and full or freeze: a frozen copy of the weights
     reference_copy: bool = False
-    optimizer: str = "adamw"  # train.optimizer: adamw | adamw_8bit | adamw_4bit
+    optimizer: str = "adamw"  # train.optimizer: adamw | adamw_8bit | adamw_4bit | muon
     # A vision-language model: its encoder's sizes and one image's cost (None: text)
     vision: VisionShapes | None = None
     images_per_sequence: int = 1  # assumed: the plan reads no data
@@ -178,7 +180,10 @@ def state_bytes(
             # exp_avg, exp_avg_sq (of the unpadded shard, which torchao also quantises by)
             # and the step (an fp32 scalar)
             moment = t.shard_bytes(dp_size, rank, padded=False) if sharded else t.nbytes
-            state += adamw_state_bytes(optimizer, moment // t.itemsize, t.itemsize)
+            if optimizer == "muon" and t.matrix:  # a momentum buffer and the step
+                state += moment + STEP_BYTES
+            else:
+                state += adamw_state_bytes(optimizer, moment // t.itemsize, t.itemsize)
     return params, grads, state
 
 

@@ -9,8 +9,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from keel.config.schema import TrainConfig
+from keel.models.trainable import muon_weights
 from keel.quant import import_torchao
 from keel.quant.optim_state import LOW_BIT, MIN_NUMEL, adamw_state_bytes
+from keel.train.muon import MuonAdamW
 
 
 def build_optimizer(
@@ -31,30 +33,39 @@ def build_optimizer(
     the update with torch.compile (seconds; needs a C compiler, which keel.train.preflight
     checks). Checkpoints hold the quantised moments as torchao's tensor subclasses, which
     torchao adds to torch's `weights_only` allow-list on import, so keel's loader reads
-    them as it reads plain tensors.
+    them as it reads plain tensors. muon: keel.train.muon.MuonAdamW, Muon on the weight
+    matrices (keel.models.trainable.muon_weights, in groups marked `muon`), AdamW on the
+    rest.
     """
     scales = (1.0, lora_plus_ratio or 1.0)
-    # (scale index, decays) -> params; the train.lr groups first, so param_groups[0] (the lr
-    # keel logs) is train.lr's
-    grouped: dict[tuple[int, bool], list] = {(i, d): [] for i in (0, 1) for d in (True, False)}
+    muon = cfg.optimizer == "muon"
+    on_muon = muon_weights(model) if muon else set()
+    # (scale index, decays, muon) -> params; the train.lr groups first, so param_groups[0]
+    # (the lr keel logs) is train.lr's
+    grouped: dict[tuple[int, bool, bool], list] = {
+        (i, d, m): [] for i in (0, 1) for d in (True, False) for m in (False, True)
+    }
     for name, param in model.named_parameters():
         if param.requires_grad:
             plus = lora_plus_ratio is not None and _is_lora_b(name)
-            grouped[(int(plus), param.ndim >= 2)].append(param)
+            grouped[(int(plus), param.ndim >= 2, id(param) in on_muon)].append(param)
     groups = [
         {
             "params": params,
             "weight_decay": cfg.weight_decay if decays else 0.0,
             "lr": cfg.lr * scales[index],
             "lr_scale": scales[index],
+            **({"muon": by_muon} if muon else {}),
         }
-        for (index, decays), params in grouped.items()
+        for (index, decays, by_muon), params in grouped.items()
         if params
     ]
     assert groups, "no trainable parameters"
     hyper = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(groups, **hyper)
+    if muon:
+        return MuonAdamW(groups, **hyper)
     optim = import_torchao("optim", needed_for=f"train.optimizer = {cfg.optimizer}")
     return getattr(optim, LOW_BIT[cfg.optimizer].cls)(groups, **hyper)
 
@@ -74,6 +85,14 @@ def describe_optimizer(optimizer: torch.optim.Optimizer, choice: str) -> str:
     if scaled:
         count, scale = sum(len(g["params"]) for g in scaled), scaled[0]["lr_scale"]
         plus = f"; LoRA+: the {count} LoRA B matrices learn at {scale:g} x train.lr"
+    if choice == "muon":
+        matrices = [p for g in optimizer.param_groups if g["muon"] for p in g["params"]]
+        buffers = sum(_local_numel(p) * p.element_size() for p in matrices) / 2**20
+        rest = len(params) - len(matrices)
+        return (
+            f"optimizer: Muon on {len(matrices)} weight matrices (a momentum buffer each, "
+            f"{buffers:.1f} MiB), AdamW on the other {rest} tensors{plus}"
+        )
     if choice not in LOW_BIT:
         return f"optimizer: AdamW (torch), moments in the parameters' dtype ({full:.1f} MiB){plus}"
     low = LOW_BIT[choice]

@@ -336,7 +336,7 @@ def _optimizer(cfg: RunConfig, device: torch.device) -> list[str]:
     clang); without one the first step fails after the model has loaded.
     """
     choice = cfg.train.optimizer
-    if choice == "adamw":
+    if choice in ("adamw", "muon"):
         return []
     key = f"train.optimizer = {choice}"
     try:

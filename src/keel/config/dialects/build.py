@@ -118,12 +118,36 @@ _SCHEDULERS = {
 
 def optimizer(build: Build, key: str, value) -> None:
     """The Trainer's `optim` name as train.optimizer."""
-    if value in _OPTIMIZERS:
+    if build.raw.get("use_muon"):  # LLaMA-Factory's switch replaces the Trainer's optimizer
+        build.ignored(key, "use_muon is on, and replaces it")
+    elif value in _OPTIMIZERS:
         choice, why = _OPTIMIZERS[value]
         build.put(key, "train.optimizer", choice, why)
+    elif value == "muon":  # Axolotl's
+        build.refused(key, AXOLOTL_MUON)
     else:
         why = f"{value!r}: keel's optimizers are AdamW in 32, 8 or 4 bits (adamw_torch, "
-        build.refused(key, why + "adamw_8bit, adamw_torch_4bit)")
+        build.refused(key, why + "adamw_8bit, adamw_torch_4bit) and Muon")
+
+
+# Dion's Muon (axolotl-contribs-mit) with adjust_lr "spectral_norm"
+AXOLOTL_MUON = (
+    "Axolotl's Muon (Dion's) scales each matrix's step by sqrt(rows / columns), keel's "
+    "(train.optimizer: muon) by 0.2 sqrt(max(rows, columns)) so that train.lr means AdamW's: "
+    "their learning_rate would make other steps; set optimizer: adamw_torch here, or train "
+    "with a keel config, train.optimizer: muon and an AdamW-sized train.lr"
+)
+
+
+def llamafactory_muon(build: Build, key: str, value) -> None:
+    """use_muon: their Muon is Moonlight's, torch's Muon at AdamW's RMS, as keel's."""
+    if not value:
+        build.ignored(key, "false: AdamW")
+        return
+    why = "Muon on the weight matrices, AdamW on embeddings, output layer, norms and biases"
+    if build.raw.get("weight_decay"):
+        why += "; they decay norms and biases too, keel does not"
+    build.put(key, "train.optimizer", "muon", why)
 
 
 MIN_LR_SCHEDULER = "cosine_with_min_lr"

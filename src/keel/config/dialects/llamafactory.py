@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config.dialects.build import Build, eval_strategy, optimizer, save_strategy, scheduler
+from keel.config.dialects.build import (
+    Build,
+    eval_strategy,
+    llamafactory_muon,
+    optimizer,
+    save_strategy,
+    scheduler,
+)
 from keel.config.dialects.deepspeed import apply_deepspeed
 from keel.config.dialects.llamafactory_keys import KEY_RULES, Rule, keel_stage
 from keel.config.dialects.report import Translation, unknown_key
@@ -216,6 +223,7 @@ RULES: dict[str, Rule] = {
     "pure_bf16": _precision,
     "lr_scheduler_type": scheduler,
     "optim": optimizer,
+    "use_muon": llamafactory_muon,
     "adam_beta1": _adam_beta,
     "adam_beta2": _adam_beta,
     "max_steps": _max_steps,

@@ -92,8 +92,8 @@ _SWITCHES = {
     "use_galore": "GaLore is not available",
     "use_badam": "BAdam is not available",
     "use_apollo": "APOLLO is not available",
-    "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw or adamw_8bit",
-    "use_muon": "Muon is not available",
+    "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw, adamw_8bit, "
+    "adamw_4bit or muon",
     "use_llama_pro": "LLaMA Pro block expansion is not available",
     "streaming": "keel reads the datasets whole (data.max_samples limits them)",
     "freeze_language_model": "keel trains the language model",
