@@ -33,9 +33,12 @@ CASES = [
 ]
 # lora+modules: LoRA with the (untied) embeddings and output layer trained in full beside it
 FULL_MODULES = ["embed_tokens", "lm_head"]
+# on 4 processes: HSDP, 2 copies each sharded over 2 processes (distributed.fsdp.shard_size)
+HSDP_CASES = [("fsdp", "full"), ("fsdp", "lora+modules")]
+HSDP_SHARD = 2
 
 
-def run_config(model_dir: Path, strategy: str, method: str) -> dict:
+def run_config(model_dir: Path, strategy: str, method: str, shard_size: int = 0) -> dict:
     lora = {"r": 4, "alpha": 8, "dropout": 0.0}
     if method == "lora+modules":
         method, lora["modules_to_save"] = "lora", FULL_MODULES
@@ -49,7 +52,7 @@ def run_config(model_dir: Path, strategy: str, method: str) -> dict:
         "data": {"datasets": ["unused.json"], "cutoff_len": 16},
         "train": {"precision": "fp32", "micro_batch_size": 2},
         "output": {"dir": "unused"},
-        "distributed": {"strategy": strategy},
+        "distributed": {"strategy": strategy, "fsdp": {"shard_size": shard_size}},
     }
 
 
@@ -86,9 +89,11 @@ def predicted(cfg, model_dir: Path, strategy: str, world: int, rank: int) -> dic
     plan = plan_run(cfg, model_dir, devices=devices, precision=Precision("fp32", "test"))
     option = plan.option_for("single" if world == 1 else strategy, cfg.method.type, False)
     device = option.per_device
+    shards = cfg.distributed.fsdp.shard_size or world  # a rank holds its group's share
+    census = plan.censuses[cfg.method.type]
     return {
         "per_device": [device.params, device.grads, device.optimizer],
-        "rank": list(state_bytes(plan.censuses[cfg.method.type], strategy, world, rank)),
+        "rank": list(state_bytes(census, strategy, shards, rank % shards)),
     }
 
 
@@ -104,8 +109,10 @@ def main(model_dir: Path, out: Path) -> None:
         log=lambda _m: None,
     )
     seen = {}
-    for strategy, method in CASES:
-        cfg = load_config(None, base=run_config(model_dir, strategy, method))
+    hsdp = ctx.world_size == 4
+    for strategy, method in HSDP_CASES if hsdp else CASES:
+        shard = HSDP_SHARD if hsdp else 0
+        cfg = load_config(None, base=run_config(model_dir, strategy, method, shard))
         seen[f"{strategy}-{method}"] = {
             "measured": measure(cfg, model_dir, ctx),
             **predicted(cfg, model_dir, strategy, ctx.world_size, ctx.rank),

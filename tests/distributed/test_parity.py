@@ -305,6 +305,22 @@ def _workers(launcher: psutil.Process) -> list[psutil.Process]:
     return found
 
 
+def test_hsdp_on_four_processes_matches_one(workspace, reference):
+    """distributed.fsdp.shard_size 2 on 4 processes: 2 copies of the model, each sharded
+    over 2 processes (FSDP2 over a replicate x shard mesh), trained as one process trains."""
+    got = workspace.train(
+        "hsdp-lora-merged", "method.type=lora", *MERGED, "distributed.strategy=fsdp",
+        "distributed.fsdp.shard_size=2", nproc=4,
+    )  # fmt: skip
+    assert "HSDP: 2 copies, each sharded over 2 processes" in workspace.last_output
+    want = reference("method.type=lora", *MERGED)
+    assert json.loads((got / "keel_run.json").read_text())["processes"] == 4
+    assert_same_losses(train_losses(got), train_losses(want))
+    assert_same_losses(eval_losses(got), eval_losses(want))
+    assert_same_weights(got, want)
+    assert_same_weights(got / "merged", want / "merged")
+
+
 def test_killed_worker_is_restarted_and_the_run_finishes_the_same(workspace, two_processes):
     """A worker SIGKILLed mid-run under --max-restarts 1: torchrun restarts the job, keel
     resumes from the newest complete checkpoint, and every loss matches a clean run.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from plan_worker import CASES, measure, predicted, run_config
+from plan_worker import CASES, HSDP_CASES, measure, predicted, run_config
 
 from keel.config import load_config
 from keel.distributed.process_group import DistContext
@@ -77,3 +77,32 @@ def test_two_processes_allocate_what_the_plan_says(odd_model_dir, tmp_path):
         assert ranks[1][case]["measured"] <= ranks[1][case]["per_device"], case
     # The odd sizes really did leave rank 1 with less optimizer state than rank 0.
     assert ranks[1]["fsdp-full"]["measured"][2] < ranks[0]["fsdp-full"]["measured"][2]
+
+
+def test_hsdp_ranks_hold_their_groups_share(odd_model_dir, tmp_path):
+    """distributed.fsdp.shard_size 2 on 4 processes: two copies, each sharded over 2 of
+    them; every rank holds what the plan computes for its place in its group."""
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(WORKER), str(odd_model_dir), str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
+    for strategy, method in HSDP_CASES:
+        case = f"{strategy}-{method}"
+        for rank, seen in enumerate(ranks):
+            assert seen[case]["measured"] == seen[case]["rank"], (case, rank)
+        assert ranks[0][case]["measured"] == ranks[0][case]["per_device"], case
+        # ranks 0 and 2 hold the same rows of the two copies, as do 1 and 3
+        assert ranks[0][case]["measured"] == ranks[2][case]["measured"], case
+        assert ranks[1][case]["measured"] == ranks[3][case]["measured"], case
+    # sharded over 2, not 4: the moments of ranks 0 and 1 (unpadded shards) are one
+    # process's, whole (each rank keeps its own 4-byte step per tensor)
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(None, base=run_config(odd_model_dir, "auto", "full"))
+    whole = measure(cfg, odd_model_dir, DistContext())[2]
+    steps = 4 * len(list(AutoModelForCausalLM.from_pretrained(odd_model_dir).parameters()))
+    halves = ranks[0]["fsdp-full"]["measured"][2] + ranks[1]["fsdp-full"]["measured"][2]
+    assert halves == whole + steps

@@ -257,3 +257,32 @@ def test_their_older_batch_size_and_fan_in_fan_out():
     assert fates["lora_fan_in_fan_out"].fate == "ignored"
     _, fates = _translate(batch_size=32, micro_batch_size=4, gradient_accumulation_steps=2)
     assert fates["batch_size"].fate == "ignored"
+
+
+@pytest.mark.parametrize(
+    ("keys", "distributed", "fates"),
+    [
+        # HSDP: each copy sharded over 4 processes (2 copies on 8)
+        (
+            {"fsdp_config": {"reshard_after_forward": True}, "dp_shard_size": 4,
+             "dp_replicate_size": 2},
+            {"strategy": "fsdp", "shard_size": 4},
+            {"dp_shard_size": "mapped", "dp_replicate_size": "ignored"},
+        ),
+        # their FSDP over 1 process per copy is replication
+        (
+            {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True},
+             "dp_shard_size": 1},
+            {"strategy": "ddp", "shard_size": None},
+            {"dp_shard_size": "mapped"},
+        ),
+        ({"dp_replicate_size": 2}, {"strategy": None, "shard_size": None},
+         {"dp_replicate_size": "refused"}),
+    ],
+)  # fmt: skip
+def test_data_parallel_sizes(keys, distributed, fates):
+    translation, found = _translate(**keys)
+    written = translation.config.get("distributed", {})
+    assert written.get("strategy") == distributed["strategy"]
+    assert written.get("fsdp", {}).get("shard_size") == distributed["shard_size"]
+    assert {k: found[k].fate for k in fates} == fates

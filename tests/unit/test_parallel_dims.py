@@ -122,3 +122,41 @@ def test_parallelize_replicates_over_the_dims_mesh(four_fake_ranks):
     assert ddp.process_group is dims.dp_mesh().get_group()
     single = ParallelizeSettings(strategy=Strategy.SINGLE)
     assert parallelize(model, dims, single) is model
+
+
+def test_hsdp_groups_and_their_refusals():
+    from keel.distributed.strategy import Strategy
+
+    dims = ParallelDims(dp_replicate=8, dp_shard=1, world_size=8)
+    hybrid = dims.with_strategy(Strategy.FSDP, 4)
+    assert (hybrid.dp_replicate, hybrid.dp_shard, hybrid.hybrid) == (2, 4, True)
+    assert hybrid.with_strategy(Strategy.FSDP) == hybrid  # a frozen copy sharded alike
+    assert dims.with_strategy(Strategy.FSDP, 0).dp_shard == 8  # 0: over all
+    assert dims.with_strategy(Strategy.FSDP, 8).hybrid is False
+    assert hybrid.with_strategy(Strategy.DDP).dp_replicate == 8
+    for bad in (3, 16, 1):
+        with pytest.raises(KeelError, match="do not split into groups"):
+            dims.with_strategy(Strategy.FSDP, bad)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "shard_size", "problem"),
+    [
+        ("fsdp", 1, "shard_size = 1 shards nothing"),
+        ("ddp", 4, "distributed.strategy = ddp shards nothing"),
+        ("fsdp", -2, "shard_size = -2 must be >= 0"),
+        ("auto", 4, None),
+    ],
+)
+def test_shard_size_is_checked_before_anything_loads(strategy, shard_size, problem, tmp_path):
+    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from keel.config.validate import check_config
+
+    cfg = RunConfig(
+        model=ModelConfig(path=str(tmp_path)),
+        data=DataConfig(datasets=[]),
+        output=OutputConfig(dir=str(tmp_path / "out")),
+    )
+    cfg.distributed.strategy, cfg.distributed.fsdp.shard_size = strategy, shard_size
+    found = [p for p in check_config(cfg) if "shard" in p]
+    assert (found == []) if problem is None else any(problem in p for p in found), found

@@ -308,6 +308,10 @@ class FsdpConfig:
     cpu_offload: bool = (
         False  # keep sharded parameters, gradients and optimizer state in CPU memory (GPU only)
     )
+    # Shard within groups of this many consecutive processes and replicate across the
+    # groups (HSDP: e.g. the GPUs of one node, so that only gradient all-reduces cross
+    # nodes); must divide the number of processes. 0: shard over all of them
+    shard_size: int = 0
 
 
 @dataclass(kw_only=True)

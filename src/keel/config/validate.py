@@ -396,6 +396,18 @@ def _check_distributed(cfg: RunConfig) -> list[str]:
             parse_memory(d.device_memory)
         except ValueError as exc:
             problems.append(f"distributed.device_memory = {exc}, or auto")
+    problems += positive(d.fsdp.shard_size, "distributed.fsdp.shard_size", allow_zero=True)
+    if d.fsdp.shard_size == 1:
+        problems.append(
+            "distributed.fsdp.shard_size = 1 shards nothing (a whole copy on every process): "
+            "use distributed.strategy ddp, or shard_size 0 (all processes) or 2 and up"
+        )
+    if d.fsdp.shard_size and d.strategy == "ddp":
+        problems.append(
+            f"distributed.fsdp.shard_size = {d.fsdp.shard_size} shards within groups of "
+            f"processes, and distributed.strategy = ddp shards nothing; use strategy fsdp "
+            f"(or auto), or shard_size 0"
+        )
     return problems
 
 

@@ -1,9 +1,9 @@
 """How the processes of a run divide the work, and the one device mesh that says it.
 
 Data parallelism is one mesh axis, "dp", over which DDP replicates and FSDP2 shards:
-dp = dp_replicate x dp_shard, where today one of the two is always 1 (DDP: N x 1, FSDP:
-1 x N); HSDP (both above 1) is expressible, and its dp axis then unflattens into
-"dp_replicate" x "dp_shard". Tensor and context parallelism (tp, cp) are sizes in the
+dp = dp_replicate x dp_shard (DDP: N x 1, FSDP: 1 x N, HSDP with
+distributed.fsdp.shard_size S: N/S x S, its dp axis unflattened into "dp_replicate" x
+"dp_shard": each group of S consecutive processes holds one sharded copy). Tensor and context parallelism (tp, cp) are sizes in the
 layout so that every reader of the data-parallel degree already asks for `dp_size`, not
 the world size; they are refused above 1 until keel implements them.
 
@@ -65,13 +65,29 @@ class ParallelDims:
         replicated = cls(dp_replicate=world_size, dp_shard=1, world_size=world_size)
         return replicated.with_strategy(strategy)
 
-    def with_strategy(self, strategy: Strategy) -> ParallelDims:
-        """The same processes and mesh, the data-parallel axis split as `strategy` uses it."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            raise KeelError("a replicate x shard (HSDP) layout has no single strategy to switch")
+    def with_strategy(self, strategy: Strategy, shard_size: int | None = None) -> ParallelDims:
+        """The same processes and mesh, the data-parallel axis split as `strategy` uses it.
+        A sharding strategy shards over groups of `shard_size` processes and replicates
+        across the groups (HSDP) when `shard_size` is below the data-parallel degree; 0
+        shards over all, None keeps the current groups (a frozen copy sharded as the model)."""
         dp = self.dp_size
-        replicate, shard = (1, dp) if strategy.shards else (dp, 1)
-        return dataclasses.replace(self, dp_replicate=replicate, dp_shard=shard)
+        if not strategy.shards:
+            return dataclasses.replace(self, dp_replicate=dp, dp_shard=1)
+        if shard_size is None:
+            shard_size = self.dp_shard if self.hybrid else 0
+        shard = shard_size or dp
+        if shard > dp or dp % shard or (shard == 1 and dp > 1):
+            raise KeelError(
+                f"distributed.fsdp.shard_size = {shard_size}: the {dp} data-parallel processes "
+                f"do not split into groups of {shard_size}; use a divisor of {dp} (e.g. the "
+                f"processes of one node), or 0 to shard over all"
+            )
+        return dataclasses.replace(self, dp_replicate=dp // shard, dp_shard=shard)
+
+    @property
+    def hybrid(self) -> bool:
+        """Sharded within groups and replicated across them (HSDP)."""
+        return self.dp_replicate > 1 and self.dp_shard > 1
 
     @property
     def dp_size(self) -> int:
@@ -94,6 +110,6 @@ class ParallelDims:
         ("dp_replicate", "dp_shard") unflattening."""
         assert self.mesh is not None, "no device mesh: one process, or build_mesh not called"
         dp = self.mesh[DP]
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        if self.hybrid:
             return dp._unflatten(0, (self.dp_replicate, self.dp_shard), (DP_REPLICATE, DP_SHARD))
         return dp

@@ -56,7 +56,7 @@ def quantize_base(
             f"{dtype_name} per matmul"
         )
         return
-    world = dist.dp_size if strategy.shards else 1  # NF4 blocks split over the shards
+    world = dist.dims.dp_shard if strategy.shards else 1  # NF4 blocks split over the shards
     if qlora.quantize_experts:
         quantize_experts(layers, dtype, world, log)
     quantized, kept = quantize_on_meta(layers, dtype, world)

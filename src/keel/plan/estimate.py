@@ -94,6 +94,9 @@ class Workload:
     # DPO/KTO with a live reference and full or freeze: a frozen copy of the weights
     reference_copy: bool = False
     optimizer: str = "adamw"  # train.optimizer: adamw | adamw_8bit | adamw_4bit | muon
+    # distributed.fsdp.shard_size: FSDP2 shards over groups of this many processes (HSDP),
+    # 0 over all
+    shard_size: int = 0
     # A vision-language model: its encoder's sizes and one image's cost (None: text)
     vision: VisionShapes | None = None
     images_per_sequence: int = 1  # assumed: the plan reads no data
@@ -147,6 +150,12 @@ class Option:
     host_bytes: int  # host RAM of one process: loading, plus offloaded state
     fits: bool
     generation: GenerationBytes | None = None  # a generating stage's terms (in per_device)
+
+
+def shard_degree(devices: DeviceSpec, work: Workload) -> int:
+    """How many processes one sharded copy spans: distributed.fsdp.shard_size (HSDP), else
+    every data-parallel process."""
+    return min(work.shard_size or devices.dp_size, devices.dp_size)
 
 
 def strategies_for(devices: DeviceSpec) -> tuple[Strategy, ...]:
@@ -253,7 +262,7 @@ def estimate(
         params, grads, optimizer, saved.peak, logits, buffers, generated, overhead, total
     )
     host = devices.host_baseline_bytes + _read_buffer(
-        census, work, devices.dp_size, strategy.shards
+        census, work, shard_degree(devices, work), strategy.shards
     )
     host += host_state + saved.host + (params if devices.kind == "cpu" else 0)
     return Option(
@@ -300,7 +309,7 @@ def _generation(
         work.generation,
         prompt_len=work.cutoff_len,
         itemsize=gathered,
-        sharded_over=devices.dp_size if strategy.shards else None,
+        sharded_over=shard_degree(devices, work) if strategy.shards else None,
     )
 
 
@@ -331,16 +340,13 @@ def _state(
     """(params, grads, optimizer) bytes on the device, and the bytes fsdp_offload moves to
     host memory instead (all three of them, except a vision tower's and projector's: they
     are in no FSDP unit, so they stay on the device)."""
-    params, grads, optimizer = state_bytes(
-        census, strategy, devices.dp_size, optimizer=work.optimizer
-    )
+    shards = shard_degree(devices, work)
+    params, grads, optimizer = state_bytes(census, strategy, shards, optimizer=work.optimizer)
     if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
         params *= 2
     if strategy is Strategy.FSDP_OFFLOAD:
         kept = [t for t in census.tensors if t.replicated]
-        on_device = state_bytes(
-            census, strategy, devices.dp_size, optimizer=work.optimizer, tensors=kept
-        )
+        on_device = state_bytes(census, strategy, shards, optimizer=work.optimizer, tensors=kept)
         if work.reference_copy and census.method not in ("lora", "qlora"):
             on_device = (2 * on_device[0], *on_device[1:])
         return (*on_device, params + grads + optimizer - sum(on_device))
@@ -358,7 +364,8 @@ def _fsdp_step_buffers(
     """FSDP2's (always, early, late) buffers: gathered units throughout, the root's
     unsharded output-layer gradient at the loss once a second chunk runs, and the
     gradient buffers of backward (see `_moving_peak`)."""
-    always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, devices.dp_size)
+    shards = shard_degree(devices, work)
+    always, late = _fsdp_buffers(census, gathered, work.reshard_after_forward, shards)
     # the output layer's gradient exists at the loss
     more_chunks = work.lm_head and work.tokens > work.loss_chunk_size
     early = _head_numel(census, shapes) * gathered if more_chunks else 0  # the root's, unsharded

@@ -125,6 +125,7 @@ def workload_of(
         attn=auto_attn if attn == "auto" else attn,
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
+        shard_size=cfg.distributed.fsdp.shard_size,
         checkpoint_itemsize=checkpoint_itemsize,
         sequences_per_row=stage.sequences_per_row * group,
         reference_copy=reference == "copy",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 from keel.distributed.strategy import STRATEGIES, Strategy
 from keel.plan.devices import GIB, USABLE_FRACTION, gib
-from keel.plan.estimate import COMPONENTS, Option
+from keel.plan.estimate import COMPONENTS, Option, shard_degree
 from keel.plan.planner import Plan, changes, knob_changes, more_devices, recommend
 from keel.plan.vision import LANGUAGE, PROJECTOR, TOWER, image_assumption
 
@@ -276,6 +276,10 @@ def decide(plan: Plan) -> Decision:
             how = "set by distributed.strategy"
         else:
             how = "auto: the cheapest that fits"
+        shards = shard_degree(plan.devices, plan.work)
+        if chosen.strategy.shards and shards < plan.devices.dp_size:
+            copies = plan.devices.dp_size // shards
+            how += f"; HSDP: {copies} copies, each sharded over {shards} processes"
         return Decision(
             chosen.strategy,
             chosen,

@@ -128,7 +128,7 @@ def build_training_model(
     )
     model = _model_on_meta(build)
     strategy = _resolve_strategy(strategy, cfg, model, dist, log)
-    dist.dims = dist.dims.with_strategy(strategy)
+    dist.dims = dist.dims.with_strategy(strategy, cfg.distributed.fsdp.shard_size)
     if cfg.method.type == "qlora":
         layers = decoder_layers(causal_lm_of(model))
         quantize_base(layers, cfg.method.qlora, precision, dist, strategy, log)

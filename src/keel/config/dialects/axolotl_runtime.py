@@ -12,7 +12,9 @@ from keel.config.dialects.report import unknown_key
 
 def _fsdp(build: Build, key: str, value) -> None:
     options = [value] if isinstance(value, str) else (value or [])
-    if "full_shard" in options or "shard_grad_op" in options:
+    if options and build.raw.get("dp_shard_size") == 1:
+        build.ignored(key, "dp_shard_size 1: no sharding (ddp)")
+    elif "full_shard" in options or "shard_grad_op" in options:
         build.put(key, "distributed.strategy", "fsdp", "FSDP2, one shard per decoder layer")
         if "shard_grad_op" in options:
             build.set("distributed.fsdp.reshard_after_forward", False)
@@ -47,7 +49,7 @@ def _fsdp_config(build: Build, key: str, value) -> None:
     if not isinstance(value, dict):
         build.ignored(key, "empty") if value is None else build.refused(key, "must be a mapping")
         return
-    if not build.raw.get("fsdp"):
+    if not build.raw.get("fsdp") and build.raw.get("dp_shard_size") != 1:
         build.set("distributed.strategy", "fsdp")  # Axolotl's newer configs use fsdp_config alone
     for name, item in value.items():
         short, dotted = name.removeprefix("fsdp_"), f"{key}.{name}"
@@ -158,7 +160,25 @@ _KERNEL_SWITCHES = (
     "lora_o_kernel",
 )
 
+
+def _data_parallel_sizes(build: Build, key: str, value) -> None:
+    """dp_shard_size: processes per sharded copy (HSDP when fewer than the processes);
+    dp_replicate_size: the copies, which keel derives from the processes."""
+    if key == "dp_shard_size" and isinstance(value, int) and value >= 2:
+        build.put(key, "distributed.fsdp.shard_size", value, "each copy sharded over this many")
+    elif key == "dp_shard_size" and value == 1:
+        build.put(key, "distributed.strategy", "ddp", "a whole copy on every process")
+    elif key == "dp_shard_size":
+        build.refused(key, f"{value!r}: the processes each copy is sharded over, 1 or more")
+    elif build.raw.get("dp_shard_size"):
+        build.ignored(key, "keel makes processes / dp_shard_size copies, as the launch decides")
+    else:
+        build.refused(key, "keel's copies are processes / shard size: set dp_shard_size instead")
+
+
 RUNTIME_HANDLERS = {
+    "dp_shard_size": _data_parallel_sizes,
+    "dp_replicate_size": _data_parallel_sizes,
     "fsdp": _fsdp,
     "fsdp_config": _fsdp_config,
     "fsdp_version": _fsdp_version,
