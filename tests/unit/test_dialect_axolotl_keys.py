@@ -286,3 +286,21 @@ def test_data_parallel_sizes(keys, distributed, fates):
     assert written.get("strategy") == distributed["strategy"]
     assert written.get("fsdp", {}).get("shard_size") == distributed["shard_size"]
     assert {k: found[k].fate for k in fates} == fates
+
+
+@pytest.mark.parametrize(
+    ("keys", "fates"),
+    [
+        ({"torch_compile": True, "torch_compile_mode": "max-autotune"},
+         {"torch_compile": "ignored", "torch_compile_mode": "ignored"}),
+        ({"fused_attn_kernel": True, "gemma4_hybrid_attn_impl": True},
+         {"fused_attn_kernel": "ignored", "gemma4_hybrid_attn_impl": "ignored"}),
+        ({"bnb_config_kwargs": {"bnb_4bit_use_double_quant": True}},
+         {"bnb_config_kwargs.bnb_4bit_use_double_quant": "ignored"}),
+        ({"bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},
+         {"bnb_config_kwargs.bnb_4bit_quant_type": "refused"}),
+    ],
+)  # fmt: skip
+def test_speed_only_settings_are_ignored_and_other_numerics_refused(keys, fates):
+    _, found = _translate(**keys)
+    assert {k: found[k].fate for k in fates} == fates

@@ -149,25 +149,12 @@ def test_training_weighs_tokens_and_evaluation_does_not(tiny_model_dir, tmp_path
     assert want_weighted < 0.5 * want_plain  # a random model's p is small: the weights bite
 
 
-@pytest.fixture
-def qa_file(tmp_path):
-    from conftest import QA
-
-    rows = [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-        for q, a in QA * 2
-    ]
-    path = tmp_path / "qa.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def test_a_run_logs_ce_loss_beside_the_weighted_loss(tiny_model_dir, qa_file, tmp_path):
+def test_a_run_logs_ce_loss_beside_the_weighted_loss(tiny_model_dir, data_file, tmp_path):
     out = tmp_path / "eaft"
     base = {
         "model": {"path": str(tiny_model_dir), "cache_dir": str(tmp_path / "cache")},
         "method": {"type": "full"},
-        "data": {"datasets": [str(qa_file)], "val_size": 4},
+        "data": {"datasets": [str(data_file)], "val_size": 4},
         "train": {
             "max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "precision": "fp32",
             "threads": 1, "token_weighting": "eaft", "eaft_top_k": 4, "eval_every": 3,

@@ -161,6 +161,42 @@ _KERNEL_SWITCHES = (
 )
 
 
+# Speed-only settings of Axolotl's own: the same computation, compiled or fused
+_SPEED_ONLY = {
+    "torch_compile": "keel runs the model eagerly (torch.compile changes speed, not the math)",
+    "torch_compile_backend": "keel does not compile the model",
+    "torch_compile_mode": "keel does not compile the model",
+    "flex_attn_compile_kwargs": "options for compiling flex attention, which keel does not use",
+    "fused_attn_kernel": "a fused kernel for q/k RMSNorm and RoPE: the same math, which "
+    "keel computes with PyTorch's own operations",
+    "flash_attn_cross_entropy": f"flash-attn's cross-entropy: {_CHUNKED_LOSS}",
+    "flash_attn_fuse_mlp": "a fused MLP kernel: the same math as the model's own MLP",
+    "flash_attn_rms_norm": "a fused RMSNorm kernel: the same math as the model's own",
+    "gemma4_hybrid_attn_impl": "flash attention for the sliding-window layers beside sdpa for "
+    "the global ones: the same attention, which keel computes with model.attn_implementation",
+}
+
+
+def _speed_only(build: Build, key: str, value) -> None:
+    build.ignored(key, "false: off" if value is False else _SPEED_ONLY[key])
+
+
+def _bnb_config_kwargs(build: Build, key: str, value) -> None:
+    """Overrides of bitsandbytes' 4-bit config: the ones that say what keel does anyway."""
+    if not build.mapping(key, value, empty="empty: the defaults", what="a mapping"):
+        return
+    same = {
+        "bnb_4bit_use_double_quant": (True, "keel's NF4 quantises the block scales too"),
+        "bnb_4bit_quant_type": ("nf4", "keel's 4-bit base is NF4"),
+    }
+    for name, item in value.items():
+        dotted = f"{key}.{name}"
+        if name in same and item == same[name][0]:
+            build.ignored(dotted, same[name][1])
+        else:
+            build.refused(dotted, f"{item!r}: keel's 4-bit base is NF4 with quantised scales")
+
+
 def _data_parallel_sizes(build: Build, key: str, value) -> None:
     """dp_shard_size: processes per sharded copy (HSDP when fewer than the processes);
     dp_replicate_size: the copies, which keel derives from the processes."""
@@ -177,6 +213,8 @@ def _data_parallel_sizes(build: Build, key: str, value) -> None:
 
 
 RUNTIME_HANDLERS = {
+    **{key: _speed_only for key in _SPEED_ONLY},
+    "bnb_config_kwargs": _bnb_config_kwargs,
     "dp_shard_size": _data_parallel_sizes,
     "dp_replicate_size": _data_parallel_sizes,
     "fsdp": _fsdp,
