@@ -514,3 +514,30 @@ def test_added_tokens_become_keels_and_their_embedding_settings_say_how():
     reasons = {f.key: f.why for f in refused.fates if f.fate == "refused"}
     assert set(reasons) == {"resize_vocab", "init_special_tokens"}
     assert "additional_target" in reasons["resize_vocab"]
+
+
+def test_a_llamafactory_v1_config_is_named_as_such_in_one_problem(tmp_path: Path):
+    """Their experimental v1 trainer's format (examples/v1): one problem saying what the
+    file is and what keel reads, not an unknown-key error per key."""
+    v1 = {
+        "model": "Qwen/Qwen3-4B", "model_class": "llm",
+        "peft_config": {"name": "lora", "r": 16, "lora_alpha": 32, "target_modules": "all"},
+        "dist_config": {"name": "fsdp2"}, "train_dataset": "data/v1_sft_demo.yaml",
+        "output_dir": "./outputs/test_lora", "micro_batch_size": 1, "learning_rate": 1e-4,
+    }  # fmt: skip
+    path = tmp_path / "v1.yaml"
+    path.write_text(yaml.safe_dump(v1))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    (problem,) = caught.value.problems
+    assert "LLaMA-Factory v1 config" in problem and "model_class, peft_config" in problem
+
+    from keel.config.dialects.commands import translate_command
+
+    with pytest.raises(ConfigError, match="LLaMA-Factory v1 config"):
+        translate_command({"model": "m", "peft_config": {"name": "lora"}}, path, "export")
+    # keel's own model section, or a string model without their v1 keys, is not theirs
+    keel = {"model": {"path": "m"}, "method": {"type": "lora"}}
+    from keel.config.dialects import unread_dialect
+
+    assert unread_dialect(keel) is None and unread_dialect({"model": "m"}) is None

@@ -187,8 +187,11 @@ def _from_dialect(raw: dict, path: Path, overrides, where: _Locator, problems, o
     to `problems`, and `where` told which of their keys each keel key came from. The
     translation's checks of the model read the one keel's overrides name (model.path,
     model.revision), if any."""
-    from keel.config.dialects import detect_dialect, translate
+    from keel.config.dialects import detect_dialect, translate, unread_dialect
 
+    unread = unread_dialect(raw)
+    if unread is not None:
+        raise ConfigError([unread], source=str(path))
     if detect_dialect(raw) is None:
         return raw
     overridden: dict = {}

@@ -35,6 +35,36 @@ def detect_dialect(raw: dict) -> Dialect | None:
     return None
 
 
+# LLaMA-Factory's v1 trainer (llamafactory/v1): the model is a string beside these keys
+_LLAMAFACTORY_V1_KEYS = (
+    "model_class",
+    "peft_config",
+    "dist_config",
+    "train_dataset",
+    "kernel_config",
+    "quant_config",
+    "optim_config",
+    "init_config",
+)
+
+
+def unread_dialect(raw: dict) -> str | None:
+    """Why keel cannot read `raw`, when it is another framework's config in a format keel
+    does not translate (LLaMA-Factory's v1 configs); None otherwise."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), str):
+        return None
+    theirs = [key for key in _LLAMAFACTORY_V1_KEYS if key in raw]
+    if not theirs:
+        return None
+    return (
+        f"this is a LLaMA-Factory v1 config (model: {raw['model']}, {', '.join(theirs)}), "
+        "the format of their experimental v1 trainer; keel translates LLaMA-Factory's v0 "
+        "configs (model_name_or_path, stage, finetuning_type, dataset: their examples/"
+        "train_lora, train_full, ...). Write the run in that format or as a keel config "
+        "(docs/dialects.md lists which of their keys become which of keel's)"
+    )
+
+
 def translate(raw: dict, source: Path, model_override: dict | None = None) -> Translation:
     """Their config `raw`, read from `source`, as a keel Translation. `model_override`:
     keel's `model` section as command-line overrides set it ({"path": ..., "revision": ...}),
@@ -59,4 +89,5 @@ __all__ = [
     "refusal_problems",
     "render_report",
     "translate",
+    "unread_dialect",
 ]

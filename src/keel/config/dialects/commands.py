@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from keel.config.dialects import detect_dialect
+from keel.config.dialects import detect_dialect, unread_dialect
 from keel.config.dialects.build import Build
 from keel.config.dialects.families import model_of
 from keel.config.dialects.report import KeyFate, Translation, unknown_key
@@ -49,6 +49,9 @@ def translate_command(raw: dict, source: Path, command: Command) -> Translation:
     """Their `raw` config (read from `source`) as keel `command`'s flags: a Translation whose
     config maps argparse names (model, adapter, out, max_shard_size, ...) to values."""
     dialect = detect_dialect(raw)
+    unread = unread_dialect(raw)
+    if unread is not None:
+        raise ConfigError([f"{source}: {unread}"])
     if dialect is None:
         raise ConfigError(
             [
