@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {
     "full": ["method.type=full", "train.lr=2e-5"],
     "full-8bit": ["method.type=full", "train.lr=2e-5", "train.optimizer=adamw_8bit"],
+    # Muon on the decoder's matrices (one momentum buffer each), AdamW on the rest
+    "full-muon": ["method.type=full", "train.lr=2e-5", "train.optimizer=muon"],
     "lora": [],
     "qlora": ["method.type=qlora"],
     "qlora-bnb": ["method.type=qlora", "method.qlora.quant_backend=bnb"],
