@@ -44,3 +44,52 @@ def test_load_model_missing_weights_is_model_error(tmp_path, tiny_model_dir):
     (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     with pytest.raises(ModelError, match=str(tmp_path)):
         load_model(tmp_path, dtype=torch.float32)
+
+
+def test_the_tokenizer_is_hugging_faces_whatever_is_installed(tiny_model_dir, monkeypatch):
+    """With mistral-common installed, transformers picks its backend for a repo with
+    tekken.json (no chat template: the run would fall back to chatml); keel asks for the
+    Hugging Face tokenizer on every machine."""
+    from transformers import AutoTokenizer
+
+    seen = {}
+    real = AutoTokenizer.from_pretrained
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
+    load_tokenizer(tiny_model_dir)
+    assert seen.get("mistral_format") is False
+
+
+def test_a_repo_with_tekken_json_loads_its_hugging_face_tokenizer(tmp_path):
+    """Where mistral-common is installed: a Mistral repo as they ship, tekken.json beside
+    tokenizer.json and a chat template; transformers alone picks MistralCommonBackend (no
+    chat template), keel the Hugging Face tokenizer with the repo's template."""
+    mistral_common = pytest.importorskip("mistral_common")
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    shutil.copy(
+        Path(mistral_common.__file__).parent / "data" / "tekken_240911.json",
+        tmp_path / "tekken.json",
+    )
+    AutoConfig.for_model("mistral", vocab_size=131072).save_pretrained(tmp_path)
+    converted = AutoTokenizer.from_pretrained(tmp_path, mistral_format=False)
+    converted.eos_token, converted.bos_token = "</s>", "<s>"
+    converted.chat_template = TEMPLATE
+    converted.save_pretrained(tmp_path)
+    assert type(AutoTokenizer.from_pretrained(tmp_path)).__name__ == "MistralCommonBackend"
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.chat_template == TEMPLATE
+    assert tokenizer.convert_tokens_to_ids("[INST]") == 3  # tekken's control token
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]{{ m['content'] }}"
+    "[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)

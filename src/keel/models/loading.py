@@ -48,12 +48,19 @@ def load_tokenizer(model_dir: Path, *, trust_remote_code: bool = False):
 
     Batching needs a pad token; many chat models ship none. Padding positions are masked
     out of attention and loss, so reusing eos is safe.
+
+    Always a Hugging Face tokenizer (`mistral_format=False`): with mistral-common installed
+    (vllm brings it), transformers would load a Mistral repo that ships tekken.json through
+    mistral-common's backend, which has no chat template, so the same config would train
+    another chat format on that machine (keel's chatml fallback). The repo's tokenizer.json
+    and chat template are what Mistral ships for Hugging Face; a tekken.json alone is
+    converted to one.
     """
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            str(model_dir), trust_remote_code=trust_remote_code
+            str(model_dir), trust_remote_code=trust_remote_code, mistral_format=False
         )
     except (OSError, ValueError) as e:
         raise ModelError(f"cannot load a tokenizer from {model_dir}: {e}") from e
