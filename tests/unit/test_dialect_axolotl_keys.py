@@ -304,3 +304,11 @@ def test_data_parallel_sizes(keys, distributed, fates):
 def test_speed_only_settings_are_ignored_and_other_numerics_refused(keys, fates):
     _, found = _translate(**keys)
     assert {k: found[k].fate for k in fates} == fates
+
+
+def test_mistral_common_tokenization_is_refused_saying_what_keel_uses():
+    _, found = _translate(tokenizer_use_mistral_common=True)
+    assert found["tokenizer_use_mistral_common"].fate == "refused"
+    assert "Hugging Face tokenizer (tokenizer.json)" in found["tokenizer_use_mistral_common"].why
+    _, found = _translate(tokenizer_use_mistral_common=False)
+    assert found["tokenizer_use_mistral_common"].fate == "ignored"

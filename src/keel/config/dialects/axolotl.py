@@ -12,7 +12,7 @@ from pathlib import Path
 from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_qat import QAT_HANDLERS
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
-from keel.config.dialects.axolotl_tokens import added_tokens, special_tokens
+from keel.config.dialects.axolotl_tokens import added_tokens, mistral_common, special_tokens
 from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
 from keel.config.dialects.build import (
@@ -431,6 +431,7 @@ _HANDLERS = {
     "chat_template": axolotl_chat_template,
     "chat_template_jinja": axolotl_chat_template_jinja,
     "special_tokens": special_tokens,
+    "tokenizer_use_mistral_common": mistral_common,
     "tokens": added_tokens,
     "datasets": _datasets,
     "test_datasets": _datasets,

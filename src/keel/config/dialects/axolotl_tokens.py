@@ -72,3 +72,17 @@ def _special_token_refusal(name: str, token, model, own: dict[str, str] | None) 
         f"not set up this way ({theirs}, this asks for {token!r}); remove the key (keel uses "
         f"the tokenizer's own), or use a model whose tokenizer has it"
     )
+
+
+def mistral_common(build: Build, key: str, value) -> None:
+    """tokenizer_use_mistral_common: their Mistral models tokenized by mistral-common."""
+    if not value:
+        build.ignored(key, "false: the Hugging Face tokenizer, as keel's")
+    else:
+        build.refused(
+            key,
+            "keel tokenizes with the model's Hugging Face tokenizer (tokenizer.json) and chat "
+            "template on every machine, not mistral-common's encoder; remove the key to train "
+            "with those (Mistral ships them beside tekken.json), which may render a chat "
+            "differently from mistral-common",
+        )
