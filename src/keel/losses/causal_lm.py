@@ -67,12 +67,14 @@ def weighted_cross_entropy_sums(
     logits: torch.Tensor, targets: torch.Tensor, weighting: TokenWeighting
 ) -> torch.Tensor:
     """[2]: (sum_i w_i * CE_i, sum_i CE_i detached) over targets != -100, in fp32; w_i from
-    `weighting` (see TokenWeighting). The second is what the run logs as ce_loss."""
+    `weighting` (see TokenWeighting). The second is what the run logs as ce_loss.
+
+    Positions without a target keep a cross-entropy of 0 (ignore_index) rather than being
+    selected out: selecting would copy the logits, a whole chunk of [positions, vocabulary]
+    on the fast head, where every position already has a target."""
     logits = logits.reshape(-1, logits.shape[-1]).float()
     targets = targets.reshape(-1)
-    keep = targets != IGNORE_INDEX
-    logits, targets = logits[keep], targets[keep]
-    losses = F.cross_entropy(logits, targets, reduction="none")  # [N]
+    losses = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
     weights = weighting.weights(logits.detach(), losses.detach())
     return torch.stack([(weights * losses).sum(), losses.detach().sum()])
 
