@@ -3,9 +3,10 @@
 Data parallelism is one mesh axis, "dp", over which DDP replicates and FSDP2 shards:
 dp = dp_replicate x dp_shard (DDP: N x 1, FSDP: 1 x N, HSDP with
 distributed.fsdp.shard_size S: N/S x S, its dp axis unflattened into "dp_replicate" x
-"dp_shard": each group of S consecutive processes holds one sharded copy). Tensor and context parallelism (tp, cp) are sizes in the
-layout so that every reader of the data-parallel degree already asks for `dp_size`, not
-the world size; they are refused above 1 until keel implements them.
+"dp_shard": each group of S consecutive processes holds one sharded copy). Tensor and
+context parallelism (tp, cp) are sizes in the layout so that every reader of the
+data-parallel degree already asks for `dp_size`, not the world size; they are refused
+above 1 until keel implements them.
 
 The mesh is built once per process group (`build_mesh`) and handed to every `apply_*`
 through `dp_mesh`. Over all ranks a one-axis mesh uses the default process group, so it

@@ -48,10 +48,10 @@ _REMOTE_CODE = (
 def translate_command(raw: dict, source: Path, command: Command) -> Translation:
     """Their `raw` config (read from `source`) as keel `command`'s flags: a Translation whose
     config maps argparse names (model, adapter, out, max_shard_size, ...) to values."""
-    dialect = detect_dialect(raw)
     unread = unread_dialect(raw)
     if unread is not None:
         raise ConfigError([f"{source}: {unread}"])
+    dialect = detect_dialect(raw)
     if dialect is None:
         raise ConfigError(
             [

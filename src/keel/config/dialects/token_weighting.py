@@ -22,7 +22,7 @@ EVAL_LOSS = (
 # LLaMA-Factory's EAFT: the top-20 entropy over 3.0; keel's over ln 20 = 2.996
 LLAMAFACTORY_EAFT_TOP_K = 20
 LLAMAFACTORY_EAFT_DIVISOR = 3.0
-AXOLOTL_EAFT_DEFAULTS = {"eaft_alpha": 1.0, "eaft_k": 20}
+AXOLOTL_EAFT_ALPHA, AXOLOTL_EAFT_K = 1.0, 20  # their defaults for eaft_alpha, eaft_k
 AXOLOTL_MAX_GRAD_NORM = 1.0  # HF's default, which Axolotl keeps
 
 
@@ -63,9 +63,10 @@ def _axolotl_eaft(raw: dict) -> tuple[float, int] | None:
     """(alpha, k) of an Axolotl config whose EAFT is on, None when it is off."""
     if not raw.get("use_eaft"):
         return None
-    settings = {name: raw.get(name) for name in AXOLOTL_EAFT_DEFAULTS}
-    alpha, k = (AXOLOTL_EAFT_DEFAULTS[n] if v is None else v for n, v in settings.items())
-    return float(alpha), int(k)
+    alpha, k = raw.get("eaft_alpha"), raw.get("eaft_k")
+    return float(AXOLOTL_EAFT_ALPHA if alpha is None else alpha), int(
+        AXOLOTL_EAFT_K if k is None else k
+    )
 
 
 def _axolotl_scale(raw: dict) -> float:
