@@ -228,3 +228,13 @@ def test_check_config_refuses_non_finite_numbers_of_a_config_built_in_code(tmp_p
     problems = check_config(cfg)
     assert "train.lr = inf must be a finite number" in problems
     assert "train.adam_betas.1 = nan must be a finite number" in problems
+
+
+def test_overlength_split_is_for_pretraining_only(tmp_path):
+    path = write(tmp_path, minimal(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["data.overlength=split"])  # sft
+    (problem,) = info.value.problems
+    assert "train.stage pt" in problem and "drop, truncate or error" in problem
+    cfg = load_config(path, ["data.overlength=split", "train.stage=pt"])
+    assert cfg.data.overlength == "split"

@@ -111,3 +111,23 @@ def test_split_indices():
     assert len(split_indices(10, 4, seed=0)[1]) == 4
     assert len(split_indices(10, 0.01, seed=0)[1]) == 1  # a fraction holds out at least one
     assert len(split_indices(10, 0, seed=0)[1]) == 0
+
+
+def test_cut_into_pieces_keeps_every_trained_token_in_order():
+    from keel.data.packing import cut_into_pieces
+
+    lengths, cutoff = [5, 9, 10, 11, 3], 5
+    ids = [list(range(100 * k, 100 * k + n)) for k, n in enumerate(lengths)]
+    targets = [row[1:] + [-100] for row in ids]
+    units = pa.table({"input_ids": ids, "targets": targets})
+    pieces = cut_into_pieces(units, cutoff).to_pylist()
+    # 11 tokens: 5 + 5 + 1, and the last piece of one token trains nothing, so it is left out
+    assert [len(p["input_ids"]) for p in pieces] == [5, 5, 4, 5, 5, 5, 5, 3]
+    expected = []
+    for row in ids:
+        expected += [row[i : i + cutoff] for i in range(0, len(row), cutoff) if len(row) - i > 1]
+    assert [p["input_ids"] for p in pieces] == expected
+    for piece in pieces:  # shifted inside the piece: the last position predicts nothing
+        assert piece["targets"] == piece["input_ids"][1:] + [-100]
+    short = pa.table({"input_ids": [[1, 2]], "targets": [[2, -100]]})
+    assert cut_into_pieces(short, cutoff) is short  # nothing over cutoff_len: unchanged

@@ -236,6 +236,66 @@ def test_pt_trains_every_token_of_text_and_conversations(run, tiny_tokenizer, tm
     assert row["num_targets"] == len(row["input_ids"]) - 1
 
 
+def long_document(i: int, words: int = 40) -> dict:
+    """A pretraining document over 64 tokens whose every piece names it: <i> repeated."""
+    return {"text": f"<{i}> " * words}
+
+
+def test_pt_cuts_long_documents_into_pieces_by_default(run, tiny_tokenizer):
+    document, short = long_document(7), {"text": "The quick brown fox."}
+    data = run([document, short], stage="pt", cutoff_len=64, shuffle=False)
+    assert data.report.overlength == "split"  # auto, for pt
+    assert (data.report.files[0].kept, data.report.files[0].cut) == (2, 1)
+    whole = tiny_tokenizer(document["text"])["input_ids"] + [tiny_tokenizer.eos_token_id]
+    assert len(whole) > 2 * 64
+    short_ids = tiny_tokenizer(short["text"])["input_ids"] + [tiny_tokenizer.eos_token_id]
+    pieces = [r for r in all_rows(data.train) if r["input_ids"] != short_ids]
+    assert [x for r in pieces for x in r["input_ids"]] == whole  # in order, nothing lost
+    assert [len(r["input_ids"]) for r in pieces[:-1]] == [64] * (len(pieces) - 1)
+    for piece in pieces:  # each a sample of its own: no target crosses into the next piece
+        assert piece["targets"] == piece["input_ids"][1:] + [-100]
+        assert piece["num_targets"] == len(piece["input_ids"]) - 1
+    assert (data.report.train.samples, data.report.train.pieces) == (2, len(pieces) + 1)
+    report = data.report.format()
+    assert "split" in report.splitlines()[1] and "(cut into" in report
+    # the negative control: drop loses the document
+    dropped = run([document, short], stage="pt", cutoff_len=64, overlength="drop")
+    assert len(dropped.train) == 1 and dropped.report.files[0].dropped == 1
+    assert dropped.fingerprint != data.fingerprint
+
+
+def test_a_documents_pieces_stay_in_its_split(run, tiny_tokenizer):
+    import re
+
+    data = run([long_document(i) for i in range(12)], stage="pt", cutoff_len=32, val_size=4)
+    assert data.report.eval.samples == 4 and data.report.eval.pieces > 4
+
+    def documents(rows) -> set[str]:
+        found = [set(re.findall(r"<(\d+)>", tiny_tokenizer.decode(r["input_ids"]))) for r in rows]
+        assert all(len(names) == 1 for names in found)  # a piece holds one document
+        return set().union(*found)
+
+    train, held_out = documents(all_rows(data.train)), documents(all_rows(data.eval))
+    assert len(held_out) == 4 and not train & held_out and len(train) == 8
+
+
+def test_overlength_split_with_packing_keeps_pieces_apart(run):
+    data = run([long_document(1), long_document(2)], stage="pt", cutoff_len=64, packing=True)
+    for row in all_rows(data.train):
+        assert len(row["input_ids"]) <= 64
+        assert row["position_ids"][0] == 0 and row["targets"][-1] == -100
+
+
+def test_overlength_error_offers_split_for_pretraining(run):
+    with pytest.raises(DataError, match=r"or split \(cut them into pieces\)"):
+        run([long_document(1)], stage="pt", cutoff_len=64, overlength="error")
+
+
+def test_overlength_auto_is_drop_outside_pretraining(run):
+    data = run([*GOOD[:4], LONG], cutoff_len=64)
+    assert data.report.overlength == "drop" and data.report.files[0].dropped == 1
+
+
 # --- split and packing ----------------------------------------------------------------
 
 

@@ -470,6 +470,16 @@ def test_a_bradley_terry_reward_model_reads_their_columns_and_trims_as_they_do()
     assert "overlength" not in translate_axolotl(raw, FIXTURES).config["data"]
 
 
+def test_completion_text_is_cut_into_pieces_as_they_cut_it():
+    raw = {"base_model": "m", "datasets": [{"path": "c.jsonl", "type": "completion"}]}
+    translation = translate_axolotl(raw, FIXTURES)
+    config = translation.config
+    assert config["train"]["stage"] == "pt" and config["data"]["overlength"] == "split"
+    assert any(note.startswith("data.overlength = split") for note in translation.notes)
+    raw["datasets"].append({"path": "chat.jsonl", "type": "chat_template"})  # sft: not cut
+    assert "overlength" not in translate_axolotl(raw, FIXTURES).config["data"]
+
+
 def test_their_8bit_optimizers_and_activation_offloading():
     raw = {
         "base_model": "m",

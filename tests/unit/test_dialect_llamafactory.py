@@ -168,6 +168,21 @@ def test_stages(stage, pref_loss, keel_stage, tmp_path: Path):
     else:
         assert beta.fate == "ignored" and keel_stage not in translation.config
     assert translation.config["data"].get("packing") is (True if stage == "pt" else None)
+    assert translation.config["data"].get("overlength") == ("split" if stage == "pt" else None)
+
+
+@pytest.mark.parametrize(
+    ("packing", "overlength"),
+    [({"packing": None}, "split"), ({"neat_packing": True}, "split"), ({"packing": False}, "truncate")],
+)
+def test_pretraining_cuts_or_truncates_long_text_as_they_do(packing, overlength, tmp_path: Path):
+    # packed, their pt joins the texts and cuts them into cutoff_len blocks; unpacked it
+    # truncates each text
+    raw, source = _their_config("qwen3_lora_sft.yaml", tmp_path)
+    raw.update(stage="pt", **packing)
+    data = translate(raw, source).config["data"]
+    assert data["overlength"] == overlength
+    assert data.get("packing", False) is (overlength == "split")
 
 
 def test_offload_and_zero2(tmp_path: Path):

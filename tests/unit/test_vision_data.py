@@ -323,6 +323,16 @@ def test_a_cut_inside_an_image_drops_the_row_and_says_why(tmp_path, qwen):
         assert len(row["rope_positions"]) == 3 * len(row["input_ids"])
 
 
+def test_pretraining_rows_with_images_are_never_cut_into_pieces(tmp_path, qwen):
+    image = str(write_image(tmp_path / "x.png", size=(112, 112)))  # 16 image tokens
+    rows = [{"text": "<image> a picture", "images": [image]}, {"text": "short", "images": []}]
+    path = write_json(tmp_path / "d.json", rows)
+    auto = prepare(tmp_path / "auto", qwen, [path], stage="pt", cutoff_len=10)
+    assert auto.report.overlength == "drop" and auto.report.totals().dropped == 1
+    with pytest.raises(DataError, match="overlength = split cuts pretraining text"):
+        prepare(tmp_path / "split", qwen, [path], stage="pt", cutoff_len=10, overlength="split")
+
+
 # --- preference pairs --------------------------------------------------------------------------
 
 

@@ -192,7 +192,10 @@ class DataConfig:
     # evaluation data of its own, read as data.datasets are (the same formats, the stage's
     # data), instead of rows held out by val_size (LLaMA-Factory's eval_dataset)
     eval_datasets: list[DatasetConfig] = field(default_factory=list)
-    overlength: Literal["drop", "truncate", "error"] = "drop"  # samples over cutoff_len
+    # Samples over cutoff_len: drop, truncate (cut the end), error, or split (pt: cut a
+    # document into pieces of cutoff_len tokens, each trained as a sample, as LLaMA-Factory
+    # and Axolotl chunk pretraining text); auto: split for pt, drop for the other stages
+    overlength: Literal["auto", "drop", "truncate", "error", "split"] = "auto"
     on_invalid: Literal["error", "skip"] = "error"  # malformed/empty/mis-ordered rows
     shuffle: bool = True  # shuffle the rows each epoch (with train.seed)
     num_proc: int = 1  # processes for tokenization

@@ -164,6 +164,12 @@ def _check_data(cfg: RunConfig) -> list[str]:
                 f"data.{key} = true applies to train.stage sft (it is {stage.name}: "
                 f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
             )
+    if stage and data.overlength == "split" and stage.unit != "text":
+        problems.append(
+            f"data.overlength = split cuts pretraining text (train.stage pt) into pieces; "
+            f"train.stage {stage.name}'s samples would lose their prompt or answer: use drop, "
+            f"truncate or error"
+        )
     if data.train_on_prompt and data.mask_history:
         problems.append(
             "data.train_on_prompt and data.mask_history are both true: one trains every token, "

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
     from keel.models.vision import VisionProcessing
 
 IGNORE_INDEX = -100
-KEPT = ("ok", "truncated")
+# split: a pretraining document over cutoff_len, kept whole here and cut into pieces after
+# the validation split (keel.data.packing.cut_into_pieces), so a document's pieces never
+# straddle train and eval
+KEPT = ("ok", "truncated", "split")
 
 
 def output_features(extra: dict | None = None):
@@ -57,7 +60,7 @@ class EncodeSettings:
     spec: FormatSpec
     template: ChatTemplate | None
     cutoff_len: int
-    overlength: str  # drop, truncate or error
+    overlength: str  # drop, truncate, error or split (pt); never auto (resolved before)
     vision: VisionProcessing | None = None  # the run's vision-language model, None for text
     media_dir: Path | None = None  # relative image paths are read from here
     train_on_prompt: bool = False  # sft: every token trains, not only the assistant turns'
@@ -116,7 +119,9 @@ class RowEncoder:
         except TemplateMismatch as e:
             return {"status": "template", "reason": str(e)}
         length, status = len(ids), "ok"
-        if length > s.cutoff_len:
+        if length > s.cutoff_len and s.overlength == "split":
+            status = "split"
+        elif length > s.cutoff_len:
             if s.overlength in ("drop", "error"):
                 status = "dropped" if s.overlength == "drop" else "overlength"
                 return {"status": status, "length": length}

@@ -77,6 +77,38 @@ def restart_positions(seq_lens: np.ndarray) -> np.ndarray:
     return (np.arange(int(seq_lens.sum())) - np.repeat(starts, seq_lens)).astype(np.int32)
 
 
+def cut_into_pieces(units: pa.Table, cutoff_len: int) -> pa.Table:
+    """Pretraining samples (input_ids, targets) cut into pieces of at most `cutoff_len`
+    tokens, in order (data.overlength=split).
+
+    A document of n tokens gives ceil(n / cutoff_len) pieces, each a sample of its own: its
+    last target is -100 like every sequence's, so no piece is trained to predict the next
+    one's first token. A piece that would train no token (a last piece of one token) is left
+    out."""
+    extra = set(units.column_names) - {"input_ids", "targets"}
+    assert not extra, f"only text samples are cut into pieces, not ones with {sorted(extra)}"
+    ids_column, targets_column = units.column("input_ids"), units.column("targets")
+    lengths = pc.list_value_length(ids_column).to_numpy().astype(np.int64)
+    if not len(lengths) or lengths.max() <= cutoff_len:
+        return units
+    counts = -(-lengths // cutoff_len)  # pieces per sample
+    first_piece = np.cumsum(counts) - counts
+    index = np.arange(int(counts.sum())) - np.repeat(first_piece, counts)  # within its sample
+    starts = np.repeat(np.cumsum(lengths) - lengths, counts) + index * cutoff_len
+    lens = np.minimum(cutoff_len, np.repeat(lengths, counts) - index * cutoff_len)
+    ids = pc.list_flatten(ids_column).to_numpy()
+    targets = pc.list_flatten(targets_column).to_numpy().copy()
+    targets[starts + lens - 1] = IGNORE_INDEX
+    # the pieces are consecutive and cover every token, so reduceat sums each one's targets
+    trained = np.add.reduceat((targets != IGNORE_INDEX).astype(np.int64), starts)
+    starts, lens = starts[trained > 0], lens[trained > 0]
+    taken = gather_ranges(starts, lens)
+    ends = np.concatenate([[0], np.cumsum(lens)])
+    return pa.table(
+        {"input_ids": _as_list(ends, ids[taken]), "targets": _as_list(ends, targets[taken])}
+    )
+
+
 def _regroup(column, order: np.ndarray, bounds: np.ndarray):
     """Concatenate the lists of `column` taken in `order`, rows ending at unit `bounds`:
     (values, each taken list's length, each row's end offset into values)."""

@@ -11,6 +11,7 @@ processing as well and invalidated when an image file changes (keel.data.cache).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -37,7 +38,7 @@ from keel.data.encode_preference import encoder_for
 from keel.data.encode_prompt import prompt_rows
 from keel.data.formats import FormatSpec
 from keel.data.kto import add_kl_sequences
-from keel.data.packing import make_rows, split_indices
+from keel.data.packing import cut_into_pieces, make_rows, split_indices
 from keel.data.report import DataReport, FileStats, Rejection, SplitStats, list_capped
 from keel.data.sources import Source, SourceUnit, load_source, resolve_sources
 from keel.data.template import ChatTemplate, resolve_template
@@ -124,6 +125,7 @@ def prepare_data(
     Prompt rows (grpo) are different: input_ids, num_targets 0, and the JSON strings prompt
     and columns, one prompt per row, never packed (keel.data.encode_prompt)."""
     _check_tokenizer(tokenizer, stage, vision)
+    cfg = _resolve_overlength(cfg, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
     sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
     held_out = _sources(cfg, base_dir, stage, text_only=vision is None, log=log, held_out=True)
@@ -167,6 +169,22 @@ def prepare_data(
     log(f"data: prepared and cached at {target}")
     log(report.format())
     return PreparedData(train, eval_, report, fp, from_cache=False)
+
+
+def _resolve_overlength(cfg: DataConfig, stage: str, vision) -> DataConfig:
+    """`cfg` with data.overlength auto made concrete: split for pretraining text (a long
+    document is cut into pieces, not lost), drop for every other unit and for a
+    vision-language model's rows, which a cut could split inside an image."""
+    splits = STAGES[stage].unit == "text" and vision is None
+    if cfg.overlength == "split" and vision is not None:
+        raise DataError(
+            "data.overlength = split cuts pretraining text into pieces of data.cutoff_len "
+            "tokens, and a vision-language model's rows hold images a cut could split; use "
+            "drop, truncate (never cuts inside an image) or error"
+        )
+    if cfg.overlength != "auto":
+        return cfg
+    return dataclasses.replace(cfg, overlength="split" if splits else "drop")
 
 
 def _sources(
@@ -373,6 +391,7 @@ def _tally(
             keep.append(k)
             stats.kept += 1
             stats.truncated += st == "truncated"
+            stats.cut += st == "split"
             continue
         row, line = unit.row_of(k)
         where = Rejection(unit.file, row, "", line).where()
@@ -402,10 +421,11 @@ def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
         )
     if overlong:
         lines = "\n".join(list_capped(overlong))
+        pieces = " or split (cut them into pieces)" if STAGES[report.stage].unit == "text" else ""
         raise DataError(
             f"{len(overlong)} row(s) longer than data.cutoff_len={cfg.cutoff_len} tokens "
             f"(data.overlength=error):\n{lines}\nraise data.cutoff_len, or set "
-            f"data.overlength: truncate (cut them) or drop (skip them)"
+            f"data.overlength: truncate (cut them), drop (skip them){pieces}"
         )
     if report.totals("train").kept == 0:
         raise DataError(f"no usable samples in the training data\n{report.format()}")
@@ -431,17 +451,23 @@ def _split_and_pack(
         train_units, eval_units = units.train.take(train_idx), units.train.take(eval_idx)
     else:
         train_units, eval_units = units.train, units.eval
+    samples = train_units.num_rows, eval_units.num_rows
+    if cfg.overlength == "split":  # after the split: a document's pieces stay in its split
+        train_units = cut_into_pieces(train_units, cfg.cutoff_len)
+        eval_units = cut_into_pieces(eval_units, cfg.cutoff_len)
     train = rows_of(train_units, seed)
-    report.train = _split_stats(train_units.num_rows, train)
+    report.train = _split_stats(samples[0], train_units.num_rows, train)
     eval_ = None
     if eval_units.num_rows:
         eval_ = rows_of(eval_units, seed + 1)
-        report.eval = _split_stats(eval_units.num_rows, eval_)
+        report.eval = _split_stats(samples[1], eval_units.num_rows, eval_)
         eval_ = Dataset(InMemoryTable(eval_))
     return Dataset(InMemoryTable(train)), eval_
 
 
-def _split_stats(samples: int, rows: pa.Table) -> SplitStats:
+def _split_stats(samples: int, pieces: int, rows: pa.Table) -> SplitStats:
+    """A split's counts; `pieces`: its samples after data.overlength=split cut them (shown
+    only where that made more of them)."""
     tokens = pc.sum(pc.list_value_length(rows.column("input_ids"))).as_py() or 0
     targets = 0  # prompt rows (grpo) have none: their completions are generated
     if "targets" in rows.column_names:
@@ -451,7 +477,12 @@ def _split_stats(samples: int, rows: pa.Table) -> SplitStats:
     if "kl_input_ids" in rows.column_names:
         desirable = pc.sum(pc.list_flatten(rows.column("labels"))).as_py() or 0
     return SplitStats(
-        samples=samples, rows=rows.num_rows, tokens=tokens, targets=targets, desirable=desirable
+        samples=samples,
+        pieces=pieces if pieces != samples else 0,
+        rows=rows.num_rows,
+        tokens=tokens,
+        targets=targets,
+        desirable=desirable,
     )
 
 

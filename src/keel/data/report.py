@@ -43,6 +43,7 @@ class FileStats:
     read: int = 0  # rows read (malformed JSON lines included)
     kept: int = 0  # rows that became samples or pairs (truncated ones included)
     truncated: int = 0
+    cut: int = 0  # over cutoff_len, cut into pieces with data.overlength=split (pt)
     dropped: int = 0  # over cutoff_len with data.overlength=drop
     rejected: int = 0
     split: str = "train"  # eval: a file of data.eval_datasets
@@ -53,6 +54,8 @@ class SplitStats:
     """What one split (train or eval) holds after packing."""
 
     samples: int = 0  # samples; pairs in dpo/orpo/simpo; prompts in grpo
+    # data.overlength=split (pt): the samples' pieces of at most cutoff_len tokens; 0: none cut
+    pieces: int = 0
     rows: int = 0
     tokens: int = 0
     targets: int = 0  # trained tokens
@@ -91,6 +94,7 @@ class DataReport:
             total.read += f.read
             total.kept += f.kept
             total.truncated += f.truncated
+            total.cut += f.cut
             total.dropped += f.dropped
             total.rejected += f.rejected
         return total
@@ -108,7 +112,7 @@ class DataReport:
             )
             + (", mask_history on (only the last answer trains)" if self.mask_history else "")
         ]
-        lines += _file_table([*self.files, self.totals()])
+        lines += _file_table([*self.files, self.totals()], cuts=self.overlength == "split")
         stage_unit = get_stage(self.stage).unit
         unit = {"pair": "pairs", "prompt": "prompts"}.get(stage_unit, "samples")
         for name, split in (("train", self.train), ("eval", self.eval)):
@@ -119,8 +123,9 @@ class DataReport:
                     kto += f"{split.samples - split.desirable:,} undesirable)"
                 # a prompt's trained tokens are its completions, generated each step
                 trained = "" if stage_unit == "prompt" else f", {split.targets:,} trained tokens"
+                cut = f" (cut into {split.pieces:,} pieces)" if split.pieces else ""
                 lines.append(
-                    f"  {name}: {split.samples:,} {unit}{kto} in {split.rows:,} rows, "
+                    f"  {name}: {split.samples:,} {unit}{kto}{cut} in {split.rows:,} rows, "
                     f"{split.tokens:,} tokens{trained}"
                 )
         if self.duplicates:
@@ -165,12 +170,14 @@ def list_capped(items: list[str], max_listed: int = MAX_LISTED, indent: str = " 
     return out
 
 
-def _file_table(rows: list[FileStats]) -> list[str]:
-    heads = ("file", "read", "kept", "truncated", "dropped", "rejected")
+def _file_table(rows: list[FileStats], cuts: bool) -> list[str]:
+    """Per-file counts; `cuts` (data.overlength=split): the long samples cut into pieces
+    where the others show those truncated (a run does one or the other)."""
+    heads = ("file", "read", "kept", "split" if cuts else "truncated", "dropped", "rejected")
     cells = [heads] + [
         (
             f"{r.file} (eval)" if r.split == "eval" else r.file,
-            *map(str, (r.read, r.kept, r.truncated, r.dropped, r.rejected)),
+            *map(str, (r.read, r.kept, r.cut if cuts else r.truncated, r.dropped, r.rejected)),
         )
         for r in rows
     ]

@@ -84,6 +84,9 @@ def translate_datasets(build: Build, value, key: str = "datasets") -> None:
     build.set(keel_key, out)
     if key == "test_datasets":
         return
+    if build.stage == "pt":  # every dataset is type: completion
+        why = "type: completion cuts each text into sequence_len pieces (after cutting it to "
+        build.kept("data.overlength", "split", why + "64 x sequence_len; keel keeps all of it)")
     bradley_terry = [isinstance(e, dict) and e.get("type") == _BRADLEY_TERRY for e in value]
     if build.stage == "rm" and all(bradley_terry):
         why = f"Axolotl's {_BRADLEY_TERRY} trims each sequence to sequence_len"

@@ -263,8 +263,8 @@ def _defaults(build: Build) -> None:
         build.refused("do_train", why)
     if method in ("lora", "qlora"):
         _lora_defaults(build)
-    if build.stage == "pt" and "packing" not in raw and "neat_packing" not in raw:
-        build.kept("data.packing", True, "stage pt packs by default (attention per sample)")
+    if build.stage == "pt":
+        _pretraining_defaults(build)
     _default(build, "dataset_dir", "data.dataset_dir", "data", "relative to the working directory")
     _default(build, "cutoff_len", "data.cutoff_len", 2048, "cutoff_len's default")
     _default(build, "per_device_train_batch_size", "train.micro_batch_size", 8, "HF's default")
@@ -278,6 +278,21 @@ def _defaults(build: Build) -> None:
         build.kept("train.gradient_checkpointing", True, "on unless disabled")
     if not raw.get("bf16") and not raw.get("fp16") and not raw.get("pure_bf16"):
         build.kept("train.precision", "fp32", "neither bf16 nor fp16 is set")
+
+
+def _pretraining_defaults(build: Build) -> None:
+    """Stage pt packs unless packing is false; packed, their texts are joined and cut into
+    blocks of cutoff_len tokens (keel: each long text cut into pieces, attention within
+    each), and unpacked each text is truncated to cutoff_len."""
+    raw = build.raw
+    packs = bool(raw.get("neat_packing")) or raw.get("packing") in (None, True)
+    if raw.get("packing") is None and not raw.get("neat_packing"):
+        build.kept("data.packing", True, "stage pt packs by default (attention per sample)")
+    if packs:
+        why = "packed, stage pt cuts the joined texts into cutoff_len blocks; keel cuts each text"
+    else:
+        why = "unpacked, stage pt truncates each text to cutoff_len"
+    build.kept("data.overlength", "split" if packs else "truncate", why)
 
 
 def _lora_defaults(build: Build) -> None:
