@@ -194,6 +194,9 @@ CASES = {
         "full",
         ("train.optimizer=muon", "train.max_steps=1", "data.val_size=0"),
     ),
+    # streamed data (data.streaming): each process reads the whole stream and takes its share
+    # of every step's 5 rows, which run across the 12-row epochs
+    "ddp-lora-streaming": ("ddp", "lora", ("data.streaming=true", "data.val_size=0")),
     # freeze by parameter patterns: FSDP2 units that hold trained and frozen weights together
     "fsdp-freeze-patterns": (
         "fsdp",

@@ -480,6 +480,44 @@ def test_completion_text_is_cut_into_pieces_as_they_cut_it():
     assert "overlength" not in translate_axolotl(raw, FIXTURES).config["data"]
 
 
+def test_pretraining_dataset_is_streamed_plain_text_cut_into_pieces():
+    raw = {
+        "base_model": "m",
+        "max_steps": 100,
+        "sample_packing": True,
+        "pretrain_multipack_attn": True,
+        "streaming_multipack_buffer_size": 10000,
+        "pretraining_dataset": [
+            {"path": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "type": "pretrain",
+             "text_column": "body", "split": "train"},
+        ],
+    }  # fmt: skip
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.refused() == []
+    config = translation.config
+    assert config["train"]["stage"] == "pt"
+    assert config["data"]["streaming"] is True and config["data"]["overlength"] == "split"
+    assert config["data"]["datasets"] == [
+        {
+            "format": "text",
+            "path": "HuggingFaceFW/fineweb-edu",
+            "subset": "sample-10BT",
+            "columns": {"prompt": "body"},
+            "split": "train",
+        }
+    ]
+    raw["pretraining_dataset"][0]["type"] = "ebft_pretrain.transform"
+    raw["pretrain_multipack_attn"] = False
+    refused = {f.key for f in translate_axolotl(raw, FIXTURES).refused()}
+    assert refused == {"pretraining_dataset.0.type", "pretrain_multipack_attn"}
+    raw = {
+        "base_model": "m",
+        "streaming": True,
+        "datasets": [{"path": "a.jsonl", "type": "alpaca"}],
+    }
+    assert translate_axolotl(raw, FIXTURES).config["data"]["streaming"] is True
+
+
 def test_their_8bit_optimizers_and_activation_offloading():
     raw = {
         "base_model": "m",

@@ -114,8 +114,11 @@ def test_llamafactory_moe_aux_loss_coef_is_the_balance_loss(value, coefficient):
     assert not [f for f in translation.refused() if f.key == "moe_aux_loss_coef"]
 
 
-@pytest.mark.parametrize(("value", "fate"), [("grouped_mm", "ignored"), ("eager", "refused")])
-def test_experts_implementation_is_transformers_default_only(value, fate):
+@pytest.mark.parametrize(
+    ("value", "fate"),
+    [("grouped_mm", "ignored"), ("eager", "ignored"), ("scattermoe", "ignored"), ("x", "refused")],
+)
+def test_experts_implementations_compute_the_same_experts(value, fate):
     _, fates = _translate(experts_implementation=value)
     assert fates["experts_implementation"].fate == fate
 

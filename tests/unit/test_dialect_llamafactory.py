@@ -173,7 +173,11 @@ def test_stages(stage, pref_loss, keel_stage, tmp_path: Path):
 
 @pytest.mark.parametrize(
     ("packing", "overlength"),
-    [({"packing": None}, "split"), ({"neat_packing": True}, "split"), ({"packing": False}, "truncate")],
+    [
+        ({"packing": None}, "split"),
+        ({"neat_packing": True}, "split"),
+        ({"packing": False}, "truncate"),
+    ],
 )
 def test_pretraining_cuts_or_truncates_long_text_as_they_do(packing, overlength, tmp_path: Path):
     # packed, their pt joins the texts and cuts them into cutoff_len blocks; unpacked it
@@ -556,3 +560,14 @@ def test_a_llamafactory_v1_config_is_named_as_such_in_one_problem(tmp_path: Path
     from keel.config.dialects import unread_dialect
 
     assert unread_dialect(keel) is None and unread_dialect({"model": "m"}) is None
+
+
+def test_streaming_reads_the_data_as_training_goes(tmp_path: Path):
+    raw, source = _their_config("qwen3_lora_sft.yaml", tmp_path)
+    raw.update(streaming=True, buffer_size=128, max_steps=10)
+    translation = translate(raw, source)
+    assert translation.config["data"]["streaming"] is True
+    fates = {f.key: f for f in translation.fates}
+    assert (
+        fates["buffer_size"].fate == "ignored" and "shuffles the files" in fates["buffer_size"].why
+    )

@@ -170,6 +170,8 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"train.stage {stage.name}'s samples would lose their prompt or answer: use drop, "
             f"truncate or error"
         )
+    if data.streaming:
+        problems += _streaming_problems(cfg, stage)
     if data.train_on_prompt and data.mask_history:
         problems.append(
             "data.train_on_prompt and data.mask_history are both true: one trains every token, "
@@ -191,6 +193,41 @@ def _check_data(cfg: RunConfig) -> list[str]:
 
 
 # What each kind of stage trains on, for data.train_on_prompt or mask_history outside sft.
+def _streaming_problems(cfg: RunConfig, stage) -> list[str]:
+    """What data.streaming cannot do: it reads the rows once, in order, as training goes, so
+    nothing that needs them all first (their number, a sample of them, a held-out part)."""
+    data, problems = cfg.data, []
+    if stage and stage.unit not in ("text", "conversation"):
+        problems.append(
+            f"data.streaming = true reads pretraining (pt) and SFT (sft) data; train.stage "
+            f"{stage.name}'s data is prepared whole: set data.streaming=false"
+        )
+    if cfg.train.max_steps is None:
+        problems.append(
+            "data.streaming = true: the streamed data's length is not known before training, "
+            "so train.epochs cannot set the run's length; set train.max_steps"
+        )
+    needs_all = {
+        "data.val_size": data.val_size,
+        "data.eval_datasets": data.eval_datasets,
+        "data.deduplicate": data.deduplicate,
+        "train.evals_per_epoch": cfg.train.evals_per_epoch,
+        "output.saves_per_epoch": cfg.output.saves_per_epoch,
+    }
+    for index, ds in enumerate(data.datasets):
+        needs_all[f"data.datasets.{index}.num_samples"] = ds.num_samples
+        needs_all[f"data.datasets.{index}.max_samples"] = ds.max_samples
+        if "[" in ds.split:
+            needs_all[f"data.datasets.{index}.split"] = ds.split
+    problems += [
+        f"{key} = {value!r} needs the whole training data before training, which "
+        f"data.streaming = true does not read ahead; remove it, or set data.streaming=false"
+        for key, value in needs_all.items()
+        if value
+    ]
+    return problems
+
+
 _TRAINED_TOKENS = {
     "text": "every token is trained already",
     "pair": "it compares the answers to one prompt, so the prompt is never scored",

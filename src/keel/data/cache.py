@@ -87,8 +87,8 @@ def fingerprint(
         "tokenizer": tokenizer_identity(tokenizer),
         "sources": [_source_identity(s) for s in sources],
     }
-    for key in ("train_on_prompt", "mask_history", "deduplicate"):  # added later: when unset, data
-        if getattr(cfg, key):  # prepared before them keeps its fingerprint
+    for key in ("train_on_prompt", "mask_history", "deduplicate", "streaming"):  # added later:
+        if getattr(cfg, key):  # when unset, data prepared before them keeps its fingerprint
             payload[key] = True
     if cfg.max_row_bytes != _DEFAULT_ROW_BYTES:  # it decides which rows are refused
         payload["max_row_bytes"] = cfg.max_row_bytes

@@ -11,7 +11,7 @@ families, `rope_positions`) columns; a text model's run keeps exactly the text c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,9 +26,11 @@ from keel.data.template import (
 )
 from keel.data.tools import check_tool_template, read_example
 from keel.data.vision import encode_with_images, image_columns, refuse_images, vision_features
+from keel.errors import DataError
 from keel.stages.registry import get_stage
 
 if TYPE_CHECKING:
+    from keel.config.schema import DataConfig
     from keel.models.vision import VisionProcessing
 
 IGNORE_INDEX = -100
@@ -187,3 +189,19 @@ def encode_dataset(ds, encoder: RowEncoder, num_proc: int, fingerprint: str):
         new_fingerprint=fingerprint,  # our own cache key; skips hashing the tokenizer
         desc="keel: tokenizing",
     )
+
+
+def resolve_overlength(cfg: DataConfig, stage: str, vision) -> DataConfig:
+    """`cfg` with data.overlength auto made concrete: split for pretraining text (a long
+    document is cut into pieces, not lost), drop for every other unit and for a
+    vision-language model's rows, which a cut could split inside an image."""
+    splits = get_stage(stage).unit == "text" and vision is None
+    if cfg.overlength == "split" and vision is not None:
+        raise DataError(
+            "data.overlength = split cuts pretraining text into pieces of data.cutoff_len "
+            "tokens, and a vision-language model's rows hold images a cut could split; use "
+            "drop, truncate (never cuts inside an image) or error"
+        )
+    if cfg.overlength != "auto":
+        return cfg
+    return replace(cfg, overlength="split" if splits else "drop")

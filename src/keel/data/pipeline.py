@@ -11,7 +11,6 @@ processing as well and invalidated when an image file changes (keel.data.cache).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +32,13 @@ from keel.data.cache import (
 )
 from keel.data.dedupe import drop_duplicates
 from keel.data.detect import spec_for_stage
-from keel.data.encode import IGNORE_INDEX, KEPT, EncodeSettings, encode_dataset
+from keel.data.encode import (
+    IGNORE_INDEX,
+    KEPT,
+    EncodeSettings,
+    encode_dataset,
+    resolve_overlength,
+)
 from keel.data.encode_preference import encoder_for
 from keel.data.encode_prompt import prompt_rows
 from keel.data.formats import FormatSpec
@@ -59,7 +64,7 @@ _UNIT_COLUMNS = (
 
 
 @dataclass(frozen=True)
-class _Encoding:
+class Encoding:
     """What every source of one run is encoded with."""
 
     cfg: DataConfig
@@ -68,6 +73,21 @@ class _Encoding:
     stage: str
     vision: VisionProcessing | None
     fingerprint: str
+
+    def settings(self, src: Source, spec: FormatSpec) -> EncodeSettings:
+        """How `src`'s rows, read as `spec`, are encoded."""
+        return EncodeSettings(
+            stage=self.stage,
+            spec=spec,
+            template=self.template if spec.format != "text" else None,
+            cutoff_len=self.cfg.cutoff_len,
+            overlength=self.cfg.overlength,
+            vision=self.vision,
+            media_dir=src.media_dir,
+            train_on_prompt=self.cfg.train_on_prompt,
+            mask_history=self.cfg.mask_history,
+            drop_system=src.config.drop_system,
+        )
 
 
 @dataclass
@@ -81,6 +101,11 @@ class PreparedData:
     report: DataReport
     fingerprint: str
     from_cache: bool = False  # True when loaded from <cache_dir>/data/<fingerprint>
+
+    @property
+    def num_rows(self) -> int | None:
+        """Training rows (keel.data.stream.StreamedData's is None: not known ahead)."""
+        return len(self.train)
 
     def longest_prompt(self) -> int | None:
         """Tokens of the longest training prompt when the rows are prompts (grpo: each is
@@ -125,7 +150,7 @@ def prepare_data(
     Prompt rows (grpo) are different: input_ids, num_targets 0, and the JSON strings prompt
     and columns, one prompt per row, never packed (keel.data.encode_prompt)."""
     _check_tokenizer(tokenizer, stage, vision)
-    cfg = _resolve_overlength(cfg, stage, vision)
+    cfg = resolve_overlength(cfg, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
     sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
     held_out = _sources(cfg, base_dir, stage, text_only=vision is None, log=log, held_out=True)
@@ -144,9 +169,9 @@ def prepare_data(
         ", ..." if len(sources) > 3 else ""
     )
     log(f"data: reading, checking and tokenizing {shown} (once: the result is cached)")
-    report = _empty_report(cfg, stage)
+    report = empty_report(cfg, stage)
     load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
-    encoding = _Encoding(cfg, tokenizer, template, stage, vision, fp)
+    encoding = Encoding(cfg, tokenizer, template, stage, vision, fp)
     samples, overlong, used_template, images = _encode_sources(encoding, sources, load, report)
     units = _Units(samples)
     if held_out:  # encoded after the training data: LLaMA-Factory's num_samples draws in order
@@ -169,22 +194,6 @@ def prepare_data(
     log(f"data: prepared and cached at {target}")
     log(report.format())
     return PreparedData(train, eval_, report, fp, from_cache=False)
-
-
-def _resolve_overlength(cfg: DataConfig, stage: str, vision) -> DataConfig:
-    """`cfg` with data.overlength auto made concrete: split for pretraining text (a long
-    document is cut into pieces, not lost), drop for every other unit and for a
-    vision-language model's rows, which a cut could split inside an image."""
-    splits = STAGES[stage].unit == "text" and vision is None
-    if cfg.overlength == "split" and vision is not None:
-        raise DataError(
-            "data.overlength = split cuts pretraining text into pieces of data.cutoff_len "
-            "tokens, and a vision-language model's rows hold images a cut could split; use "
-            "drop, truncate (never cuts inside an image) or error"
-        )
-    if cfg.overlength != "auto":
-        return cfg
-    return dataclasses.replace(cfg, overlength="split" if splits else "drop")
 
 
 def _sources(
@@ -244,7 +253,7 @@ def _rows(
     )
 
 
-def _empty_report(cfg: DataConfig, stage: str) -> DataReport:
+def empty_report(cfg: DataConfig, stage: str) -> DataReport:
     """The report `_encode_sources` fills: the settings it was prepared with, no rows yet."""
     return DataReport(
         stage=stage,
@@ -323,7 +332,7 @@ def _refuse_image_entries(sources: list[Source]) -> None:
             )
 
 
-def _encode_sources(run: _Encoding, sources, load, report):
+def _encode_sources(run: Encoding, sources, load, report):
     """Encode every unit of every source; fill `report`. Returns (samples, overlong, used
     template, image files read).
 
@@ -334,7 +343,7 @@ def _encode_sources(run: _Encoding, sources, load, report):
         spec = _spec_for(src, units, run.stage, src.where)
         split = "eval" if src.held_out else "train"
         used_template |= spec.format != "text"
-        encoder = encoder_for(run.tokenizer, _settings(run, src, spec))
+        encoder = encoder_for(run.tokenizer, run.settings(src, spec))
         for j, unit in enumerate(units):
             stats = FileStats(unit.file, read=unit.read, rejected=len(unit.rejections), split=split)
             report.rejections += unit.rejections
@@ -348,21 +357,6 @@ def _encode_sources(run: _Encoding, sources, load, report):
             report.files.append(stats)
     samples = pa.concat_tables(tables) if tables else None
     return samples, overlong, used_template, images
-
-
-def _settings(run: _Encoding, src: Source, spec: FormatSpec) -> EncodeSettings:
-    return EncodeSettings(
-        stage=run.stage,
-        spec=spec,
-        template=run.template if spec.format != "text" else None,
-        cutoff_len=run.cfg.cutoff_len,
-        overlength=run.cfg.overlength,
-        vision=run.vision,
-        media_dir=src.media_dir,
-        train_on_prompt=run.cfg.train_on_prompt,
-        mask_history=run.cfg.mask_history,
-        drop_system=src.config.drop_system,
-    )
 
 
 def _spec_for(src: Source, units: list[SourceUnit], stage: str, where: str) -> FormatSpec:

@@ -99,9 +99,9 @@ class DataReport:
             total.rejected += f.rejected
         return total
 
-    def format(self, max_listed: int = MAX_LISTED) -> str:
-        """A readable table: per-file counts, split sizes, then the rejected rows."""
-        lines = [
+    def settings(self) -> str:
+        """The line of the settings the data is prepared with."""
+        return (
             f"data: stage {self.stage}, template {self.template}, cutoff_len {self.cutoff_len}, "
             f"overlength {self.overlength}, on_invalid {self.on_invalid}, "
             f"packing {'on' if self.packing else 'off'}"
@@ -111,7 +111,11 @@ class DataReport:
                 else ""
             )
             + (", mask_history on (only the last answer trains)" if self.mask_history else "")
-        ]
+        )
+
+    def format(self, max_listed: int = MAX_LISTED) -> str:
+        """A readable table: per-file counts, split sizes, then the rejected rows."""
+        lines = [self.settings()]
         lines += _file_table([*self.files, self.totals()], cuts=self.overlength == "split")
         stage_unit = get_stage(self.stage).unit
         unit = {"pair": "pairs", "prompt": "prompts"}.get(stage_unit, "samples")

@@ -99,7 +99,7 @@ class SourceUnit:
         return row, (self.lines[i] if self.lines is not None else None)
 
 
-def _label(path: Path, base_dir: Path) -> str:
+def label_of(path: Path, base_dir: Path) -> str:
     try:
         return str(path.relative_to(base_dir))
     except ValueError:
@@ -173,7 +173,7 @@ def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Sou
     files, saved = _data_files(path, where)
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
         check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
-    label = _label(path, base_dir)
+    label = label_of(path, base_dir)
     media_dir = dataset_dir if raw is not None else path if path.is_dir() else path.parent
     return Source(
         dc,
@@ -307,7 +307,7 @@ def load_source(
         for f in src.files:
             if left is not None and left <= 0:
                 break
-            label = src.hub.label(f) if src.hub else _label(f, base_dir)
+            label = src.hub.label(f) if src.hub else label_of(f, base_dir)
             units.append(_load_file(f, label, cache_dir, left, max_row_bytes))
             left = left - units[-1].read if left is not None else None
         if sliced:

@@ -9,20 +9,23 @@ implements the same protocol, and its state_dict carries what resuming it needs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow.compute as pc
 
 from keel.data import epoch_order
+from keel.data.stream import Cursor
 from keel.errors import CheckpointError
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from keel.config import RunConfig
+    from keel.config.schema import TrainConfig
     from keel.data import PreparedData
+    from keel.data.stream import RowStream
     from keel.train.reference import ReferenceLogps
 
 BATCH_SOURCE = "batch_source"  # the source's name among the checkpoint's parts
@@ -39,14 +42,14 @@ class StepPlan:
     processes make the same collective calls (uneven remainders never hang a run).
     """
 
-    num_rows: int
+    num_rows: int | None  # None: streamed data (keel.data.stream), of unknown length
     global_batch: int
     micro_batch_size: int
     seed: int
     shuffle: bool
 
     @classmethod
-    def of(cls, cfg: RunConfig, num_rows: int, global_batch: int) -> StepPlan:
+    def of(cls, cfg: RunConfig, num_rows: int | None, global_batch: int) -> StepPlan:
         """The order `cfg` asks for (its micro-batch size, seed and shuffle) over `num_rows`
         rows in global batches of `global_batch`."""
         return cls(
@@ -58,8 +61,9 @@ class StepPlan:
         )
 
     @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.num_rows / self.global_batch)
+    def steps_per_epoch(self) -> int | None:
+        """None for streamed data (data.streaming needs train.max_steps)."""
+        return None if self.num_rows is None else math.ceil(self.num_rows / self.global_batch)
 
     def total_steps(self, epochs: float, max_steps: int | None) -> int:
         if max_steps is not None:
@@ -70,6 +74,11 @@ class StepPlan:
         """How long the run is in steps and epochs, and which key decided it (max_steps
         overrides epochs when set, as in Hugging Face's Trainer and TRL)."""
         total = self.total_steps(epochs, max_steps)
+        if self.num_rows is None:
+            return (
+                f"train.max_steps={total}: {total} steps of {self.global_batch} row(s), "
+                f"streamed (as many epochs as that takes)"
+            )
         per_epoch = f"{self.steps_per_epoch} steps/epoch of {self.global_batch} rows"
         if max_steps is None:
             return f"train.epochs={epochs:g}: {total} steps ({per_epoch})"
@@ -92,13 +101,28 @@ class StepPlan:
     def epoch_of(self, step: int) -> float:
         return step / self.steps_per_epoch
 
+    def describe(self, train: TrainConfig, dp_size: int, total: int, start: int) -> list[str]:
+        """The log lines of a run of `total` steps from step `start`: its length, how a
+        step's batch is split over `dp_size` processes, and whether a process idles."""
+        per_process = math.ceil(self.global_batch / dp_size)
+        rows = "streamed rows" if self.num_rows is None else f"{self.num_rows} rows"
+        per_epoch = "" if self.num_rows is None else f"{self.steps_per_epoch} steps/epoch, "
+        lines = [
+            f"steps: {self.schedule(train.epochs, train.max_steps)}",
+            f"training: {rows}, global batch {self.global_batch} rows over {dp_size} "
+            f"process(es) (~{per_process} per process, micro-batches of "
+            f"{train.micro_batch_size}), {per_epoch}{total} steps, starting at step {start}",
+        ]
+        idle = self.idle_warning(dp_size)
+        return lines + ([f"warning: {idle}"] if idle else [])
+
     def idle_warning(self, dp_size: int) -> str | None:
         """Why some process runs a zero-weight filler micro-batch on every full step, or None.
 
         Filler keeps the collectives in step on an uneven last window; on every step it is
         a process (a GPU) doing no useful work.
         """
-        size = min(self.global_batch, self.num_rows)
+        size = min(self.global_batch, self.num_rows or self.global_batch)
         window = list(range(size))
         per_rank = [
             split_for_rank(window, r, dp_size, self.micro_batch_size) for r in range(dp_size)
@@ -242,6 +266,54 @@ class DatasetBatchSource:
                 f"resuming would train on other rows than the saved run would have; set "
                 f"train.resume=never to start over, or resume with the checkpoint's settings"
             )
+
+
+class StreamBatchSource:
+    """Streamed rows (keel.data.stream): step N takes the stream's next `global_batch` rows.
+
+    Every process reads the whole stream and takes data-parallel rank `dp_rank`'s share of
+    each step's rows, as `DatasetBatchSource` does from prepared rows; so the steps are
+    taken in order, and the state is the stream's position after the last one."""
+
+    def __init__(self, stream: RowStream, plan: StepPlan, *, dp_rank: int, dp_size: int):
+        self.stream, self.plan = stream, plan
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.next_step = 0
+
+    def batch(self, step: int) -> StepBatch:
+        if step != self.next_step:
+            raise CheckpointError(
+                f"step {step + 1} asks for the streamed data's rows after step {step}, and the "
+                f"stream stands after step {self.next_step}: the checkpoint holds no position "
+                f"in the streamed data; set train.resume=never to start over"
+            )
+        window = self.stream.take(self.plan.global_batch)
+        rows = list(range(len(window)))
+        micro = split_for_rank(rows, self.dp_rank, self.dp_size, self.plan.micro_batch_size)
+        self.next_step += 1
+        return StepBatch(
+            micro_batches=[[window[i] for i in mb] for mb in micro],
+            window_targets=sum(row["num_targets"] for row in window),
+            window_tokens=sum(len(row["input_ids"]) for row in window),
+            filler=window[0],
+            rows=len(window),
+        )
+
+    def epoch_of(self, step: int) -> float:
+        return self.stream.progress()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "stream", "step": self.next_step, "cursor": asdict(self.stream.cursor)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("kind") != "stream":
+            raise CheckpointError(
+                "the checkpoint's run read prepared data, and this one streams it "
+                "(data.streaming): resume with the checkpoint's settings, or set "
+                "train.resume=never to start over"
+            )
+        self.next_step = state_dict["step"]
+        self.stream.seek(Cursor(**state_dict["cursor"]))
 
 
 def eval_rows(data: PreparedData, references: dict[str, ReferenceLogps] | None) -> list[dict]:

@@ -22,6 +22,7 @@ from keel.config import RunConfig
 from keel.config.schema import MethodConfig
 from keel.data import PreparedData, prepare_data
 from keel.data.sources import resolve_sources
+from keel.data.stream import StreamedData, prepare_stream
 from keel.data.template import resolve_template
 from keel.distributed.process_group import choose_device
 from keel.errors import ConfigError, DataError, ModelError
@@ -87,7 +88,7 @@ class Preflight:
 
     model_dir: Path
     tokenizer: object
-    data: PreparedData
+    data: PreparedData | StreamedData
     model: ModelCheck
     precision: Precision  # as resolved for `device` (auto measured here on a CPU)
     device: torch.device
@@ -100,17 +101,19 @@ class Preflight:
         """One line per part, for `keel validate` (steps as `processes` would train)."""
         totals = self.data.report.totals()
         eval_rows = len(self.data.eval) if self.data.eval is not None else 0
+        rows = self.data.num_rows
+        data = (
+            f"{len(self.data.files)} file(s), read as training goes (data.streaming)"
+            if rows is None
+            else f"{totals.read} rows read, {totals.kept} kept -> {rows} train rows, "
+            f"{eval_rows} eval rows"
+        )
         return [
             f"model:     {self.model.describe()}",
             f"method:    {self.model.describe_method()}",
             f"precision: {self.precision.name} on {self.device} ({self.precision.reason})",
-            f"data:      {totals.read} rows read, {totals.kept} kept -> "
-            f"{len(self.data.train)} train rows, {eval_rows} eval rows",
-            *(
-                [f"steps:     {_schedule(self.config, len(self.data.train), processes)}"]
-                if self.config
-                else []
-            ),
+            f"data:      {data}",
+            *([f"steps:     {_schedule(self.config, rows, processes)}"] if self.config else []),
             *(f"note:      {note}" for note in self.notes),
         ]
 
@@ -162,16 +165,14 @@ def preflight(
     problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg) + found
     if problems:
         raise ConfigError(problems, source=source)
-    data = prepare_data(
-        cfg.data,
-        tokenizer,
-        stage=cfg.train.stage,
-        cache_dir=Path(cfg.model.cache_dir).expanduser(),
-        base_dir=base_dir,
-        seed=cfg.train.seed,
-        log=log,
-        vision=vision,
-    )
+    where = {"stage": cfg.train.stage, "base_dir": base_dir, "seed": cfg.train.seed}
+    if cfg.data.streaming:  # read as training goes: checked and fingerprinted here only
+        data = prepare_stream(cfg.data, tokenizer, **where, log=log, vision=vision)
+    else:
+        cache_dir = Path(cfg.model.cache_dir).expanduser()
+        data = prepare_data(
+            cfg.data, tokenizer, **where, cache_dir=cache_dir, log=log, vision=vision
+        )
     return Preflight(
         model_dir=model_dir,
         tokenizer=tokenizer,
@@ -203,7 +204,7 @@ def _output_problems(cfg: RunConfig) -> list[str]:
     return [unwritable] if unwritable else []
 
 
-def _schedule(cfg: RunConfig, rows: int, processes: int) -> str:
+def _schedule(cfg: RunConfig, rows: int | None, processes: int) -> str:
     """Steps and epochs as `processes` would run them: without train.global_batch_size,
     N processes take N times larger batches, so fewer steps per epoch (said when that
     applies)."""

@@ -8,7 +8,6 @@ output folder is touched, so bad input never leaves a half-written output direct
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from keel.checkpoint.checkpointer import Checkpointer, ProcessStateful, Stateful
 from keel.checkpoint.identity import RunIdentity, run_identity
 from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData
+from keel.data.stream import StreamedData
 from keel.data.template import resolve_template
 from keel.distributed.launch import detect_world, slurm_rendezvous_env
 from keel.distributed.process_group import (
@@ -39,6 +39,7 @@ from keel.train.batch_source import (
     BatchSource,
     DatasetBatchSource,
     StepPlan,
+    StreamBatchSource,
     default_global_batch,
     eval_rows,
 )
@@ -58,11 +59,7 @@ from keel.train.optim import (
 from keel.train.output_folder import claim_output_dir
 from keel.train.outputs import prepare_output_dir, write_final_outputs
 from keel.train.preflight import Preflight, preflight
-from keel.train.reference import (
-    PrecomputeJob,
-    ReferenceLogps,
-    precompute_reference,
-)
+from keel.train.reference import PrecomputeJob, ReferenceLogps, precompute_reference
 from keel.train.resume import ResumePoint, find_resume_point
 from keel.train.rollout_rows import refuse_uneven_prompts
 from keel.train.rollouts import RolloutBatchSource, RolloutContext
@@ -184,7 +181,7 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
     checked = _check_inputs(run)
     decided = _decide(run, checked)
     built, loaded_peak_mb = _load_model(run, checked.model_dir, decided)
-    schedule = _schedule(cfg, len(checked.data.train), decided.global_batch)
+    schedule = _schedule(cfg, checked.data.num_rows, decided.global_batch)
     trainer = _build_trainer(run, built, decided.precision, checked.tokenizer, schedule)
     references = _reference_pass(run, trainer, checked)
     source = _batch_source(run, schedule, checked, references, trainer, decided.resume)
@@ -238,7 +235,7 @@ def _decide(run: _Run, checked: Preflight) -> _Decisions:
         configured_batch = cfg.train.global_batch_size or default_global_batch(
             cfg.train.micro_batch_size, cfg.train.grad_accum, dist.dp_size
         )
-        steps_for = functools.partial(_total_steps, cfg, len(data.train))
+        steps_for = functools.partial(_total_steps, cfg, data.num_rows)
         resume = on_main(
             dist,
             lambda: find_resume_point(cfg, run.out, identity, configured_batch, steps_for, log),
@@ -278,12 +275,12 @@ def _load_model(run: _Run, model_dir: Path, decided: _Decisions) -> tuple[Traini
     return built, loaded_peak_mb
 
 
-def _schedule(cfg: RunConfig, num_rows: int, global_batch: int) -> _Schedule:
+def _schedule(cfg: RunConfig, num_rows: int | None, global_batch: int) -> _Schedule:
     plan = StepPlan.of(cfg, num_rows, global_batch)
     return _Schedule(plan=plan, total_steps=plan.total_steps(cfg.train.epochs, cfg.train.max_steps))
 
 
-def _total_steps(cfg: RunConfig, num_rows: int, global_batch: int) -> int:
+def _total_steps(cfg: RunConfig, num_rows: int | None, global_batch: int) -> int:
     """The run's optimizer steps for `global_batch` (train.max_steps wins over epochs)."""
     return _schedule(cfg, num_rows, global_batch).total_steps
 
@@ -340,6 +337,9 @@ def _batch_source(
     """Where each step's rows come from: for a stage trained on prompts (grpo), rollouts the
     policy samples each step and the reward functions score; else the training split."""
     cfg, dist = run.cfg, run.env.dist
+    if isinstance(checked.data, StreamedData):
+        stream = checked.data.open(run.env.log)
+        return StreamBatchSource(stream, schedule.plan, dp_rank=dist.dp_rank, dp_size=dist.dp_size)
     if get_stage(cfg.train.stage).unit != "prompt":
         return _dataset_source(schedule, checked.data, references, dist)
     settings = cfg.stage_settings
@@ -432,19 +432,9 @@ def _prepare_output(run: _Run, resume: ResumePoint | None) -> None:
 
 def _log_schedule(run: _Run, schedule: _Schedule, start_step: int) -> None:
     """Say how long the run is, how its batch is split, and whether a process idles."""
-    train, dp_size, log = run.cfg.train, run.env.dist.dp_size, run.env.log
-    plan = schedule.plan
-    per_process = math.ceil(plan.global_batch / dp_size)
-    log(f"steps: {plan.schedule(train.epochs, train.max_steps)}")
-    log(
-        f"training: {plan.num_rows} rows, global batch {plan.global_batch} rows over "
-        f"{dp_size} process(es) (~{per_process} per process, micro-batches of "
-        f"{train.micro_batch_size}), {plan.steps_per_epoch} steps/epoch, "
-        f"{schedule.total_steps} steps, starting at step {start_step}"
-    )
-    idle = plan.idle_warning(dp_size)
-    if idle:
-        log(f"warning: {idle}")
+    dp_size, total = run.env.dist.dp_size, schedule.total_steps
+    for line in schedule.plan.describe(run.cfg.train, dp_size, total, start_step):
+        run.env.log(line)
 
 
 def _run_meta(cfg: RunConfig, decided: _Decisions, schedule: _Schedule) -> dict:

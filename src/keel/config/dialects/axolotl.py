@@ -12,6 +12,7 @@ from pathlib import Path
 from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
 from keel.config.dialects.axolotl_qat import QAT_HANDLERS
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
+from keel.config.dialects.axolotl_streaming import STREAMING_HANDLERS, pretraining_stage
 from keel.config.dialects.axolotl_tokens import added_tokens, mistral_common, special_tokens
 from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
@@ -154,7 +155,7 @@ def _stage(raw: dict) -> str:
         return "dpo" if rl == "ipo" else rl
     if raw.get("reward_model"):
         return "rm"
-    return dataset_stage(raw.get("datasets")) or "sft"
+    return dataset_stage(raw.get("datasets")) or pretraining_stage(raw) or "sft"
 
 
 def _one_key(build: Build, key: str, value) -> None:
@@ -370,7 +371,7 @@ def _defaults(build: Build) -> None:
         build.kept("method.type", "full", "no adapter: Axolotl trains every weight")
     if raw.get("output_dir") is None:
         build.kept("output.dir", "./model-out", "Axolotl's default output_dir")
-    if "datasets" not in raw:
+    if "datasets" not in raw and "pretraining_dataset" not in raw:
         build.set("data.datasets", [])  # keel reports the empty list with its fix
     stage_defaults(build)
     if raw.get("sequence_len") is None:
@@ -440,6 +441,7 @@ _HANDLERS = {
     "evaluation_strategy": eval_strategy,
     **RUNTIME_HANDLERS,
     **TOKEN_WEIGHTING_HANDLERS,
+    **STREAMING_HANDLERS,
 }
 # Keys whose null has a meaning of its own (no adapter: full fine-tuning; no datasets: the
 # fix to name some; no LoRA rank: their LoRA run stops); any other known key left empty is

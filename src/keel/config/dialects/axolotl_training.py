@@ -133,13 +133,22 @@ def _model_config(build: Build, key: str, value) -> None:
             )
 
 
+# Axolotl's choices for computing a mixture of experts' fused experts: transformers' own
+# (eager, batched_mm, grouped_mm) and the Hub kernels' (scattermoe, sonicmoe, which their
+# use_scattermoe / use_sonicmoe switch on). Each computes the same experts; they differ in
+# speed and memory on their GPUs.
+_EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager", "scattermoe", "sonicmoe")
+
+
 def _experts_implementation(build: Build, key: str, value) -> None:
-    """How transformers computes a mixture of experts' fused experts: keel keeps its
+    """How a mixture of experts' fused experts are computed: keel keeps transformers'
     default, grouped matmuls (eager where torch cannot run them)."""
-    if value in (None, "grouped_mm"):
-        build.ignored(key, f"{value}: transformers' default, which keel runs")
+    if value is None or value in _EXPERTS_IMPLEMENTATIONS:
+        why = "computes the same experts as transformers' default, grouped_mm, which keel runs"
+        build.ignored(key, f"{value}: {why}")
     else:
-        build.refused(key, f"{value!r}: keel runs transformers' default, grouped_mm")
+        known = ", ".join(_EXPERTS_IMPLEMENTATIONS)
+        build.refused(key, f"{value!r}: not one of Axolotl's implementations ({known})")
 
 
 def _moe_experts_only(build: Build, key: str, value) -> None:

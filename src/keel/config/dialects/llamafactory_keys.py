@@ -95,7 +95,6 @@ _SWITCHES = {
     "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw, adamw_8bit, "
     "adamw_4bit or muon",
     "use_llama_pro": "LLaMA Pro block expansion is not available",
-    "streaming": "keel reads the datasets whole (data.max_samples limits them)",
     "freeze_language_model": "keel trains the language model",
     "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
     "use_asft_loss": "ASFT (DFT plus a KL term to a reference model's next-token "
@@ -300,12 +299,26 @@ def _ignore(build: Build, key: str, _value) -> None:
     build.ignored(key, _IGNORED[key])
 
 
+def _streaming(build: Build, key: str, value) -> None:
+    """Their streaming reads the datasets as training goes, shuffled through a buffer of
+    buffer_size rows; keel's shuffles the files and each block of rows."""
+    if key == "buffer_size":
+        why = "data.streaming shuffles the files' order each epoch and the rows of each block"
+        build.ignored(key, why if build.raw.get("streaming") else "used with streaming only")
+    elif value:
+        build.put(key, "data.streaming", True, "read, checked and tokenized as training goes")
+    else:
+        build.ignored(key, "false: keel's default")
+
+
 KEY_RULES: dict[str, Rule] = {
     **{key: _direct for key in _DIRECT},
     "freeze_trainable_layers": _direct,
     **{key: _switch for key in _SWITCHES},
     **{key: _stage_setting for key in _STAGE_KEYS},
     **{key: _ignore for key in _IGNORED},
+    "streaming": _streaming,
+    "buffer_size": _streaming,
     "stage": _stage,
     "pref_loss": _pref_loss,
     "pref_ftx": _pref_ftx,

@@ -1,0 +1,331 @@
+"""Streamed training data (`data.streaming`): rows read, encoded and made as training goes.
+
+For a corpus too large to tokenize up front or to hold in memory. `prepare_stream` checks
+what it can before training: every entry resolves to files, each entry's format (from its
+first row), the template. `RowStream` then reads the files in blocks of `BLOCK_ROWS` rows;
+each block is encoded as prepared data is (keel.data.encode), its over-length samples
+dropped, truncated or cut into pieces (data.overlength), and made into rows (packed with
+data.packing; in a seeded order with data.shuffle).
+
+The order is a pure function of the config and the files. Epoch e reads the files of every
+entry in order, or with data.shuffle in an order drawn from train.seed + e; each file from its
+first row. So every process reads the whole stream and takes its share of each step's rows
+(keel.train.batch_source.StreamBatchSource), and a step's rows do not depend on the number
+of processes. The position is a `Cursor`: a checkpoint saves it, and a resume reads only the
+block it points into again, skipping the rows before that block without encoding them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+from keel.data.batching import epoch_order
+from keel.data.cache import fingerprint
+from keel.data.detect import spec_for_stage
+from keel.data.encode import KEPT, RowEncoder, resolve_overlength
+from keel.data.encode_preference import encoder_for
+from keel.data.packing import cut_into_pieces, make_rows
+from keel.data.pipeline import Encoding, empty_report
+from keel.data.report import DataReport
+from keel.data.sources import LOADERS, label_of, resolve_sources
+from keel.data.template import resolve_template
+from keel.errors import DataError
+
+if TYPE_CHECKING:
+    from keel.config.schema import DataConfig
+
+BLOCK_ROWS = 1024  # rows of a file encoded, packed and shuffled together
+_READ_OPTIONS = {"json": {"parse_agent_traces": False}, "text": {"encoding": "utf-8-sig"}}
+
+
+@dataclass(frozen=True)
+class StreamFile:
+    """One data file of the stream."""
+
+    path: Path
+    label: str  # how messages name it
+    source: int  # its entry in data.datasets (which encoder reads it)
+
+    @property
+    def kind(self) -> str:
+        """The `datasets` builder that reads it: json, csv, parquet, arrow or text."""
+        return LOADERS[self.path.suffix.lower()]
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A position in the stream: `row` rows of block `block` of the `file`-th file of epoch
+    `epoch`'s order are taken."""
+
+    epoch: int = 0
+    file: int = 0
+    block: int = 0
+    row: int = 0
+
+
+@dataclass(frozen=True)
+class RowMaking:
+    """How a block's samples become rows."""
+
+    cutoff_len: int
+    overlength: str  # drop, truncate, error or split (resolved, never auto)
+    on_invalid: str
+    packing: bool
+    shuffle: bool
+    seed: int
+
+
+@dataclass
+class StreamedData:
+    """The training data of a streaming run, opened for reading with `open`."""
+
+    files: list[StreamFile]
+    encoders: list[RowEncoder]  # one per data.datasets entry
+    making: RowMaking
+    report: DataReport  # the settings and template (drops and skips are logged per block)
+    fingerprint: str
+    eval: None = None  # data.streaming has no evaluation split
+    num_rows: None = None  # not known before training
+
+    def longest_prompt(self) -> None:
+        return None
+
+    def open(self, log: Callable[[str], None]) -> RowStream:
+        return RowStream(self, log)
+
+
+def prepare_stream(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    stage: str,
+    base_dir: Path,
+    seed: int,
+    log: Callable[[str], None] = print,
+    vision=None,
+) -> StreamedData:
+    """Resolve, check and fingerprint the training data of `cfg` (data.streaming) without
+    reading more than each entry's first row."""
+    if vision is not None:
+        raise DataError(
+            "data.streaming = true reads text models' data; a vision-language model's rows are "
+            "prepared whole (their images decoded once): set data.streaming=false"
+        )
+    cfg = resolve_overlength(cfg, stage, vision)
+    sources = resolve_sources(cfg, Path(base_dir), stage=stage)
+    for note in (n for src in sources for n in src.notes):
+        log(f"note: {note}")
+    template, note = resolve_template(cfg.template, tokenizer, base_dir)
+    encoding = Encoding(cfg, tokenizer, template, stage, vision, "")
+    files, encoders, templated = [], [], False
+    for index, src in enumerate(sources):
+        if src.saved:
+            raise DataError(
+                f"{src.where}: a datasets.save_to_disk folder is read whole; give its data "
+                f"files (JSONL, Parquet, ...) to stream, or set data.streaming=false"
+            )
+        labels = [src.hub.label(f) if src.hub else label_of(f, base_dir) for f in src.files]
+        found = [StreamFile(f, label, index) for f, label in zip(src.files, labels, strict=True)]
+        first = next((row for f in found for row in _first_rows(f)), None)
+        spec = spec_for_stage(first, src.format, src.columns, src.tags, stage, src.where)
+        templated |= spec.format != "text"
+        files += found
+        encoders.append(encoder_for(tokenizer, encoding.settings(src, spec)))
+    report = empty_report(cfg, stage)
+    if templated:
+        report.template = template.name
+        if note:
+            log(note)
+    making = RowMaking(
+        cfg.cutoff_len, cfg.overlength, cfg.on_invalid, cfg.packing, cfg.shuffle, seed
+    )
+    shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
+    log(
+        f"data: streaming {len(files)} file(s) of {shown}: read, checked and tokenized as "
+        f"training goes, in blocks of {BLOCK_ROWS} rows (each process reads them all and "
+        f"takes its share of each step)"
+    )
+    log(report.settings())
+    prints = fingerprint(cfg, sources, template, tokenizer, stage, seed)
+    return StreamedData(files, encoders, making, report, prints)
+
+
+class RowStream:
+    """The rows of a `StreamedData`, from a `Cursor` on, epoch after epoch."""
+
+    def __init__(self, data: StreamedData, log: Callable[[str], None]):
+        self.data, self.log = data, log
+        self.cursor = Cursor()
+        self._rows: pa.Table | None = None  # the cursor's block, made into rows
+        self._reader: tuple[tuple[int, int, int], Iterator] | None = None  # next block's
+        self._epoch_rows = 0  # rows the cursor's epoch has given so far
+
+    def seek(self, cursor: Cursor) -> None:
+        self.cursor, self._rows, self._reader = cursor, None, None
+        self._epoch_rows = 1  # resumed inside an epoch that gave rows before
+
+    def take(self, count: int) -> list[dict]:
+        """The next `count` rows (moving on to the next epoch where the files end)."""
+        out: list[dict] = []
+        while len(out) < count:
+            rows = self._block()
+            if rows is None:  # past the file's last block
+                self._next_file()
+                continue
+            c = self.cursor
+            taken = rows.slice(c.row, count - len(out)).to_pylist()
+            out += taken
+            self._epoch_rows += len(taken)
+            if c.row + len(taken) < rows.num_rows:
+                self.cursor = replace(c, row=c.row + len(taken))
+            else:  # the block is used up
+                self.cursor, self._rows = replace(c, block=c.block + 1, row=0), None
+        return out
+
+    def progress(self) -> float:
+        """Epochs read, counting the files of the current epoch started."""
+        return self.cursor.epoch + self.cursor.file / len(self.data.files)
+
+    def _order(self, epoch: int) -> list[int]:
+        making = self.data.making
+        return epoch_order(len(self.data.files), epoch, making.seed, making.shuffle)
+
+    def _next_file(self) -> None:
+        c = self.cursor
+        if c.file + 1 < len(self.data.files):
+            self.cursor = Cursor(c.epoch, c.file + 1)
+            return
+        if not self._epoch_rows:
+            raise DataError(
+                f"no usable samples in the streamed training data "
+                f"({', '.join(f.label for f in self.data.files[:3])}): every row was dropped "
+                f"or rejected"
+            )
+        self.cursor, self._epoch_rows = Cursor(c.epoch + 1), 0
+
+    def _block(self) -> pa.Table | None:
+        """The rows of the cursor's block, made once; None past the file's end."""
+        if self._rows is None:
+            c = self.cursor
+            file = self.data.files[self._order(c.epoch)[c.file]]
+            raw = self._read(file, (c.epoch, c.file, c.block))
+            if raw is None:
+                return None
+            self._rows = self._make_rows(file, c, raw)
+        return self._rows
+
+    def _read(self, file: StreamFile, where: tuple[int, int, int]) -> dict[str, list] | None:
+        """Block `where[2]` of `file`'s rows (columns of lists), read on from the previous
+        block where it was the one before; None past the file's end."""
+        if self._reader is None or self._reader[0] != where:
+            self._reader = (where, _blocks(file, where[2] * BLOCK_ROWS))
+        try:
+            batch = next(self._reader[1], None)
+        except DataError:
+            raise
+        except Exception as exc:  # a row the library cannot parse: name the file and block
+            first = where[2] * BLOCK_ROWS + 1
+            raise DataError(
+                f"{file.label}: cannot be read as {file.kind} in rows {first}-"
+                f"{first + BLOCK_ROWS - 1}: {exc}; find the row with data.streaming=false "
+                f"(keel validate lists every bad row)"
+            ) from None
+        self._reader = ((where[0], where[1], where[2] + 1), self._reader[1])
+        return batch
+
+    def _make_rows(self, file: StreamFile, cursor: Cursor, raw: dict[str, list]) -> pa.Table:
+        """One block's rows: its rows encoded, checked, cut or dropped, then made into rows."""
+        making, first = self.data.making, cursor.block * BLOCK_ROWS + 1
+        numbers = list(range(first, first + len(next(iter(raw.values()), []))))
+        if file.kind == "text":  # one document per line; blank lines are not documents
+            keep = [k for k, text in enumerate(raw["text"]) if text.strip()]
+            raw, numbers = {"text": [raw["text"][k] for k in keep]}, [numbers[k] for k in keep]
+        encoded = self.data.encoders[file.source](raw) if numbers else {"status": []}
+        kept, dropped, skipped = [], 0, []
+        for k, status in enumerate(encoded["status"]):
+            where = f"{file.label} row {numbers[k]}"
+            if status in KEPT:
+                kept.append(k)
+            elif status == "dropped":
+                dropped += 1
+            elif status == "overlength":
+                raise DataError(
+                    f"{where}: {encoded['length'][k]} tokens, over data.cutoff_len="
+                    f"{making.cutoff_len} (data.overlength=error); raise data.cutoff_len, or "
+                    f"set data.overlength: truncate, drop or split (pt)"
+                )
+            elif status == "template" or making.on_invalid == "error":
+                raise DataError(
+                    f"{where}: {encoded['reason'][k]}; fix the row, or set data.on_invalid: "
+                    f"skip to train without it"
+                )
+            else:
+                skipped.append(f"row {numbers[k]}: {encoded['reason'][k]}")
+        if dropped or skipped:
+            self._note(file, numbers, dropped, skipped)
+        units = pa.table(
+            {
+                "input_ids": pa.array(
+                    [encoded["input_ids"][k] for k in kept], pa.list_(pa.int32())
+                ),
+                "targets": pa.array([encoded["targets"][k] for k in kept], pa.list_(pa.int32())),
+            }
+        )
+        if making.overlength == "split":
+            units = cut_into_pieces(units, making.cutoff_len)
+        seed = _block_seed(making.seed, cursor)
+        rows = make_rows(units, making.packing, making.cutoff_len, seed)
+        if making.shuffle and not making.packing:  # first_fit packs in a seeded order already
+            rows = rows.take(np.random.default_rng(seed).permutation(rows.num_rows))
+        return rows
+
+    def _note(self, file: StreamFile, numbers: list[int], dropped: int, skipped: list[str]):
+        parts = [f"{dropped} over data.cutoff_len dropped"] if dropped else []
+        if skipped:
+            parts.append(
+                f"{len(skipped)} rejected and skipped (data.on_invalid=skip; {skipped[0]})"
+            )
+        self.log(f"data: {file.label} rows {numbers[0]}-{numbers[-1]}: {', '.join(parts)}")
+
+
+def _blocks(file: StreamFile, skip: int) -> Iterator[dict[str, list]]:
+    """`file`'s rows after the first `skip`, BLOCK_ROWS at a time, read lazily."""
+    from datasets import load_dataset
+
+    if not file.path.is_file():
+        raise DataError(f"{file.label}: the file is gone (it was there when the run started)")
+    rows = load_dataset(
+        file.kind,
+        data_files=str(file.path),
+        split="train",
+        streaming=True,
+        **_READ_OPTIONS.get(file.kind, {}),
+    )
+    return rows.skip(skip).iter(batch_size=BLOCK_ROWS) if skip else rows.iter(BLOCK_ROWS)
+
+
+def _first_rows(file: StreamFile) -> Iterator[dict]:
+    """The file's first non-blank row, if any (what its entry's format is detected from)."""
+    try:
+        batch = next(_blocks(file, 0), None)
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{file.label}: cannot be read as {file.kind}: {exc}") from None
+    for k in range(len(next(iter(batch.values()), [])) if batch else 0):
+        row = {key: values[k] for key, values in batch.items()}
+        if file.kind != "text" or row["text"].strip():
+            yield row
+            return
+
+
+def _block_seed(seed: int, cursor: Cursor) -> int:
+    """The seed of the block at `cursor` (packing and row order): the same on every process."""
+    words = [seed, cursor.epoch, cursor.file, cursor.block]
+    return int(np.random.SeedSequence(words).generate_state(1)[0])
