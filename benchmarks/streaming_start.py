@@ -106,7 +106,7 @@ def main() -> None:
                 result = run_once(system, corpus, model, args.steps)
                 results[system].append(result)
                 print(f"  {system}: {json.dumps({k: round(v, 2) for k, v in result.items()})}")
-    print("\n| data | wall s | before the first step s | peak RSS MB |\n|---|---|---|---|")
+    print("\n| data | wall s | outside the steps s | peak RSS MB |\n|---|---|---|---|")
     for system, runs in results.items():
         wall = statistics.median(r["wall_s"] for r in runs)
         before = statistics.median(r["before_steps_s"] for r in runs)

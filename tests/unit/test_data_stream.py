@@ -40,7 +40,7 @@ def streamed(tiny_tokenizer, tmp_path):
         if prepared:
             ready = prepare_data(cfg, tiny_tokenizer, cache_dir=tmp_path / "cache", **common)
             rows = [dict(r) for r in ready.train]
-        data = prepare_stream(cfg, tiny_tokenizer, **common)
+        data = prepare_stream(cfg, tiny_tokenizer, cache_dir=tmp_path / "cache", **common)
         return rows, lambda: data.open(logs.append)
 
     make.logs = logs
@@ -121,7 +121,7 @@ def test_streaming_refuses_what_needs_the_whole_data_first(tmp_path):
     base = {
         "model": {"path": "bundled:smollm2-135m-instruct"},
         "data": {"datasets": ["d.jsonl"], "streaming": True, "val_size": 0.1},
-        "train": {"stage": "dpo"},
+        "train": {"stage": "dpo", "early_stopping_patience": 2, "eval_every": 1},
         "output": {"dir": str(tmp_path / "out")},
     }
     with pytest.raises(ConfigError) as info:
@@ -130,15 +130,31 @@ def test_streaming_refuses_what_needs_the_whole_data_first(tmp_path):
     assert "train.stage dpo's data is prepared whole" in problems
     assert "set train.max_steps" in problems
     assert "data.val_size = 0.1 needs the whole training data" in problems
+    assert "no eval data: set data.eval_datasets (data.streaming holds no rows out)" in problems
 
 
-def test_a_streaming_run_trains_as_the_prepared_run(tiny_model_dir, data_file, tmp_path):
-    """The same rows in the same order (shuffle off) make the same steps."""
+def test_a_streaming_run_trains_and_evaluates_as_the_prepared_run(
+    tiny_model_dir, data_file, tmp_path
+):
+    """The same rows in the same order (shuffle off) make the same steps; the evaluation
+    data of its own (data.eval_datasets) is prepared whole beside the stream."""
     from test_train_run import config, quiet
 
     from keel.train.run import run_training
 
-    common = ("data.val_size=0", "data.shuffle=false", "method.lora.dropout=0", "train.max_steps=5")
+    rows = [
+        {"instruction": f"Count to {n}.", "output": " ".join(map(str, range(n)))} for n in (3, 5)
+    ]
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", rows)
+    common = (
+        *("data.val_size=0", "data.shuffle=false", "method.lora.dropout=0", "train.max_steps=5"),
+        *(f"data.eval_datasets=[{tmp_path / held_out}]", "train.eval_every=2"),
+    )
+
+    def eval_losses(out):
+        records = map(json.loads, (out / "metrics.jsonl").open())
+        return [r["eval_loss"] for r in records if "eval_loss" in r]
+
     prepared = run_training(config(tiny_model_dir, data_file, tmp_path / "a", *common), log=quiet)
     logs: list[str] = []
     streaming = config(tiny_model_dir, data_file, tmp_path / "b", *common, "data.streaming=true")
@@ -146,3 +162,6 @@ def test_a_streaming_run_trains_as_the_prepared_run(tiny_model_dir, data_file, t
     assert streamed.losses == pytest.approx(prepared.losses, rel=1e-6, abs=1e-7)
     assert len(set(streamed.losses)) == 5  # 5 steps of 4 of the 16 rows: epochs 1 and 2
     assert any("training: streamed rows, global batch 4 rows" in line for line in logs)
+    evaluated = eval_losses(tmp_path / "b")
+    assert len(evaluated) == 3  # steps 2, 4 and the last
+    assert evaluated == pytest.approx(eval_losses(tmp_path / "a"), rel=1e-6, abs=1e-7)

@@ -202,7 +202,7 @@ class DataConfig:
     # pt and sft: read, check and tokenize the training data as training goes instead of
     # preparing it all first (a corpus too large to tokenize up front or hold in memory).
     # Needs train.max_steps; data.shuffle shuffles the file order each epoch and the rows
-    # within each block of 1024
+    # within each block of 1024; evaluation data: data.eval_datasets (prepared whole)
     streaming: bool = False
     # Bytes one row may hold (a JSONL, CSV or text line, a JSON array element); a larger row
     # is refused (exit 2) naming its file and line before it is parsed. Default 16 MiB

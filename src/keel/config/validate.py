@@ -209,7 +209,6 @@ def _streaming_problems(cfg: RunConfig, stage) -> list[str]:
         )
     needs_all = {
         "data.val_size": data.val_size,
-        "data.eval_datasets": data.eval_datasets,
         "data.deduplicate": data.deduplicate,
         "train.evals_per_epoch": cfg.train.evals_per_epoch,
         "output.saves_per_epoch": cfg.output.saves_per_epoch,
@@ -222,6 +221,11 @@ def _streaming_problems(cfg: RunConfig, stage) -> list[str]:
     problems += [
         f"{key} = {value!r} needs the whole training data before training, which "
         f"data.streaming = true does not read ahead; remove it, or set data.streaming=false"
+        + (
+            " (data.eval_datasets, evaluation data of its own, works with it)"
+            if key == "data.val_size"
+            else ""
+        )
         for key, value in needs_all.items()
         if value
     ]
@@ -291,6 +295,11 @@ def _early_stopping_problems(cfg: RunConfig) -> list[str]:
     if problems or not t.early_stopping_patience:
         return problems
     key = f"train.early_stopping_patience = {t.early_stopping_patience}"
+    if cfg.data.streaming and not cfg.data.eval_datasets:
+        return [
+            f"{key} judges evaluations, and there is no eval data: set data.eval_datasets "
+            f"(data.streaming holds no rows out)"
+        ]
     if not (cfg.data.val_size or cfg.data.eval_datasets):
         return [
             f"{key} judges evaluations, and there is no eval data: set data.val_size or data.eval_datasets"

@@ -184,7 +184,8 @@ def load_cached(path: Path):
     if not (path / "report.json").is_file():
         return None
     report = DataReport.from_dict(json.loads((path / "report.json").read_text()))
-    train = load_from_disk(str(path / "train"))
+    # no train/: the evaluation data of a run that streams its training data
+    train = load_from_disk(str(path / "train")) if (path / "train").is_dir() else None
     eval_ = load_from_disk(str(path / "eval")) if (path / "eval").is_dir() else None
     return train, eval_, report
 
@@ -195,7 +196,8 @@ def save_cache(path: Path, train, eval_, report: DataReport, images: list[dict] 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name[:16]}-", dir=path.parent))
     try:
-        train.save_to_disk(str(tmp / "train"))
+        if train is not None:
+            train.save_to_disk(str(tmp / "train"))
         if eval_ is not None:
             eval_.save_to_disk(str(tmp / "eval"))
         if images:

@@ -96,7 +96,7 @@ class PreparedData:
     for the preference stages also labels (one per sequence) and, for kto, the KL sequences
     (kl_input_ids, kl_targets, kl_position_ids). See `prepare_data`."""
 
-    train: Dataset
+    train: Dataset | None  # None: the evaluation data alone (prepare_data's held_out_only)
     eval: Dataset | None  # None without evaluation data (data.val_size 0, no eval_datasets)
     report: DataReport
     fingerprint: str
@@ -126,6 +126,7 @@ def prepare_data(
     seed: int,
     log: Callable[[str], None] = print,
     vision: VisionProcessing | None = None,
+    held_out_only: bool = False,
 ) -> PreparedData:
     """Load, validate, tokenize, split and pack the data of `cfg`, or load it from the cache.
 
@@ -148,11 +149,15 @@ def prepare_data(
     rows with images) rows also have image_blobs (per image, in token order) and, for
     M-RoPE families, rope_positions (3 per token).
     Prompt rows (grpo) are different: input_ids, num_targets 0, and the JSON strings prompt
-    and columns, one prompt per row, never packed (keel.data.encode_prompt)."""
+    and columns, one prompt per row, never packed (keel.data.encode_prompt).
+    `held_out_only`: data.eval_datasets alone (train None), beside training data that is
+    streamed (keel.data.stream)."""
     _check_tokenizer(tokenizer, stage, vision)
     cfg = resolve_overlength(cfg, stage, vision)
     base_dir, cache_dir = Path(base_dir), Path(cache_dir)
-    sources = _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
+    sources = (
+        [] if held_out_only else _sources(cfg, base_dir, stage, text_only=vision is None, log=log)
+    )
     held_out = _sources(cfg, base_dir, stage, text_only=vision is None, log=log, held_out=True)
     template, note = resolve_template(cfg.template, tokenizer, base_dir)
     fp = fingerprint(cfg, sources + held_out, template, tokenizer, stage, seed)
@@ -165,9 +170,8 @@ def prepare_data(
 
     # before the work: a large dataset takes a while, and the tokenizer's bar is hidden
     # unless --verbose
-    shown = ", ".join(source.label for source in sources[:3]) + (
-        ", ..." if len(sources) > 3 else ""
-    )
+    read = sources or held_out
+    shown = ", ".join(source.label for source in read[:3]) + (", ..." if len(read) > 3 else "")
     log(f"data: reading, checking and tokenizing {shown} (once: the result is cached)")
     report = empty_report(cfg, stage)
     load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
@@ -185,7 +189,7 @@ def prepare_data(
         report.template = template.name
         if note:
             log(note)
-    _check(cfg, report, overlong)
+    _check(cfg, report, overlong, train=not held_out_only)
     if cfg.deduplicate:
         units = _deduplicated(units, report)
     train, eval_ = _rows(cfg, units, stage=stage, seed=seed, report=report, log=log)
@@ -408,7 +412,7 @@ def _tally(
     return table.select(columns).take(pa.array(keep, type=pa.int64()))
 
 
-def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
+def _check(cfg: DataConfig, report: DataReport, overlong: list[str], *, train: bool) -> None:
     if report.rejections and cfg.on_invalid == "error":
         raise DataError(
             f"{len(report.rejections)} invalid row(s) in the training data\n{report.format()}"
@@ -421,7 +425,7 @@ def _check(cfg: DataConfig, report: DataReport, overlong: list[str]) -> None:
             f"(data.overlength=error):\n{lines}\nraise data.cutoff_len, or set "
             f"data.overlength: truncate (cut them), drop (skip them){pieces}"
         )
-    if report.totals("train").kept == 0:
+    if train and report.totals("train").kept == 0:
         raise DataError(f"no usable samples in the training data\n{report.format()}")
     if cfg.eval_datasets and report.totals("eval").kept == 0:
         raise DataError(f"no usable samples in data.eval_datasets\n{report.format()}")
@@ -443,20 +447,20 @@ def _split_and_pack(
     if units.eval is None:
         train_idx, eval_idx = split_indices(units.train.num_rows, cfg.val_size, seed)
         train_units, eval_units = units.train.take(train_idx), units.train.take(eval_idx)
-    else:
+    else:  # the training units are None beside streamed training data
         train_units, eval_units = units.train, units.eval
-    samples = train_units.num_rows, eval_units.num_rows
-    if cfg.overlength == "split":  # after the split: a document's pieces stay in its split
-        train_units = cut_into_pieces(train_units, cfg.cutoff_len)
-        eval_units = cut_into_pieces(eval_units, cfg.cutoff_len)
-    train = rows_of(train_units, seed)
-    report.train = _split_stats(samples[0], train_units.num_rows, train)
-    eval_ = None
-    if eval_units.num_rows:
-        eval_ = rows_of(eval_units, seed + 1)
-        report.eval = _split_stats(samples[1], eval_units.num_rows, eval_)
-        eval_ = Dataset(InMemoryTable(eval_))
-    return Dataset(InMemoryTable(train)), eval_
+    made = {}
+    for split, table, split_seed in (("train", train_units, seed), ("eval", eval_units, seed + 1)):
+        if table is None or (split == "eval" and not table.num_rows):
+            made[split] = None
+            continue
+        samples = table.num_rows
+        if cfg.overlength == "split":  # after the split: a document's pieces stay in its split
+            table = cut_into_pieces(table, cfg.cutoff_len)
+        rows = rows_of(table, split_seed)
+        setattr(report, split, _split_stats(samples, table.num_rows, rows))
+        made[split] = Dataset(InMemoryTable(rows))
+    return made["train"], made["eval"]
 
 
 def _split_stats(samples: int, pieces: int, rows: pa.Table) -> SplitStats:

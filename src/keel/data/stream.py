@@ -31,13 +31,15 @@ from keel.data.detect import spec_for_stage
 from keel.data.encode import KEPT, RowEncoder, resolve_overlength
 from keel.data.encode_preference import encoder_for
 from keel.data.packing import cut_into_pieces, make_rows
-from keel.data.pipeline import Encoding, empty_report
+from keel.data.pipeline import Encoding, empty_report, prepare_data
 from keel.data.report import DataReport
 from keel.data.sources import LOADERS, label_of, resolve_sources
 from keel.data.template import resolve_template
 from keel.errors import DataError
 
 if TYPE_CHECKING:
+    from datasets import Dataset
+
     from keel.config.schema import DataConfig
 
 BLOCK_ROWS = 1024  # rows of a file encoded, packed and shuffled together
@@ -90,7 +92,7 @@ class StreamedData:
     making: RowMaking
     report: DataReport  # the settings and template (drops and skips are logged per block)
     fingerprint: str
-    eval: None = None  # data.streaming has no evaluation split
+    eval: Dataset | None = None  # data.eval_datasets, prepared whole (it is not streamed)
     num_rows: None = None  # not known before training
 
     def longest_prompt(self) -> None:
@@ -105,13 +107,15 @@ def prepare_stream(
     tokenizer,
     *,
     stage: str,
+    cache_dir: Path,
     base_dir: Path,
     seed: int,
     log: Callable[[str], None] = print,
     vision=None,
 ) -> StreamedData:
     """Resolve, check and fingerprint the training data of `cfg` (data.streaming) without
-    reading more than each entry's first row."""
+    reading more than each entry's first row; prepare its evaluation data (data.eval_datasets)
+    whole, as a run that does not stream does (keel.data.pipeline, cached)."""
     if vision is not None:
         raise DataError(
             "data.streaming = true reads text models' data; a vision-language model's rows are "
@@ -153,7 +157,11 @@ def prepare_stream(
     )
     log(report.settings())
     prints = fingerprint(cfg, sources, template, tokenizer, stage, seed)
-    return StreamedData(files, encoders, making, report, prints)
+    held_out = None
+    if cfg.eval_datasets:
+        where = {"stage": stage, "cache_dir": cache_dir, "base_dir": base_dir, "seed": seed}
+        held_out = prepare_data(cfg, tokenizer, **where, log=log, held_out_only=True).eval
+    return StreamedData(files, encoders, making, report, prints, eval=held_out)
 
 
 class RowStream:

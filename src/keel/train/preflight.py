@@ -165,14 +165,11 @@ def preflight(
     problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg) + found
     if problems:
         raise ConfigError(problems, source=source)
-    where = {"stage": cfg.train.stage, "base_dir": base_dir, "seed": cfg.train.seed}
-    if cfg.data.streaming:  # read as training goes: checked and fingerprinted here only
-        data = prepare_stream(cfg.data, tokenizer, **where, log=log, vision=vision)
-    else:
-        cache_dir = Path(cfg.model.cache_dir).expanduser()
-        data = prepare_data(
-            cfg.data, tokenizer, **where, cache_dir=cache_dir, log=log, vision=vision
-        )
+    cache_dir = Path(cfg.model.cache_dir).expanduser()
+    where = {"stage": cfg.train.stage, "cache_dir": cache_dir, "base_dir": base_dir}
+    # streamed: read as training goes, only checked and fingerprinted here
+    prepare = prepare_stream if cfg.data.streaming else prepare_data
+    data = prepare(cfg.data, tokenizer, **where, seed=cfg.train.seed, log=log, vision=vision)
     return Preflight(
         model_dir=model_dir,
         tokenizer=tokenizer,
