@@ -13,6 +13,7 @@ SMALL_EXAMPLES = [
     "sharegpt_full.yaml",
     "messages_freeze.yaml",
     "pretrain_text.yaml",
+    "pretrain_streaming.yaml",
     "llamafactory_lora.yaml",
     "identity_lora.yaml",
     "identity_qlora.yaml",
