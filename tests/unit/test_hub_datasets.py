@@ -260,3 +260,17 @@ def test_entries_keel_cannot_fetch_name_the_fix_and_a_local_subset_is_refused(
     (tmp_path / "local.jsonl").write_text(json.dumps(_rows("x", 1)[0]) + "\n")
     with pytest.raises(DataError, match=r"subset = 'en' applies to Hugging Face Hub datasets"):
         prepare(DatasetConfig(path="local.jsonl", subset="en"))
+
+
+def test_a_hub_dataset_streams_from_the_hub_cache(cached, prepare, tiny_tokenizer, tmp_path):
+    """data.streaming reads the split's files of the cached snapshot as prepared data does."""
+    from keel.data.stream import prepare_stream
+
+    prepared, _, _ = prepare(REPO, shuffle=False)
+    config = DataConfig(datasets=[DatasetConfig(path=REPO)], shuffle=False, streaming=True)
+    where = {"stage": "sft", "cache_dir": tmp_path / "cache", "base_dir": tmp_path, "seed": 0}
+    lines: list[str] = []
+    streamed = prepare_stream(config, tiny_tokenizer, **where, log=lines.append)
+    assert [f.label for f in streamed.files] == [f"{REPO}/data/train.jsonl"]
+    rows = streamed.open(lines.append).take(len(prepared.train))
+    assert rows == [dict(row) for row in prepared.train]
