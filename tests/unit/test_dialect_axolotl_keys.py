@@ -315,3 +315,30 @@ def test_mistral_common_tokenization_is_refused_saying_what_keel_uses():
     assert "Hugging Face tokenizer (tokenizer.json)" in found["tokenizer_use_mistral_common"].why
     _, found = _translate(tokenizer_use_mistral_common=False)
     assert found["tokenizer_use_mistral_common"].fate == "ignored"
+
+
+@pytest.mark.parametrize(
+    ("extra", "saves", "evals"),
+    [
+        ({}, {"output.saves_per_epoch": 2}, {"train.evals_per_epoch": 4}),
+        # with max_steps their fraction 1 / (N x num_epochs) is of max_steps
+        ({"max_steps": 305}, {"output.save_every": 153}, {"train.eval_every": 77}),
+        ({"max_steps": 100, "num_epochs": 2}, {"output.save_every": 25}, {"train.eval_every": 13}),
+    ],
+)
+def test_per_epoch_counts_are_a_fraction_of_max_steps(extra, saves, evals):
+    raw = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
+    raw |= {"saves_per_epoch": 2, "evals_per_epoch": 4, "val_set_size": 0.1, **extra}
+    config = translate_axolotl(raw, Path("x.yaml")).config
+    for dotted, value in {**saves, **evals}.items():
+        section, name = dotted.split(".")
+        assert config[section][name] == value
+    assert "saves_per_epoch" not in config["output"] or not extra
+
+
+def test_a_streamed_run_saves_once_an_epoch_at_its_end():
+    raw = {"base_model": "m", "pretraining_dataset": [{"path": "c4"}], "max_steps": 305}
+    translation = translate_axolotl({**raw, "saves_per_epoch": 1}, Path("x.yaml"))
+    assert translation.refused() == [] and "saves_per_epoch" not in translation.config["output"]
+    (fate,) = [f for f in translation.fates if f.key == "saves_per_epoch"]
+    assert fate.fate == "ignored" and "keel saves at the end" in fate.why

@@ -60,8 +60,6 @@ DIRECT = {
     "wandb_mode": "output.wandb.mode",
     "resume_from_checkpoint": "train.resume",
     "early_stopping_patience": "train.early_stopping_patience",
-    "evals_per_epoch": "train.evals_per_epoch",
-    "saves_per_epoch": "output.saves_per_epoch",
 }
 IGNORED = {
     "eval_batch_size": "keel evaluates with train.micro_batch_size",

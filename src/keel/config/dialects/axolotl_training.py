@@ -3,6 +3,7 @@ train on, as keel keys; and how their YAML's numbers are read."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from keel.config.dialects.build import Build, scheduler_kwargs
@@ -194,7 +195,36 @@ def _fan_in_fan_out(build: Build, key: str, value) -> None:
     )
 
 
+_PER_EPOCH = {
+    "saves_per_epoch": ("output.saves_per_epoch", "output.save_every", "saves"),
+    "evals_per_epoch": ("train.evals_per_epoch", "train.eval_every", "evaluates"),
+}
+
+
+def _per_epoch(build: Build, key: str, value) -> None:
+    """Their saves_per_epoch / evals_per_epoch N become save_steps / eval_steps of
+    1 / (N x num_epochs): a fraction of the run's steps, as Hugging Face reads one under 1.
+    Without max_steps that is N times an epoch, keel's own count; with max_steps it is of
+    max_steps, so it becomes every ceil(max_steps / (N x num_epochs)) steps."""
+    per_epoch, every, does = _PER_EPOCH[key]
+    raw, max_steps = build.raw, build.raw.get("max_steps")
+    fraction = 1 / (value * (raw.get("num_epochs") or 1)) if value else None
+    streamed = bool(raw.get("streaming") or raw.get("pretraining_dataset"))
+    if max_steps and fraction is not None and fraction < 1:
+        steps = math.ceil(max_steps * fraction)
+        why = f"1/({value} x num_epochs) of max_steps {max_steps}, as Hugging Face reads it"
+        build.put(key, every, steps, why)
+    elif streamed and value:
+        why = (
+            f"once an epoch, and streamed data's epoch has no known length: keel {does} at the end"
+        )
+        build.ignored(key, why)
+    else:
+        build.put(key, per_epoch, value)
+
+
 TRAINING_HANDLERS = {
+    **{key: _per_epoch for key in _PER_EPOCH},
     "batch_size": _batch_size,
     "lora_fan_in_fan_out": _fan_in_fan_out,
     "model_config": _model_config,
