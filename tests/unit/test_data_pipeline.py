@@ -236,6 +236,27 @@ def test_pt_trains_every_token_of_text_and_conversations(run, tiny_tokenizer, tm
     assert row["num_targets"] == len(row["input_ids"]) - 1
 
 
+def test_pt_texts_tokenized_in_one_call_give_each_rows_tokens(run, tiny_tokenizer, monkeypatch):
+    from keel.data.encode import RowEncoder
+
+    rows = [{"text": f"document {i} " + "word " * i} for i in range(1, 70)]
+    rows.append({"text": "   "})  # rejected, with its reason, beside the batch
+    calls = []
+    batched = RowEncoder._tokenized_texts
+
+    def counted(self, batch_rows):
+        calls.append(len(batch_rows))
+        return batched(self, batch_rows)
+
+    monkeypatch.setattr(RowEncoder, "_tokenized_texts", counted)
+    data = run(rows, stage="pt", shuffle=False, on_invalid="skip", cutoff_len=512)
+    assert calls and max(calls) > 1  # whole batches of rows at a time
+    assert [r["input_ids"] for r in data.train] == [
+        tiny_tokenizer(r["text"])["input_ids"] + [tiny_tokenizer.eos_token_id] for r in rows[:-1]
+    ]
+    assert data.report.files[0].rejected == 1
+
+
 def long_document(i: int, words: int = 40) -> dict:
     """A pretraining document over 64 tokens whose every piece names it: <i> repeated."""
     return {"text": f"<{i}> " * words}

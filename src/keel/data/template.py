@@ -173,9 +173,14 @@ def encode_sft(
     return list(enc["input_ids"]), token_mask(enc["offset_mapping"], spans)
 
 
-def encode_pt(tokenizer, text: str, special_tokens: bool = True) -> tuple[list[int], list[bool]]:
-    """Pretraining: the text (with the tokenizer's own BOS, if any) then EOS, all trained."""
-    ids = list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+def encode_pt(
+    tokenizer, text: str, special_tokens: bool = True, ids: list[int] | None = None
+) -> tuple[list[int], list[bool]]:
+    """Pretraining: the text (with the tokenizer's own BOS, if any) then EOS, all trained.
+    `ids`: the text already tokenized (with the special tokens), as a batch call gives it."""
+    if ids is None:
+        ids = tokenizer(text, add_special_tokens=special_tokens)["input_ids"]
+    ids = list(ids)
     eos_id = tokenizer.eos_token_id
     if not ids or ids[-1] != eos_id:
         ids.append(eos_id)
