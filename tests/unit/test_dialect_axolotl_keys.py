@@ -336,6 +336,14 @@ def test_per_epoch_counts_are_a_fraction_of_max_steps(extra, saves, evals):
     assert "saves_per_epoch" not in config["output"] or not extra
 
 
+def test_per_epoch_counts_written_as_text_are_numbers():
+    raw = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
+    raw |= {"saves_per_epoch": "2", "max_steps": "305", "num_epochs": "1"}
+    assert translate_axolotl(raw, Path("x.yaml")).config["output"]["save_every"] == 153
+    raw.pop("max_steps")
+    assert translate_axolotl(raw, Path("x.yaml")).config["output"]["saves_per_epoch"] == 2
+
+
 def test_a_streamed_run_saves_once_an_epoch_at_its_end():
     raw = {"base_model": "m", "pretraining_dataset": [{"path": "c4"}], "max_steps": 305}
     translation = translate_axolotl({**raw, "saves_per_epoch": 1}, Path("x.yaml"))

@@ -207,8 +207,13 @@ def _per_epoch(build: Build, key: str, value) -> None:
     Without max_steps that is N times an epoch, keel's own count; with max_steps it is of
     max_steps, so it becomes every ceil(max_steps / (N x num_epochs)) steps."""
     per_epoch, every, does = _PER_EPOCH[key]
-    raw, max_steps = build.raw, build.raw.get("max_steps")
-    fraction = 1 / (value * (raw.get("num_epochs") or 1)) if value else None
+    raw = build.raw
+    value, max_steps, epochs = (
+        yaml_number(x) if isinstance(x, str) else x
+        for x in (value, raw.get("max_steps"), raw.get("num_epochs") or 1)
+    )
+    numbers = all(isinstance(x, int | float) for x in (value, max_steps, epochs))
+    fraction = 1 / (value * epochs) if numbers and value and epochs else None
     streamed = bool(raw.get("streaming") or raw.get("pretraining_dataset"))
     if max_steps and fraction is not None and fraction < 1:
         steps = math.ceil(max_steps * fraction)
