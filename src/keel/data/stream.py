@@ -93,7 +93,11 @@ class StreamedData:
     report: DataReport  # the settings and template (drops and skips are logged per block)
     fingerprint: str
     eval: Dataset | None = None  # data.eval_datasets, prepared whole (it is not streamed)
-    num_rows: None = None  # not known before training
+
+    @property
+    def num_rows(self) -> None:
+        """Training rows: not known before training (PreparedData's is a count)."""
+        return None
 
     def longest_prompt(self) -> None:
         return None
@@ -126,7 +130,8 @@ def prepare_stream(
     for note in (n for src in sources for n in src.notes):
         log(f"note: {note}")
     template, note = resolve_template(cfg.template, tokenizer, base_dir)
-    encoding = Encoding(cfg, tokenizer, template, stage, vision, "")
+    prints = fingerprint(cfg, sources, template, tokenizer, stage, seed)
+    encoding = Encoding(cfg, tokenizer, template, stage, vision, prints)
     files, encoders, templated = [], [], False
     for index, src in enumerate(sources):
         if src.saved:
@@ -136,7 +141,7 @@ def prepare_stream(
             )
         labels = [src.hub.label(f) if src.hub else label_of(f, base_dir) for f in src.files]
         found = [StreamFile(f, label, index) for f, label in zip(src.files, labels, strict=True)]
-        first = next((row for f in found for row in _first_rows(f)), None)
+        first = next((row for f in found if (row := _first_row(f)) is not None), None)
         spec = spec_for_stage(first, src.format, src.columns, src.tags, stage, src.where)
         templated |= spec.format != "text"
         files += found
@@ -156,7 +161,6 @@ def prepare_stream(
         f"takes its share of each step)"
     )
     log(report.settings())
-    prints = fingerprint(cfg, sources, template, tokenizer, stage, seed)
     held_out = None
     if cfg.eval_datasets:
         where = {"stage": stage, "cache_dir": cache_dir, "base_dir": base_dir, "seed": seed}
@@ -318,8 +322,9 @@ def _blocks(file: StreamFile, skip: int) -> Iterator[dict[str, list]]:
     return rows.skip(skip).iter(batch_size=BLOCK_ROWS) if skip else rows.iter(BLOCK_ROWS)
 
 
-def _first_rows(file: StreamFile) -> Iterator[dict]:
-    """The file's first non-blank row, if any (what its entry's format is detected from)."""
+def _first_row(file: StreamFile) -> dict | None:
+    """The file's first non-blank row, None if it has none (what its entry's format is
+    detected from)."""
     try:
         batch = next(_blocks(file, 0), None)
     except DataError:
@@ -329,8 +334,8 @@ def _first_rows(file: StreamFile) -> Iterator[dict]:
     for k in range(len(next(iter(batch.values()), [])) if batch else 0):
         row = {key: values[k] for key, values in batch.items()}
         if file.kind != "text" or row["text"].strip():
-            yield row
-            return
+            return row
+    return None
 
 
 def _block_seed(seed: int, cursor: Cursor) -> int:
