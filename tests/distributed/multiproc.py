@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -158,6 +159,13 @@ def single_process_runs(workspace: Workspace):
         return runs[overrides]
 
     return run
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (for a test's own process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:

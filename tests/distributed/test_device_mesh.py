@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiproc import free_port
 from torch import nn
 
 from keel.distributed.parallelize import ParallelizeSettings, full_value, parallelize
@@ -61,15 +61,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ddp_and_fsdp_run_on_the_mesh_built_at_start(tmp_path):
     out = str(tmp_path / "seen")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2)
     ranks = [json.loads(open(f"{out}.{r}").read()) for r in range(2)]
     for rank, seen in enumerate(ranks):
         assert seen["names"] == ["dp"] and seen["dp"] == [rank, 2] and seen["world_group"]

@@ -28,7 +28,10 @@ SMALL_EXAMPLES = [
 
 
 # Examples run by their own tests (a vision-language model, not the tiny text model)
-RUN_ELSEWHERE = {"vision_llava_demo.yaml": "tests/e2e/test_vision_demo.py"}
+RUN_ELSEWHERE = {
+    "vision_llava_demo.yaml": "tests/e2e/test_vision_demo.py",
+    "pretrain_long_context.yaml": "tests/distributed/test_context_parallel.py",  # 2 processes
+}
 
 
 def test_every_example_is_covered_here():

@@ -24,7 +24,7 @@ from keel.errors import KeelError
         (dict(dp_replicate=2, dp_shard=2, world_size=8), "= 4, but the world has 8"),
         (dict(dp_replicate=1, dp_shard=0, world_size=1), "dp_shard = 0"),
         (dict(dp_replicate=1, dp_shard=2, tp=2, world_size=4), "no tensor parallelism"),
-        (dict(dp_replicate=1, dp_shard=2, cp=2, world_size=4), "no context parallelism"),
+        (dict(dp_replicate=2, dp_shard=2, cp=2, world_size=8), "with HSDP"),
     ],
 )
 def test_degrees_that_do_not_describe_the_world_are_refused(degrees, fragment):
@@ -72,6 +72,27 @@ def test_the_mesh_names_its_data_parallel_axis(four_fake_ranks):
     dp = hsdp.dp_mesh()
     assert dp.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert (dp["dp_replicate"].get_local_rank(), dp["dp_shard"].get_local_rank()) == (0, 1)
+
+
+def test_context_parallel_groups_read_the_same_rows(four_fake_ranks):
+    """2 groups of 2 (rank 1 of 4 here): its group (ranks 0, 1) reads the rows of
+    data-parallel rank 0; gradients are averaged and FSDP2 shards over all 4."""
+    dims = ParallelDims.for_strategy(Strategy.DDP, 4).build_mesh("cpu")
+    split = dims.with_context(2, "cpu")
+    assert (split.dp_size, split.grad_size, split.cp) == (2, 4, 2)
+    assert [split.dp_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [split.cp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert split.cp_mesh["cp"].size() == 2 and split.cp_mesh["cp"].get_local_rank() == 1
+    sharded = split.with_strategy(Strategy.FSDP)
+    assert (sharded.dp_shard, sharded.cp, sharded.dp_mesh()) == (2, 2, dims.mesh)
+    assert sharded.dp_mesh().size() == 4
+    ctx = DistContext(rank=1, world_size=4, dims=sharded)
+    assert (ctx.dp_rank, ctx.dp_size, ctx.cp_rank, ctx.cp_size, ctx.grad_size) == (0, 2, 1, 2, 4)
+    with pytest.raises(KeelError, match="shards over every process under context"):
+        split.with_strategy(Strategy.FSDP, 2)
+    with pytest.raises(KeelError, match="does not divide the 4 processes"):
+        dims.with_context(3, "cpu")
+    assert dims.with_context(1, "cpu") is dims
 
 
 def _tiny_lm() -> nn.Module:
@@ -140,6 +161,38 @@ def test_hsdp_groups_and_their_refusals():
 
 
 @pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({}, None),
+        ({"train.stage": "dpo"}, "train.stage dpo is not one of them"),
+        ({"train.padding_free": False}, "set train.padding_free true"),
+        ({"distributed.fsdp.shard_size": 2}, "cannot be combined with it"),
+        ({"train.router_aux_loss_coef": 0.01}, "routers' balance term"),
+        ({"distributed.context_parallel": 0}, "must be a whole number of processes"),
+        ({"model.attn_implementation": "eager"}, "eager is not split: use auto or sdpa"),
+    ],
+)
+def test_context_parallel_is_checked_before_anything_loads(settings, problem, tmp_path):
+    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from keel.config.validate import check_config
+
+    cfg = RunConfig(
+        model=ModelConfig(path=str(tmp_path)),
+        data=DataConfig(datasets=[]),
+        output=OutputConfig(dir=str(tmp_path / "out")),
+    )
+    cfg.distributed.context_parallel = 2
+    for dotted, value in settings.items():
+        section, name = dotted.rsplit(".", 1)
+        node = cfg
+        for part in section.split("."):
+            node = getattr(node, part)
+        setattr(node, name, value)
+    found = [p for p in check_config(cfg) if "distributed.context_parallel" in p]
+    assert (found == []) if problem is None else any(problem in p for p in found), found
+
+
+@pytest.mark.parametrize(
     ("strategy", "shard_size", "problem"),
     [
         ("fsdp", 1, "shard_size = 1 shards nothing"),
@@ -160,3 +213,11 @@ def test_shard_size_is_checked_before_anything_loads(strategy, shard_size, probl
     cfg.distributed.strategy, cfg.distributed.fsdp.shard_size = strategy, shard_size
     found = [p for p in check_config(cfg) if "shard" in p]
     assert (found == []) if problem is None else any(problem in p for p in found), found
+
+
+def test_auto_attention_under_context_parallelism_is_sdpa():
+    from keel.models.attention import requested_attention
+
+    assert requested_attention("auto", 2) == "sdpa"  # not flash-attn, which is not split
+    assert requested_attention("auto", 1) == "auto"
+    assert requested_attention("sdpa", 2) == "sdpa"

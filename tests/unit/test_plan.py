@@ -345,3 +345,25 @@ def test_dora_plans_its_magnitudes_activations_and_its_moment_in_forward(tmp_pat
     moment = dora_transient_bytes(census)
     assert moment == 4 * 704**2 + 3 * 4 * 704 * 256
     assert dora.total >= lora.total - lora.logits + moment
+
+
+def test_context_parallel_plans_a_part_of_each_row(tmp_path):
+    """distributed.context_parallel 4: each process computes a quarter of a micro-batch's
+    tokens (activations and logits), and shards the weights over every process."""
+    model_dir = config_only_dir(tmp_path, "small", SMALL)
+    devices = detect_devices(gpus=8, memory="24GiB")
+
+    def option(*overrides: str):
+        cfg = load_config(run_yaml(tmp_path, model_dir, "full"), list(overrides))
+        return plan_run(cfg, devices=devices).option_for("fsdp", "full", False).per_device
+
+    whole, split = option(), option("distributed.context_parallel=4")
+    assert split.activations * 4 == pytest.approx(whole.activations, rel=0.01)
+    assert split.logits < whole.logits
+    assert (split.params, split.grads, split.optimizer) == (
+        whole.params,
+        whole.grads,
+        whole.optimizer,
+    )
+    cfg = load_config(run_yaml(tmp_path, model_dir), ["distributed.context_parallel=4"])
+    assert "tokens split over 4 processes" in decide(plan_run(cfg, devices=devices)).message

@@ -3,10 +3,14 @@
 Data parallelism is one mesh axis, "dp", over which DDP replicates and FSDP2 shards:
 dp = dp_replicate x dp_shard (DDP: N x 1, FSDP: 1 x N, HSDP with
 distributed.fsdp.shard_size S: N/S x S, its dp axis unflattened into "dp_replicate" x
-"dp_shard": each group of S consecutive processes holds one sharded copy). Tensor and
-context parallelism (tp, cp) are sizes in the layout so that every reader of the
-data-parallel degree already asks for `dp_size`, not the world size; they are refused
-above 1 until keel implements them.
+"dp_shard": each group of S consecutive processes holds one sharded copy).
+
+Context parallelism (distributed.context_parallel C) splits each micro-batch's tokens over
+groups of C consecutive processes (keel.distributed.context_parallel): a group reads the
+same rows, so the data-parallel degree is world / C, while gradients are still averaged
+(DDP) or sharded (FSDP2) over every process, as the group's processes hold the same
+weights. Its "cp" groups come from a (dp, cp) mesh built beside the world's. Tensor
+parallelism (tp) is a size in the layout, refused above 1 until keel implements it.
 
 The mesh is built once per process group (`build_mesh`) and handed to every `apply_*`
 through `dp_mesh`. Over all ranks a one-axis mesh uses the default process group, so it
@@ -24,6 +28,7 @@ from keel.distributed.strategy import Strategy
 from keel.errors import KeelError
 
 DP = "dp"
+CP = "cp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 
@@ -39,19 +44,25 @@ class ParallelDims:
     world_size: int
     # the mesh over the world's ranks (None: one process, no process group)
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    # the context-parallel groups' mesh (cp > 1: its "cp" axis; see `with_context`)
+    cp_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         for name in ("dp_replicate", "dp_shard", "tp", "cp", "world_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise KeelError(f"parallel degree {name} = {value!r}: it must be an integer >= 1")
-        for name in ("tp", "cp"):
-            if getattr(self, name) != 1:
-                raise KeelError(
-                    f"parallel degree {name} = {getattr(self, name)}: keel has no "
-                    f"{'tensor' if name == 'tp' else 'context'} parallelism yet; "
-                    f"use {name} = 1 (data parallelism over all processes)"
-                )
+        if self.tp != 1:
+            raise KeelError(
+                f"parallel degree tp = {self.tp}: keel has no tensor parallelism yet; use "
+                f"tp = 1 (data parallelism over all processes)"
+            )
+        if self.cp > 1 and self.hybrid:
+            raise KeelError(
+                f"context parallelism ({self.cp}) with HSDP (distributed.fsdp.shard_size): "
+                f"keel shards over every process under context parallelism; set "
+                f"distributed.fsdp.shard_size 0"
+            )
         product = self.dp_replicate * self.dp_shard * self.tp * self.cp
         if product != self.world_size:
             raise KeelError(
@@ -76,6 +87,12 @@ class ParallelDims:
             return dataclasses.replace(self, dp_replicate=dp, dp_shard=1)
         if shard_size is None:
             shard_size = self.dp_shard if self.hybrid else 0
+        if self.cp > 1 and shard_size:
+            raise KeelError(
+                f"distributed.fsdp.shard_size = {shard_size} with distributed."
+                f"context_parallel = {self.cp}: keel shards over every process under context "
+                f"parallelism; set shard_size 0"
+            )
         shard = shard_size or dp
         if shard > dp or dp % shard or (shard == 1 and dp > 1):
             raise KeelError(
@@ -95,6 +112,33 @@ class ParallelDims:
         """The data-parallel degree: how many processes see different rows."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def grad_size(self) -> int:
+        """How many processes DDP and FSDP2 average gradients over: the data-parallel
+        degree times the context-parallel one (a cp group's processes each hold part of
+        its rows' tokens, and the same weights)."""
+        return self.dp_size * self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        """Which part of its group's tokens global rank `rank` computes (0 without cp)."""
+        return rank % self.cp
+
+    def with_context(self, cp: int, device_type: str) -> ParallelDims:
+        """These processes in groups of `cp` consecutive ones that split each micro-batch's
+        tokens, with the groups' mesh (every rank must call it; cp 1: unchanged)."""
+        if cp == self.cp:
+            return self
+        if self.world_size % cp:
+            raise KeelError(
+                f"distributed.context_parallel = {cp} does not divide the {self.world_size} "
+                f"processes; use a divisor of {self.world_size}"
+            )
+        dims = dataclasses.replace(self, dp_replicate=self.world_size // cp, dp_shard=1, cp=cp)
+        shape, names = (self.world_size // cp, cp), (DP, CP)  # a root mesh of its own
+        return dataclasses.replace(
+            dims, cp_mesh=init_device_mesh(device_type, shape, mesh_dim_names=names)
+        )
+
     def dp_rank(self, rank: int) -> int:
         """Which share of the rows global rank `rank` reads. tp and cp ranks, when they
         exist, are the fastest-moving: they see the same rows as their dp neighbours."""
@@ -107,7 +151,8 @@ class ParallelDims:
         return dataclasses.replace(self, mesh=mesh)
 
     def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel sub-mesh DDP and FSDP2 take: the "dp" axis, or for HSDP its
+        """The sub-mesh DDP and FSDP2 take: the "dp" axis over every process (which under
+        context parallelism spans its groups too: see `grad_size`), or for HSDP its
         ("dp_replicate", "dp_shard") unflattening."""
         assert self.mesh is not None, "no device mesh: one process, or build_mesh not called"
         dp = self.mesh[DP]

@@ -22,7 +22,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from keel.distributed.parallel_dims import ParallelDims
+from keel.distributed.parallel_dims import CP, ParallelDims
 from keel.errors import KeelError
 
 Log = Callable[[str], None]
@@ -83,13 +83,33 @@ class DistContext:
 
     @property
     def dp_rank(self) -> int:
-        """Which share of the rows this process reads (the world rank until tp/cp exist)."""
+        """Which share of the rows this process reads (its context-parallel group's)."""
         return self.dims.dp_rank(self.rank)
 
     @property
     def dp_size(self) -> int:
         """How many processes read different rows: the data-parallel degree."""
         return self.dims.dp_size
+
+    @property
+    def grad_size(self) -> int:
+        """How many processes DDP and FSDP2 average gradients over (dp x cp)."""
+        return self.dims.grad_size
+
+    @property
+    def cp_size(self) -> int:
+        """How many processes split each micro-batch's tokens (1: none)."""
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """Which part of its context-parallel group's tokens this process computes."""
+        return self.dims.cp_rank(self.rank)
+
+    @property
+    def cp_group(self):
+        """The process group of this process's context-parallel group (None: cp 1)."""
+        return None if self.dims.cp_mesh is None else self.dims.cp_mesh[CP].get_group()
 
     @property
     def mesh(self):

@@ -8,6 +8,10 @@ position ids back to find the blocks. `sdpa_varlen` instead runs causal sdpa on 
 sample's slice of q, k and v, with lengths the collator computed on the host: the work of
 the unpadded samples, nothing on padding or across samples, no mask, no device sync.
 
+Under context parallelism (keel.distributed.context_parallel) each process holds a part of
+the row's tokens: `kwargs[CP_GROUP]` names its group, and the heads are exchanged for
+tokens around the same computation.
+
 It is registered with transformers' AttentionInterface as VARLEN_ATTENTION; a model is
 switched to it only after `CausalLMObjective.check_varlen_attention` has compared it with
 the model's own attention on two samples laid end to end, so a family whose attention does
@@ -19,6 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from keel.distributed.context_parallel import (
+    CP_GROUP,
+    head_problem,
+    heads_to_tokens,
+    repeat_kv,
+    tokens_to_heads,
+)
 
 VARLEN_ATTENTION = "keel_sdpa_varlen"
 # The model-call keyword that carries the sample lengths of the one concatenated row
@@ -49,8 +61,24 @@ def sdpa_varlen(
     padding is invisible to real tokens). `kwargs[PREFIX_GROUPS]`, when given, describes the
     single row instead: groups of a shared prefix and segments that each see it, one masked
     sdpa per group. A `sliding_window` applies within each sample, as transformers defines
-    it. Returns ([B, T, H, D], None).
+    it. Returns ([B, T, H, D], None). With `kwargs[CP_GROUP]` (context parallelism) T is
+    this process's part of the row, and `kwargs[SEQ_LENS]` describes the whole row.
     """
+    group = kwargs.get(CP_GROUP)
+    if group is not None:
+        if key.shape[1] % torch.distributed.get_world_size(group):
+            times = query.shape[1] // key.shape[1]  # as many kv heads as query heads
+            key, value = repeat_kv(key, times), repeat_kv(value, times)
+        query, key, value = (tokens_to_heads(x, group) for x in (query, key, value))
+    output = _attend_row(module, (query, key, value), attention_mask, dropout, scaling, kwargs)
+    if group is not None:
+        output = heads_to_tokens(output, group)
+    return output, None
+
+
+def _attend_row(module: nn.Module, qkv, attention_mask, dropout: float, scaling, kwargs):
+    """`sdpa_varlen`'s attention over every token of the row: [B, T, H, D]."""
+    query, key, value = qkv
     extras = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
     if attention_mask is not None:
         extras.append("an attention mask")
@@ -90,7 +118,7 @@ def sdpa_varlen(
         # split (not slicing) so that backward concatenates the gradients once
         pieces = zip(query.split(seq_lens, 2), key.split(seq_lens, 2), value.split(seq_lens, 2))
         output = torch.cat([attend(q, k, v) for q, k, v in pieces], dim=2)  # [1, H, T, D]
-    return output.transpose(1, 2).contiguous(), None
+    return output.transpose(1, 2).contiguous()
 
 
 def _attend_groups(
@@ -154,6 +182,30 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_ATTENTION, sdpa_varlen)
+
+
+def context_parallel_problem(model: nn.Module, size: int) -> str | None:
+    """Why distributed.context_parallel = `size` cannot split `model`'s rows, or None: a
+    vision-language model (its images are encoded whole), or query heads that do not
+    divide over the group."""
+    from keel.models.vision import family_of
+
+    if size == 1:
+        return None
+    key = f"distributed.context_parallel = {size}"
+    if family_of(model.config) is not None:
+        return (
+            f"{key}: {type(model).__name__} is a vision-language model, whose images are "
+            f"encoded whole; context parallelism splits a text model's rows (use 1)"
+        )
+    problem = head_problem(model.config.get_text_config().num_attention_heads, size)
+    return None if problem is None else f"{key}: {type(model).__name__}: {problem}"
+
+
+def requested_attention(attn_implementation: str, context_parallel: int) -> str:
+    """model.attn_implementation as the model is built: `auto` under context parallelism
+    is sdpa, which keel's varlen attention replaces and splits (flash-attn's would not)."""
+    return "sdpa" if attn_implementation == "auto" and context_parallel > 1 else attn_implementation
 
 
 def auto_attention(config) -> str | None:

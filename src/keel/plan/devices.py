@@ -58,8 +58,9 @@ class DeviceSpec:
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel degree FSDP shards over: every device, as long as keel has no
-        tensor or context parallelism (keel.distributed.parallel_dims)."""
+        """The degree FSDP shards over: every device, as long as keel has no tensor
+        parallelism (context parallelism splits tokens, and shards over every device too:
+        keel.distributed.parallel_dims)."""
         return self.world
 
     @property

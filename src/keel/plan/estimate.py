@@ -106,6 +106,8 @@ class Workload:
     # The loss runs the LM head (logits over the vocabulary); False: a score head of one
     # output (rm), whose logits and gradient are negligible
     lm_head: bool = True
+    # distributed.context_parallel: a micro-batch's tokens split over this many processes
+    context_parallel: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -115,7 +117,10 @@ class Workload:
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch_size * self.seq_len * self.sequences_per_row
+        """Tokens of one micro-batch that one process computes (its part, under context
+        parallelism: attention's exchanged heads hold as many elements as its tokens)."""
+        whole = self.micro_batch_size * self.seq_len * self.sequences_per_row
+        return -(-whole // self.context_parallel)
 
     @property
     def images(self) -> int:

@@ -133,6 +133,7 @@ def workload_of(
         vision=vision,
         generation=generation,
         lm_head=stage.head == "lm",
+        context_parallel=cfg.distributed.context_parallel,
     )
 
 

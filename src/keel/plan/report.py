@@ -280,6 +280,8 @@ def decide(plan: Plan) -> Decision:
         if chosen.strategy.shards and shards < plan.devices.dp_size:
             copies = plan.devices.dp_size // shards
             how += f"; HSDP: {copies} copies, each sharded over {shards} processes"
+        if plan.work.context_parallel > 1:
+            how += f"; each micro-batch's tokens split over {plan.work.context_parallel} processes"
         return Decision(
             chosen.strategy,
             chosen,

@@ -101,17 +101,23 @@ class StepPlan:
     def epoch_of(self, step: int) -> float:
         return step / self.steps_per_epoch
 
-    def describe(self, train: TrainConfig, dp_size: int, total: int, start: int) -> list[str]:
+    def describe(
+        self, train: TrainConfig, dp_size: int, total: int, start: int, cp: int = 1
+    ) -> list[str]:
         """The log lines of a run of `total` steps from step `start`: its length, how a
-        step's batch is split over `dp_size` processes, and whether a process idles."""
+        step's batch is split over `dp_size` processes (groups of `cp` processes that split
+        each micro-batch's tokens, under context parallelism), and whether a process idles."""
         per_process = math.ceil(self.global_batch / dp_size)
         rows = "streamed rows" if self.num_rows is None else f"{self.num_rows} rows"
         per_epoch = "" if self.num_rows is None else f"{self.steps_per_epoch} steps/epoch, "
+        who, each = f"{dp_size} process(es)", "process"
+        if cp > 1:
+            who, each = f"{dp_size} group(s) of {cp} processes (context parallel)", "group"
         lines = [
             f"steps: {self.schedule(train.epochs, train.max_steps)}",
-            f"training: {rows}, global batch {self.global_batch} rows over {dp_size} "
-            f"process(es) (~{per_process} per process, micro-batches of "
-            f"{train.micro_batch_size}), {per_epoch}{total} steps, starting at step {start}",
+            f"training: {rows}, global batch {self.global_batch} rows over {who} "
+            f"(~{per_process} per {each}, micro-batches of {train.micro_batch_size}), "
+            f"{per_epoch}{total} steps, starting at step {start}",
         ]
         idle = self.idle_warning(dp_size)
         return lines + ([f"warning: {idle}"] if idle else [])

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from keel.data import collate
+from keel.distributed.context_parallel import shard_tokens
 from keel.distributed.parallelize import (
     clip_grad_norm,
     full_value,
@@ -131,6 +132,9 @@ class Trainer:
             # invisible to real tokens), and without position ids transformers neither
             # builds a mask nor reads a device value back to check for packed rows.
             batch["position_ids"] = None
+        if self.dist.cp_size > 1:  # this process's part of the row's tokens
+            batch = shard_tokens(batch, self.dist.cp_rank, self.dist.cp_size, self.pad_id)
+            batch["cp_group"] = self.dist.cp_group
         return {k: to_device(v, self.device) for k, v in batch.items()}
 
     def train_step(
@@ -151,7 +155,7 @@ class Trainer:
         Nothing here reads a device value back to the host (except fp16's overflow check).
         """
         self.objective.train()
-        scale = self.dist.dp_size / max(window_targets, 1)  # DDP/FSDP average over dp
+        scale = self.dist.grad_size / max(window_targets, 1)  # DDP/FSDP average over dp x cp
         loss_sum = torch.zeros((), device=self.device)
         statistics = None
         mark = self.progress.mark

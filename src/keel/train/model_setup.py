@@ -27,9 +27,15 @@ from keel.distributed.parallelize import (
 )
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
+from keel.errors import ModelError
 from keel.losses import TokenWeighting
 from keel.models import apply_method, torch_dtype
-from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
+from keel.models.attention import (
+    VARLEN_ATTENTION,
+    context_parallel_problem,
+    register_varlen_attention,
+    requested_attention,
+)
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import (
     Starts,
@@ -127,6 +133,9 @@ def build_training_model(
         added=configured_tokens(model_dir, cfg.model),
     )
     model = _model_on_meta(build)
+    if problem := context_parallel_problem(model, cfg.distributed.context_parallel):
+        raise ModelError(problem)
+    dist.dims = dist.dims.with_context(cfg.distributed.context_parallel, dist.device.type)
     strategy = _resolve_strategy(strategy, cfg, model, dist, log)
     dist.dims = dist.dims.with_strategy(strategy, cfg.distributed.fsdp.shard_size)
     if cfg.method.type == "qlora":
@@ -140,7 +149,11 @@ def build_training_model(
         )
     _materialize(build, model, objective, strategy)
     fast_head = _choose_loss_head(objective, dist, log)
-    padding_free = cfg.train.padding_free and _padding_free(objective, model, dist, log)
+    padding_free, why = False, "train.padding_free is false"
+    if cfg.train.padding_free:
+        padding_free, why = _padding_free(objective, model, dist, log)
+    if dist.cp_size > 1:
+        _check_context_parallel(objective, dist, None if padding_free else why, log)
     reference = reference_source_of(cfg)
     if reference == "adapters" and cfg.model.adapter:
         _note_adapter_reference(cfg, log)
@@ -188,7 +201,9 @@ def _model_on_meta(build: _Build) -> nn.Module:
     model = build_empty_model(
         build.model_dir,
         dtype=dtype,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=requested_attention(
+            cfg.model.attn_implementation, cfg.distributed.context_parallel
+        ),
         trust_remote_code=cfg.model.trust_remote_code,
     )
     if cfg.train.gradient_checkpointing:
@@ -280,9 +295,35 @@ def _attach_reference_copy(
     objective._reference = (reference,)
 
 
-def _padding_free(objective: CausalLMObjective, model: nn.Module, dist: DistContext, log) -> bool:
+def _check_context_parallel(
+    objective: CausalLMObjective, dist: DistContext, not_padding_free: str | None, log
+) -> None:
+    """Context parallelism runs on padding-free micro-batches (`not_padding_free`: why
+    they are not, else None), and only where a row's parts give its logits (every
+    process's verdict, all processes stop together)."""
+    key = f"distributed.context_parallel = {dist.cp_size}"
+    if not_padding_free is not None:
+        raise ModelError(
+            f"{key} splits padding-free micro-batches, which need keel's varlen attention, "
+            f"and it does not run on this model: {not_padding_free}; use 1"
+        )
+    ok, why = objective.check_context_parallel(dist.cp_group, dist.cp_rank, dist.cp_size)
+    failed = dist.all_reduce_sum([0.0 if ok else 1.0])[0]
+    if failed:
+        where = why if not ok else "the check failed on another process of the run"
+        raise ModelError(f"{key}: {where}; use 1")
+    log(
+        f"context parallelism: {dist.dp_size} group(s) of {dist.cp_size} processes, each "
+        f"splitting a micro-batch's tokens (heads exchanged around attention; {why})"
+    )
+
+
+def _padding_free(
+    objective: CausalLMObjective, model: nn.Module, dist: DistContext, log
+) -> tuple[bool, str]:
     """Switch the model to keel's varlen attention if it gives the model's own logits on
-    samples laid end to end (rank 0's verdict for all ranks); say which way it went."""
+    samples laid end to end (rank 0's verdict for all ranks); say which way it went.
+    Returns (switched, why)."""
     ok, why = dist.broadcast_object(objective.check_varlen_attention(dist.device))
     if ok:
         register_varlen_attention()
@@ -290,7 +331,7 @@ def _padding_free(objective: CausalLMObjective, model: nn.Module, dist: DistCont
         log(f"micro-batches: padding-free, samples laid end to end ({why})")
     else:
         log(f"micro-batches: right-padded; padding-free needs keel's varlen attention: {why}")
-    return ok
+    return ok, why
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from keel.distributed.context_parallel import CP_GROUP, shard_tokens
 from keel.losses import (
     IGNORE_INDEX,
     TokenWeighting,
@@ -96,6 +97,8 @@ def model_inputs(
     seq_lens = batch.get(f"{prefix}seq_lens")
     if seq_lens is not None:
         inputs[SEQ_LENS] = seq_lens
+    if batch.get("cp_group") is not None:  # context parallelism: a part of the row's tokens
+        inputs[CP_GROUP] = batch["cp_group"]
     groups = batch.get(f"{prefix}prefix_groups")  # rollout rows sharing their prompts
     if groups is not None:
         inputs[PREFIX_GROUPS] = groups
@@ -214,6 +217,8 @@ class CausalLMObjective(nn.Module):
             return self._probe_logits(self.inputs(batch))
         if probe == "attention":
             return self._probe_attention(batch)
+        if probe == "context":
+            return self._probe_context(batch)
         inputs = self.inputs(batch)
         targets = batch["targets"]  # [B, T], pre-shifted
         mask = targets != IGNORE_INDEX  # [B, T]
@@ -240,6 +245,8 @@ class CausalLMObjective(nn.Module):
                 loss = chunked_weighted_cross_entropy(
                     selected, targets[mask], head, weighting, chunk_size=chunk
                 )
+        if CP_GROUP in inputs:  # a part without targets still runs the group's backward
+            loss = loss + _zero_through_model(out, None if not self.fast_head else head)
         if balance is None and weighting is None:
             return ObjectiveOutput(loss, num_targets, self._no_statistics(loss))
         counted = (num_targets > 0).float()  # a filler micro-batch reports nothing
@@ -308,6 +315,38 @@ class CausalLMObjective(nn.Module):
         positions = torch.cat([torch.arange(n) for n in PROBE_SAMPLES])[None]  # [1, T]
         batch = {"input_ids": input_ids.to(device), "position_ids": positions.to(device)}
         return _judge(self._run_probe(batch, "attention"), "attention")
+
+    def check_context_parallel(self, group, rank: int, size: int) -> tuple[bool, str]:
+        """(ok, why): does this process's part of a row, run context parallel over `group`
+        (keel.distributed.context_parallel), give the logits of the whole row there? The
+        model must already run keel's varlen attention; a layer that mixes tokens outside
+        attention (a state-space layer) fails. Every process of the group must call it."""
+        device = next(self.parameters()).device
+        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
+        # two samples, the first running into the second process's part
+        lengths = (size * PROBE_SAMPLES[0] + 1, PROBE_SAMPLES[1])
+        input_ids = torch.randint(
+            vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(3)
+        )
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, T]
+        whole = {"input_ids": input_ids, "position_ids": positions, "seq_lens": lengths}
+        whole = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in whole.items()}
+        part = shard_tokens(whole | {"targets": whole["input_ids"]}, rank, size, pad_id=0)
+        span = part["input_ids"].shape[1]
+        real = (rank * span, min(span, sum(lengths) - rank * span))  # (start, real tokens)
+        batch = {"whole": whole, "part": part | {"cp_group": group}, "real": real}
+        batch["input_ids"] = whole["input_ids"]  # where _run_probe reads the device
+        return _judge(self._run_probe(batch, "context"), "context")
+
+    def _probe_context(self, batch: dict) -> dict:
+        """{"dtype", "checks": {...: (the whole row's logits, the part's)}} over the part's
+        real tokens (`check_context_parallel`)."""
+        (start, real), logits = batch["real"], {}
+        for name in ("whole", "part"):
+            logits[name] = self.model(**self.inputs(batch[name])).logits  # [1, T or T/C, V]
+        want = logits["whole"][:, start : start + real]
+        checks = {f"tokens {start}-{start + real - 1}": (want, logits["part"][:, :real])}
+        return {"dtype": want.dtype, "checks": checks}
 
     def _run_probe(self, batch: dict, probe: str) -> dict:
         modes = [(m, m.training) for m in self.modules()]
@@ -378,6 +417,16 @@ class CausalLMObjective(nn.Module):
         return {"dtype": hidden.dtype, "checks": checks}
 
 
+def _zero_through_model(out, head: nn.Module | None) -> torch.Tensor:
+    """Zero that depends on the model's output and output layer (`head`: the fast head's,
+    applied here to one position; None: `out` has logits). Under context parallelism every
+    process of a group must run the backward exchanges its forward ran, and use every
+    weight DDP and FSDP2 wait for, including a process whose part of the row has no target
+    tokens (its loss is a constant otherwise)."""
+    output = out.logits[:, :1] if head is None else head(out.last_hidden_state[:, :1])
+    return 0.0 * output.sum()
+
+
 def _vocab_size(lm: nn.Module) -> int:
     embeddings = lm.get_input_embeddings()
     return getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
@@ -406,6 +455,8 @@ _MISMATCH = {
     "it post-processes its logits or runs more than the decoder",
     "attention": "keel's varlen attention differs from the model's own attention at {where}: "
     "it does more than causal attention within each sample",
+    "context": "a row's part computed context parallel differs from the whole row at {where}: "
+    "a layer mixes tokens outside attention",
 }
 
 

@@ -28,6 +28,7 @@ from keel.distributed.process_group import choose_device
 from keel.errors import ConfigError, DataError, ModelError
 from keel.models import count_parameters, load_tokenizer, resolve_model_path, torch_dtype
 from keel.models.adapters import apply_method, method_problems
+from keel.models.attention import context_parallel_problem, requested_attention
 from keel.models.experts import fused_experts
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
@@ -249,6 +250,8 @@ def check_model(
     log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
     problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers), *_experts(cfg, model)]
     problems += qat_problems(model, cfg.method.qat)
+    if split := context_parallel_problem(model, cfg.distributed.context_parallel):
+        problems.append(split)
     refused = method_problems(model, method)
     problems += refused
     if not refused:
@@ -301,7 +304,7 @@ def _precision(cfg: RunConfig, device: torch.device) -> tuple[Precision | None, 
 
 def _attention(cfg: RunConfig, device: torch.device) -> tuple[str, list[str]]:
     """(the attention to build the meta model with, problems with model.attn_implementation)."""
-    attn = cfg.model.attn_implementation
+    attn = requested_attention(cfg.model.attn_implementation, cfg.distributed.context_parallel)
     if attn != "flash_attention_2":
         return attn, []
     key = "model.attn_implementation = flash_attention_2"

@@ -432,8 +432,10 @@ def _prepare_output(run: _Run, resume: ResumePoint | None) -> None:
 
 def _log_schedule(run: _Run, schedule: _Schedule, start_step: int) -> None:
     """Say how long the run is, how its batch is split, and whether a process idles."""
-    dp_size, total = run.env.dist.dp_size, schedule.total_steps
-    for line in schedule.plan.describe(run.cfg.train, dp_size, total, start_step):
+    dist, total = run.env.dist, schedule.total_steps
+    for line in schedule.plan.describe(
+        run.cfg.train, dist.dp_size, total, start_step, dist.cp_size
+    ):
         run.env.log(line)
 
 
