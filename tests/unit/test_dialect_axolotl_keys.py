@@ -292,12 +292,32 @@ def test_data_parallel_sizes(keys, distributed, fates):
 
 
 @pytest.mark.parametrize(
+    ("keys", "size", "fates"),
+    [
+        ({"context_parallel_size": 2, "heads_k_stride": 1, "ring_attn_func": "varlen_llama3"},
+         2, {"context_parallel_size": "mapped", "heads_k_stride": "ignored",
+             "ring_attn_func": "ignored"}),
+        ({"sequence_parallel_degree": 4}, 4, {"sequence_parallel_degree": "mapped"}),
+        ({"context_parallel_size": 1}, None, {"context_parallel_size": "ignored"}),
+        ({"context_parallel_size": "two"}, None, {"context_parallel_size": "refused"}),
+    ],
+)  # fmt: skip
+def test_context_parallel_size_splits_rows_over_processes(keys, size, fates):
+    translation, found = _translate(**keys)
+    assert translation.config.get("distributed", {}).get("context_parallel") == size
+    assert {k: found[k].fate for k in fates} == fates
+    if size:
+        assert "the same attention" in found[next(iter(keys))].why
+
+
+@pytest.mark.parametrize(
     ("keys", "fates"),
     [
         ({"torch_compile": True, "torch_compile_mode": "max-autotune"},
          {"torch_compile": "ignored", "torch_compile_mode": "ignored"}),
         ({"fused_attn_kernel": True, "gemma4_hybrid_attn_impl": True},
          {"fused_attn_kernel": "ignored", "gemma4_hybrid_attn_impl": "ignored"}),
+        ({"tiled_mlp": True}, {"tiled_mlp": "ignored"}),
         ({"bnb_config_kwargs": {"bnb_4bit_use_double_quant": True}},
          {"bnb_config_kwargs.bnb_4bit_use_double_quant": "ignored"}),
         ({"bnb_config_kwargs": {"bnb_4bit_quant_type": "fp4"}},

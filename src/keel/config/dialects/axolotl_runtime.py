@@ -174,6 +174,10 @@ _SPEED_ONLY = {
     "flash_attn_rms_norm": "a fused RMSNorm kernel: the same math as the model's own",
     "gemma4_hybrid_attn_impl": "flash attention for the sliding-window layers beside sdpa for "
     "the global ones: the same attention, which keel computes with model.attn_implementation",
+    "tiled_mlp": "each MLP computed over the row in tiles to hold less memory: the same math, "
+    "which keel computes whole (keel plan counts its activations; for long rows, "
+    "distributed.context_parallel splits them over processes)",
+    "tiled_mlp_num_shards": "the tiles of tiled_mlp, which keel does not tile",
 }
 
 
@@ -212,7 +216,33 @@ def _data_parallel_sizes(build: Build, key: str, value) -> None:
         build.refused(key, "keel's copies are processes / shard size: set dp_shard_size instead")
 
 
+_CONTEXT_PARALLEL_KEYS = (
+    "context_parallel_size", "sequence_parallel_degree", "heads_k_stride", "ring_attn_func",
+)  # fmt: skip
+
+
+def _context_parallel(build: Build, key: str, value) -> None:
+    """context_parallel_size (sequence_parallel_degree before it): processes that split each
+    row's tokens; their ring-attention settings only say how the same attention is run."""
+    if key in ("heads_k_stride", "ring_attn_func"):
+        build.ignored(key, f"{value}: a setting of ring-flash-attn's {_RING}")
+    elif value in (None, 1):
+        build.ignored(key, f"{value}: no context parallelism")
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        why = f"each row's tokens split over {value} processes; {_RING}"
+        build.put(key, "distributed.context_parallel", value, why)
+    else:
+        build.refused(key, f"{value!r}: the processes that split a row, a whole number >= 1")
+
+
+_RING = (
+    "keel exchanges heads for tokens around attention (the Ulysses layout) where Axolotl "
+    "passes keys and values round a ring: the same attention, computed another way"
+)
+
+
 RUNTIME_HANDLERS = {
+    **{key: _context_parallel for key in _CONTEXT_PARALLEL_KEYS},
     **{key: _speed_only for key in _SPEED_ONLY},
     "bnb_config_kwargs": _bnb_config_kwargs,
     "dp_shard_size": _data_parallel_sizes,
