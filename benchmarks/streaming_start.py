@@ -41,8 +41,15 @@ def write_corpus(path: Path, docs: int) -> int:
     return path.stat().st_size
 
 
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama with the bundled model's tokenizer (the steps stay cheap)."""
+SMALL = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=2048,
+)  # fmt: skip
+
+
+def tiny_model(folder: Path, sizes: dict = SMALL) -> Path:
+    """A random Llama of `sizes` (LlamaConfig's keys; by default 2 layers, so the steps
+    stay cheap) with the bundled model's tokenizer."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -50,10 +57,7 @@ def tiny_model(folder: Path) -> Path:
 
     bundled = resolve_model_path("bundled:smollm2-135m-instruct", "~/.cache/keel", log=print)
     tokenizer = AutoTokenizer.from_pretrained(bundled)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-    )  # fmt: skip
+    config = LlamaConfig(vocab_size=len(tokenizer), **sizes)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

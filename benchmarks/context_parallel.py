@@ -1,0 +1,133 @@
+"""What context parallelism saves: one long row per step, on one process or split over two.
+
+A random 4-layer Llama (hidden 256, 8 heads, the bundled SmolLM2 tokenizer's vocabulary)
+pretrains on rows of `--tokens` tokens (one document cut into pieces of cutoff_len, packed:
+each step is one whole row), without gradient checkpointing, so that the saved activations
+are the memory that grows with the row. Systems, each a whole `keel train` run, alternating
+within each round:
+- one: 1 process holds the whole row;
+- cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it.
+Reported per system (median over rounds): the memory the steps add to a process (its peak
+RSS less its peak RSS when the model was ready, keel_run.json, largest process), `keel
+plan`'s activation estimate per device, the median step time, and the first step's loss
+(the same for both: the split computes the same row).
+
+    python benchmarks/context_parallel.py [--tokens 8192] [--steps 4] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+from streaming_start import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = {
+    "one": [],
+    "cp2": ["--nproc", "2", "distributed.context_parallel=2", "distributed.strategy=ddp"],
+}
+
+
+def write_corpus(path: Path, tokens: int, steps: int) -> None:
+    """One long document of words from keel's docs: about `steps` rows of `tokens`."""
+    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    rng = random.Random(0)
+    text = " ".join(rng.choices(words, k=tokens * (steps + 1)))
+    path.write_text(json.dumps({"text": text}) + "\n")
+
+
+LONG_ROWS = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, max_position_embeddings=65536,
+)  # fmt: skip
+
+
+def job(work: Path, corpus: Path, model: Path, tokens: int, steps: int) -> Path:
+    config = {
+        "model": {"path": str(model), "cache_dir": str(work / "cache")},
+        "method": {"type": "full"},
+        "data": {"datasets": [str(corpus)], "cutoff_len": tokens, "packing": True},
+        "train": {
+            "stage": "pt", "max_steps": steps, "precision": "fp32", "lr": 1e-4,
+            "micro_batch_size": 1, "global_batch_size": 1, "threads": 1,
+            "gradient_checkpointing": False,
+        },
+        "output": {"dir": str(work / "out"), "save_every": 0},
+    }  # fmt: skip
+    (work / "job.yaml").write_text(yaml.safe_dump(config))
+    return work / "job.yaml"
+
+
+def planned_activations_mb(config: Path, system: str) -> float:
+    overrides = [a for a in SYSTEMS[system] if "=" in a]
+    gpus = "2" if system == "cp2" else "1"
+    command = [sys.executable, "-m", "keel", "plan", str(config), *overrides, "--json"]
+    command += ["--gpus", gpus, "--gpu-memory", "80GiB"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    plan = json.loads(done.stdout)
+    strategy = "ddp" if system == "cp2" else "single"
+    option = next(
+        o for o in plan["options"] if o["strategy"] == strategy and not o["gradient_checkpointing"]
+    )
+    return option["per_device_bytes"]["activations"] / 2**20
+
+
+def run_once(system: str, corpus: Path, model: Path, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        config = job(work, corpus, model, args.tokens, args.steps)
+        command = [sys.executable, "-m", "keel", "train", str(config), *SYSTEMS[system]]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{system} failed:\n{done.stderr[-3000:]}")
+        records = [json.loads(line) for line in (work / "out/metrics.jsonl").open()]
+        steps = [r for r in records if "loss" in r]
+        summary = json.loads((work / "out/keel_run.json").read_text())
+        added = max(r["peak_rss_mb"] - r["load_peak_rss_mb"] for r in summary["per_rank"])
+        return {
+            "steps_add_mb": added,
+            "planned_activations_mb": planned_activations_mb(config, system),
+            "step_s": statistics.median(r["step_seconds"] for r in steps[1:] or steps),
+            "first_loss": steps[0]["loss"],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "long.jsonl"
+        write_corpus(corpus, args.tokens, args.steps)
+        model = tiny_model(Path(tmp) / "model", LONG_ROWS)
+        print(f"rows of {args.tokens} tokens, {args.steps} steps of one row each")
+        results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+        for round_ in range(args.rounds):
+            order = list(SYSTEMS) if round_ % 2 == 0 else list(reversed(SYSTEMS))
+            for system in order:
+                result = run_once(system, corpus, model, args)
+                results[system].append(result)
+                print(f"  {system}: {json.dumps({k: round(v, 4) for k, v in result.items()})}")
+    print("\n| system | steps add (MB/process) | plan: activations (MB) | step s | loss 1 |")
+    print("|---|---|---|---|---|")
+    for system, runs in results.items():
+        added = statistics.median(r["steps_add_mb"] for r in runs)
+        planned = statistics.median(r["planned_activations_mb"] for r in runs)
+        step = statistics.median(r["step_s"] for r in runs)
+        print(
+            f"| {system} | {added:.0f} | {planned:.0f} | {step:.2f} | {runs[0]['first_loss']:.4f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
