@@ -221,7 +221,15 @@ def reference(workspace):
 
 @pytest.fixture(scope="module")
 def two_processes(workspace) -> dict:
-    return workspace.train_together([(name, (*CP2, *extra)) for name, extra in CASES.items()])
+    runs = [(name, (*CP2, *extra)) for name, extra in CASES.items()]
+    runs.append(
+        (RESUMED, (*CP2, "method.type=lora", "distributed.strategy=fsdp", "train.max_steps=4"))
+    )
+    return workspace.train_together(runs)
+
+
+# Stopped after 4 of 6 steps as a group of 2 (FSDP2), finished on one process
+RESUMED = "cp2-stopped-at-4"
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -233,6 +241,17 @@ def test_two_processes_splitting_tokens_match_one(workspace, reference, two_proc
     assert_same_losses(eval_losses(got), eval_losses(want))
     assert_same_losses(grad_norms(got), grad_norms(want))
     assert_same_weights(got, want)
+
+
+def test_a_group_checkpoint_resumes_on_one_process(workspace, reference, two_processes):
+    """A checkpoint written by a group of 2 (each process's shards of the weights and
+    optimizer state, the data position) finishes on one process as an unbroken run."""
+    assert max(train_losses(two_processes[RESUMED])) == 4
+    resumed = workspace.train(RESUMED, "method.type=lora")
+    assert "resumed from" in workspace.last_output
+    want = reference("method.type=lora")
+    assert_same_losses(train_losses(resumed), train_losses(want))
+    assert_same_weights(resumed, want)
 
 
 def test_four_processes_in_two_groups_match_one(workspace, reference):
