@@ -15,6 +15,7 @@ import torch
 from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QatConfig
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy
 from keel.models import apply_method
+from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
 from keel.models.qat import fake_quantize
 from keel.plan.activations import Regime, Shapes, activation_bytes, autocast_copy_bytes
 from keel.plan.architecture import build_meta_model
@@ -54,7 +55,10 @@ def saved_bytes(model, batch, autocast) -> int:
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
         hidden = lm.get_decoder()(
-            input_ids=batch["input_ids"], use_cache=False, position_ids=batch["position_ids"]
+            input_ids=batch["input_ids"],
+            use_cache=False,
+            position_ids=batch["position_ids"],
+            **batch.get("attention", {}),
         ).last_hidden_state
         mask = batch["targets"] != IGNORE_INDEX  # [B, T]
         loss = chunked_cross_entropy(
@@ -76,6 +80,11 @@ CASES = {
     "lora with dropout": dict(method="lora", dropout=0.1),
     "freeze": dict(method="freeze"),
     "full packed": dict(method="full", packed=True),
+    # the same samples as one padding-free row on keel's varlen attention: no [T, T] mask
+    "full packed, padding-free": dict(method="full", packed=True, padding_free=True),
+    "lora packed, padding-free, bf16 autocast": dict(
+        method="lora", packed=True, padding_free=True, autocast=True
+    ),
     "full bf16 autocast": dict(method="full", autocast=True),
     "lora bf16 autocast": dict(method="lora", autocast=True),
     "lora bf16 weights": dict(method="lora", dtype=torch.bfloat16, autocast=True),
@@ -123,6 +132,15 @@ def test_saved_tensors_match_the_formula(case):
         "targets": ids,
         "position_ids": positions if kw.get("packed") else None,
     }
+    attn = "sdpa"
+    if kw.get("padding_free"):  # the micro-batch's rows laid end to end
+        register_varlen_attention()
+        (model.get_base_model() if "lora" in kw["method"] else model).set_attn_implementation(
+            VARLEN_ATTENTION
+        )
+        batch = {key: value.reshape(1, -1) for key, value in batch.items()}
+        batch["attention"] = {SEQ_LENS: (SEQ // 2,) * (2 * ROWS)}
+        attn = VARLEN_ATTENTION
     measured = saved_bytes(model, batch, kw.get("autocast", False))
 
     precision = Precision("bf16" if kw.get("autocast") else "fp32", "test")
@@ -144,7 +162,7 @@ def test_saved_tensors_match_the_formula(case):
         seq=SEQ,
         checkpointing=False,
         packed=kw.get("packed", False),
-        attn="sdpa",
+        attn=attn,
     )
     # autocast's weight copies are saved too; the output layer's only inside the loss's
     # checkpoint, so not during the forward.

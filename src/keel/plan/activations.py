@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from keel.models.attention import VARLEN_ATTENTION
 from keel.plan.census import Census, LayerInfo, LinearInfo
 from keel.plan.qat import qat_per_token, qat_weight_bytes
 from keel.precision import Precision
@@ -171,7 +172,7 @@ def block_bytes_per_token(
         norms
         + _attention(shapes, c, seq=seq, packed=packed, attn=attn)
         + mlp
-        + _linear_inputs(layer, shapes, regime, grad_in=grad_in)
+        + _linear_inputs(layer, shapes, regime, grad_in=grad_in, attn=attn)
         + (qat_per_token(layer, regime, qat) if qat else 0)
     )
 
@@ -205,7 +206,9 @@ def _moe(layer: LayerInfo, shapes: Shapes, regime: Regime) -> int:
 def _attention(shapes: Shapes, c: int, *, seq: int, packed: bool, attn: str) -> int:
     q = shapes.heads * shapes.head_dim
     kv = shapes.kv_heads * shapes.head_dim
-    masked = packed and attn == "sdpa"  # flash_attention_2 packs without a mask
+    # transformers' sdpa separates packed samples with a [T, T] mask; flash_attention_2 and
+    # keel's varlen attention (padding-free micro-batches) attend per sample, unmasked
+    masked = packed and attn == "sdpa"
     repeated = attn == "eager" or (masked and shapes.kv_heads < shapes.heads)
     total = c * q + 2 * c * (q if repeated else kv) + c * q + 4 * shapes.heads
     if masked:
@@ -215,7 +218,9 @@ def _attention(shapes: Shapes, c: int, *, seq: int, packed: bool, attn: str) -> 
     return total
 
 
-def _linear_inputs(layer: LayerInfo, shapes: Shapes, regime: Regime, *, grad_in: bool) -> int:
+def _linear_inputs(
+    layer: LayerInfo, shapes: Shapes, regime: Regime, *, grad_in: bool, attn: str
+) -> int:
     groups: dict[str, list[LinearInfo]] = {}
     for linear in layer.linears:
         groups.setdefault(_INPUT_GROUP.get(linear.name, linear.name), []).append(linear)
@@ -229,7 +234,9 @@ def _linear_inputs(layer: LayerInfo, shapes: Shapes, regime: Regime, *, grad_in:
             members[0].in_features,
             x,
             regime,
-            shared=group == "attn_out",
+            # sdpa's output is the output projection's input; keel's varlen attention
+            # saves each sample's output and joins them into a new tensor
+            shared=group == "attn_out" and attn != VARLEN_ATTENTION,
             masks=grad_in or group != "attn_in",
         )
     return total

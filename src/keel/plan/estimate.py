@@ -85,7 +85,7 @@ class Workload:
     cutoff_len: int
     loss_chunk_size: int
     packing: bool
-    attn: str  # sdpa | eager | flash_attention_2
+    attn: str  # sdpa | eager | flash_attention_2 | keel_sdpa_varlen (padding-free rows)
     precision: Precision  # train.precision, resolved
     reshard_after_forward: bool
     checkpoint_itemsize: int  # bytes per element of the weights on disk

@@ -12,6 +12,7 @@ from pathlib import Path
 from keel.config import RunConfig
 from keel.distributed.strategy import STRATEGIES, Strategy, configured_strategy
 from keel.errors import KeelError, ModelError
+from keel.models.attention import VARLEN_ATTENTION
 from keel.models.vocabulary import (
     AddedTokens,
     configured_tokens,
@@ -105,12 +106,19 @@ def workload_of(
 ) -> Workload:
     """The run's per-step work; `auto_attn` is what model.attn_implementation auto means for
     this model (sdpa or eager: flash-attn on the target machine cannot be known here, and
-    sdpa's estimate is the larger). `vision`: a vision-language model's encoder and image
+    sdpa's estimate is the larger; under train.padding_free a text model runs keel's varlen
+    attention instead). `vision`: a vision-language model's encoder and image
     sizes (one image per sequence assumed: the plan reads no data). A prompt stage (grpo)
     generates: each row trains as num_generations sequences (keel.plan.generation), of its
     prompt (`longest_prompt` tokens when the prepared data is known, else up to
     data.cutoff_len) and a completion."""
     attn = cfg.model.attn_implementation
+    attn = auto_attn if attn == "auto" else attn
+    if attn == "sdpa" and cfg.train.padding_free and vision is None:
+        # a text model's padding-free micro-batches: samples laid end to end, attended one
+        # by one (keel.models.attention), no [T, T] mask (a vision model's image tokens may
+        # attend both ways, which keeps it padded: planned as masked, the larger)
+        attn = VARLEN_ATTENTION
     stage = get_stage(cfg.train.stage)
     reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
     generation = None
@@ -122,7 +130,7 @@ def workload_of(
         cutoff_len=min(cfg.data.cutoff_len, longest_prompt or cfg.data.cutoff_len),
         loss_chunk_size=cfg.train.loss_chunk_size,
         packing=cfg.data.packing,
-        attn=auto_attn if attn == "auto" else attn,
+        attn=attn,
         precision=precision,
         reshard_after_forward=cfg.distributed.fsdp.reshard_after_forward,
         shard_size=cfg.distributed.fsdp.shard_size,
