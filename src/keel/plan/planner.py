@@ -114,17 +114,20 @@ def workload_of(
     data.cutoff_len) and a completion."""
     attn = cfg.model.attn_implementation
     attn = auto_attn if attn == "auto" else attn
-    if attn == "sdpa" and cfg.train.padding_free and vision is None:
-        # a text model's padding-free micro-batches: samples laid end to end, attended one
-        # by one (keel.models.attention), no [T, T] mask (a vision model's image tokens may
-        # attend both ways, which keeps it padded: planned as masked, the larger)
-        attn = VARLEN_ATTENTION
     stage = get_stage(cfg.train.stage)
-    reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
     generation = None
     if stage.unit == "prompt":  # answered online: each prompt trains as a group of sequences
         generation = _generation_work(stage.name, cfg.stage_settings)
     group = generation.num_generations if generation else 1
+    sequences = cfg.train.micro_batch_size * stage.sequences_per_row * group
+    several = cfg.data.packing or sequences > 1  # samples in one micro-batch
+    if attn == "sdpa" and cfg.train.padding_free and vision is None and several:
+        # a text model's padding-free micro-batch of several samples: laid end to end and
+        # attended one by one (keel.models.attention), no [T, T] mask (a vision model's
+        # image tokens may attend both ways, which keeps it padded: planned as masked, the
+        # larger). One sample per micro-batch runs plain sdpa either way.
+        attn = VARLEN_ATTENTION
+    reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
     return Workload(
         micro_batch_size=cfg.train.micro_batch_size,
         cutoff_len=min(cfg.data.cutoff_len, longest_prompt or cfg.data.cutoff_len),
