@@ -35,7 +35,7 @@ def shard_tokens(batch: dict, rank: int, size: int, pad_id: int) -> dict:
     padding = -tokens % size
     out = dict(batch)
     if padding:
-        fill = {"input_ids": pad_id, "targets": -100}
+        fill = {"input_ids": pad_id, "targets": -100}  # -100: no target (IGNORE_INDEX)
         for key in _PER_TOKEN:
             value = batch[key]
             tail = (
