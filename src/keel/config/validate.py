@@ -13,11 +13,11 @@ from keel.config.schema import (
     RunConfig,
     WandbConfig,
 )
-from keel.config.sizes import parse_memory
 from keel.config.validate_method import check_method, positive
+from keel.config.validate_runtime import check_distributed, check_watchdog
 from keel.extras import extra_problem
 from keel.stages.base import Stage
-from keel.stages.registry import STAGES, spoken, stage_sections
+from keel.stages.registry import STAGES, next_token_stages, spoken, stage_sections
 
 
 def check_config(cfg: RunConfig) -> list[str]:
@@ -35,8 +35,8 @@ def check_config(cfg: RunConfig) -> list[str]:
         *_check_stage(cfg),
         *_check_stage_sections(cfg),
         *_check_output(cfg),
-        *_check_distributed(cfg),
-        *_check_watchdog(cfg),
+        *check_distributed(cfg),
+        *check_watchdog(cfg),
         *_check_extras(cfg),
     ]
 
@@ -318,11 +318,11 @@ def _router_balance_problems(t) -> list[str]:
     number = isinstance(setting, int | float) and not isinstance(setting, bool)
     if setting != "model" and not (number and setting >= 0):
         return [f"train.router_aux_loss_coef = {setting!r} must be a number >= 0, or model"]
-    if setting == 0 or t.stage in ("pt", "sft"):
+    if setting == 0 or t.stage in next_token_stages():
         return []
     return [
         f"train.router_aux_loss_coef = {setting} adds the routers' balance to a next-token "
-        f"loss (stage pt or sft), not to {t.stage}'s; set it to 0"
+        f"loss (stage {spoken(next_token_stages())}), not to {t.stage}'s; set it to 0"
     ]
 
 
@@ -333,10 +333,11 @@ def _token_weighting_problems(t) -> list[str]:
         problems.append(
             f"train.eaft_top_k = {t.eaft_top_k} must be at least 2 (the entropy of one token is 0)"
         )
-    if t.token_weighting != "none" and t.stage not in ("pt", "sft"):
+    if t.token_weighting != "none" and t.stage not in next_token_stages():
         problems.append(
             f"train.token_weighting = {t.token_weighting} weights a next-token "
-            f"cross-entropy (stage pt or sft), not {t.stage}'s loss; set it to none"
+            f"cross-entropy (stage {spoken(next_token_stages())}), not {t.stage}'s loss; "
+            f"set it to none"
         )
     return problems
 
@@ -436,77 +437,4 @@ def _check_wandb(w: WandbConfig) -> list[str]:
     for index, tag in enumerate(w.tags):
         if not 1 <= len(tag) <= 64:
             problems.append(f"output.wandb.tags.{index} = {tag!r} must be 1 to 64 characters")
-    return problems
-
-
-def _check_distributed(cfg: RunConfig) -> list[str]:
-    d = cfg.distributed
-    problems = positive(d.timeout_s, "distributed.timeout_s")
-    problems += positive(d.preprocess_timeout_s, "distributed.preprocess_timeout_s")
-    if d.device_memory != "auto":
-        try:
-            parse_memory(d.device_memory)
-        except ValueError as exc:
-            problems.append(f"distributed.device_memory = {exc}, or auto")
-    problems += positive(d.fsdp.shard_size, "distributed.fsdp.shard_size", allow_zero=True)
-    if d.fsdp.shard_size == 1:
-        problems.append(
-            "distributed.fsdp.shard_size = 1 shards nothing (a whole copy on every process): "
-            "use distributed.strategy ddp, or shard_size 0 (all processes) or 2 and up"
-        )
-    problems += _check_context_parallel(cfg)
-    if d.fsdp.shard_size and d.strategy == "ddp":
-        problems.append(
-            f"distributed.fsdp.shard_size = {d.fsdp.shard_size} shards within groups of "
-            f"processes, and distributed.strategy = ddp shards nothing; use strategy fsdp "
-            f"(or auto), or shard_size 0"
-        )
-    return problems
-
-
-def _check_context_parallel(cfg: RunConfig) -> list[str]:
-    """distributed.context_parallel: what splitting a row's tokens over processes needs."""
-    size = cfg.distributed.context_parallel
-    if size == 1:
-        return []
-    key = f"distributed.context_parallel = {size}"
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        return [f"{key} must be a whole number of processes >= 1 (1: off)"]
-    problems = []
-    if cfg.train.stage not in ("pt", "sft"):
-        problems.append(
-            f"{key}: context parallelism splits pt and sft rows; train.stage "
-            f"{cfg.train.stage} is not one of them (use 1)"
-        )
-    if not cfg.train.padding_free:
-        problems.append(
-            f"{key} splits padding-free micro-batches (one row of samples laid end to "
-            f"end); set train.padding_free true"
-        )
-    if cfg.model.attn_implementation in ("eager", "flash_attention_2"):
-        problems.append(
-            f"{key} splits rows inside keel's varlen attention, which replaces sdpa; "
-            f"model.attn_implementation {cfg.model.attn_implementation} is not split: use "
-            f"auto or sdpa"
-        )
-    if cfg.distributed.fsdp.shard_size:
-        problems.append(
-            f"{key} shards over every process; distributed.fsdp.shard_size "
-            f"{cfg.distributed.fsdp.shard_size} (HSDP) cannot be combined with it: set it to 0"
-        )
-    if cfg.train.router_aux_loss_coef not in (0, 0.0):
-        problems.append(
-            f"{key}: the routers' balance term (train.router_aux_loss_coef = "
-            f"{cfg.train.router_aux_loss_coef}) is over a whole row's tokens, and each "
-            f"process holds a part; set it to 0"
-        )
-    return problems
-
-
-def _check_watchdog(cfg: RunConfig) -> list[str]:
-    w = cfg.watchdog
-    problems = positive(w.hang_timeout_s, "watchdog.hang_timeout_s")
-    problems += positive(w.slow_phase_timeout_s, "watchdog.slow_phase_timeout_s")
-    if w.stall_timeout_s != "auto":
-        problems += positive(w.stall_timeout_s, "watchdog.stall_timeout_s")
     return problems

@@ -7,7 +7,7 @@ config section if it has settings of its own), and one line here.
 from __future__ import annotations
 
 from keel.stages import dpo, grpo, kto, orpo, pt, rm, sft, simpo
-from keel.stages.base import DataUnit, Stage
+from keel.stages.base import DataUnit, Stage, causal_lm_objective
 
 STAGES: dict[str, Stage] = {
     s.name: s for s in (m.STAGE for m in (pt, sft, dpo, orpo, simpo, kto, rm, grpo))
@@ -33,6 +33,12 @@ def stage_sections() -> dict[str, type]:
 def stages_of(unit: DataUnit) -> list[str]:
     """The names of the stages that train on `unit` rows."""
     return [s.name for s in STAGES.values() if s.unit == unit]
+
+
+def next_token_stages() -> list[str]:
+    """The names of the stages trained on the next-token cross-entropy (pt, sft): what
+    token weighting, a router balance term and context parallelism apply to."""
+    return [s.name for s in STAGES.values() if s.objective is causal_lm_objective]
 
 
 def spoken(names: list[str]) -> str:
