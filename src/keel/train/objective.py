@@ -309,11 +309,7 @@ class CausalLMObjective(nn.Module):
             )
         if device is None:
             device = next(self.parameters()).device
-        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
-        generator = torch.Generator().manual_seed(2)
-        input_ids = torch.randint(vocab, (1, sum(PROBE_SAMPLES)), generator=generator)
-        positions = torch.cat([torch.arange(n) for n in PROBE_SAMPLES])[None]  # [1, T]
-        batch = {"input_ids": input_ids.to(device), "position_ids": positions.to(device)}
+        batch = self._probe_row(PROBE_SAMPLES, seed=2, device=device)
         return _judge(self._run_probe(batch, "attention"), "attention")
 
     def check_context_parallel(self, group, rank: int, size: int) -> tuple[bool, str]:
@@ -321,16 +317,10 @@ class CausalLMObjective(nn.Module):
         (keel.distributed.context_parallel), give the logits of the whole row there? The
         model must already run keel's varlen attention; a layer that mixes tokens outside
         attention (a state-space layer) fails. Every process of the group must call it."""
-        device = next(self.parameters()).device
-        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
         # two samples, the first running into the second process's part
         lengths = (size * PROBE_SAMPLES[0] + 1, PROBE_SAMPLES[1])
-        input_ids = torch.randint(
-            vocab, (1, sum(lengths)), generator=torch.Generator().manual_seed(3)
-        )
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, T]
-        whole = {"input_ids": input_ids, "position_ids": positions, "seq_lens": lengths}
-        whole = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in whole.items()}
+        whole = self._probe_row(lengths, seed=3, device=next(self.parameters()).device)
+        whole["seq_lens"] = lengths
         part = shard_tokens(whole | {"targets": whole["input_ids"]}, rank, size, pad_id=0)
         span = part["input_ids"].shape[1]
         real = (rank * span, min(span, sum(lengths) - rank * span))  # (start, real tokens)
@@ -347,6 +337,15 @@ class CausalLMObjective(nn.Module):
         want = logits["whole"][:, start : start + real]
         checks = {f"tokens {start}-{start + real - 1}": (want, logits["part"][:, :real])}
         return {"dtype": want.dtype, "checks": checks}
+
+    def _probe_row(self, lengths: tuple[int, ...], *, seed: int, device) -> dict:
+        """One row of random samples of `lengths` laid end to end: input_ids and
+        position_ids [1, T] (restarting with each sample) on `device`."""
+        vocab = _probe_vocab(causal_lm_of(self.model), self.vision)
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(vocab, (1, sum(lengths)), generator=generator)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]  # [1, T]
+        return {"input_ids": input_ids.to(device), "position_ids": positions.to(device)}
 
     def _run_probe(self, batch: dict, probe: str) -> dict:
         modes = [(m, m.training) for m in self.modules()]
