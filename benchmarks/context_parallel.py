@@ -7,12 +7,16 @@ are the memory that grows with the row. Systems, each a whole `keel train` run, 
 within each round:
 - one: 1 process holds the whole row;
 - cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it.
+With `--stage dpo` each step is one preference pair instead, LoRA (the reference is the
+base with the adapters off): its chosen and rejected sequences, each about half of
+`--tokens` (a long prompt and answers of about 100 words), laid end to end in one row.
 Reported per system (median over rounds): the memory the steps add to a process (its peak
 RSS less its peak RSS when the model was ready, keel_run.json, largest process), `keel
 plan`'s activation estimate per device, the median step time, and the first step's loss
-(the same for both: the split computes the same row).
+(dpo: its chosen answer's log-prob), the same for both: the split computes the same row.
 
     python benchmarks/context_parallel.py [--tokens 8192] [--steps 4] [--rounds 2]
+        [--stage pt|dpo]
 """
 
 from __future__ import annotations
@@ -24,12 +28,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from streaming_start import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Data:
+    stage: str  # pt: one long document; dpo: long pairs
+    path: Path
+    cutoff_len: int
+
+
 SYSTEMS = {
     "one": [],
     "cp2": ["--nproc", "2", "distributed.context_parallel=2", "distributed.strategy=ddp"],
@@ -44,19 +58,41 @@ def write_corpus(path: Path, tokens: int, steps: int) -> None:
     path.write_text(json.dumps({"text": text}) + "\n")
 
 
+def write_pairs(path: Path, model: Path, tokens: int, steps: int) -> int:
+    """`steps` pairs whose prompt and answer fill about tokens / 2 each (the bundled
+    tokenizer counts); returns the cutoff_len that keeps each sequence whole."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    rng = random.Random(0)
+    rows, longest = [], 0
+    for _ in range(steps):
+        prompt = " ".join(rng.choices(words, k=tokens // 2))
+        ids = tokenizer(prompt)["input_ids"][: tokens // 2 - 256]
+        prompt = tokenizer.decode(ids)
+        chosen, rejected = (" ".join(rng.choices(words, k=100)) for _ in range(2))
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        answers = max(len(tokenizer(a)["input_ids"]) for a in (chosen, rejected))
+        longest = max(longest, len(ids) + answers)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return longest + 64  # the chat template's tokens
+
+
 LONG_ROWS = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=65536,
 )  # fmt: skip
 
 
-def job(work: Path, corpus: Path, model: Path, tokens: int, steps: int) -> Path:
+def job(work: Path, data: Data, model: Path, steps: int) -> Path:
+    pairs = data.stage == "dpo"
     config = {
         "model": {"path": str(model), "cache_dir": str(work / "cache")},
-        "method": {"type": "full"},
-        "data": {"datasets": [str(corpus)], "cutoff_len": tokens, "packing": True},
+        "method": {"type": "lora" if pairs else "full"},
+        "data": {"datasets": [str(data.path)], "cutoff_len": data.cutoff_len, "packing": not pairs},
         "train": {
-            "stage": "pt", "max_steps": steps, "precision": "fp32", "lr": 1e-4,
+            "stage": data.stage, "max_steps": steps, "precision": "fp32", "lr": 1e-4,
             "micro_batch_size": 1, "global_batch_size": 1, "threads": 1,
             "gradient_checkpointing": False,
         },
@@ -80,10 +116,10 @@ def planned_activations_mb(config: Path, system: str) -> float:
     return option["per_device_bytes"]["activations"] / 2**20
 
 
-def run_once(system: str, corpus: Path, model: Path, args) -> dict:
+def run_once(system: str, data: Data, model: Path, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        config = job(work, corpus, model, args.tokens, args.steps)
+        config = job(work, data, model, args.steps)
         command = [sys.executable, "-m", "keel", "train", str(config), *SYSTEMS[system]]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         if done.returncode:
@@ -96,7 +132,9 @@ def run_once(system: str, corpus: Path, model: Path, args) -> dict:
             "steps_add_mb": added,
             "planned_activations_mb": planned_activations_mb(config, system),
             "step_s": statistics.median(r["step_seconds"] for r in steps[1:] or steps),
-            "first_loss": steps[0]["loss"],
+            # pt: the first loss; dpo: the first chosen log-prob (its loss starts at ln 2
+            # whatever the row, as LoRA starts as the reference)
+            "check": steps[0].get("logps/chosen", steps[0]["loss"]),
         }
 
 
@@ -105,28 +143,32 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stage", choices=("pt", "dpo"), default="pt")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = Path(tmp) / "long.jsonl"
-        write_corpus(corpus, args.tokens, args.steps)
         model = tiny_model(Path(tmp) / "model", LONG_ROWS)
-        print(f"rows of {args.tokens} tokens, {args.steps} steps of one row each")
+        data = Data(args.stage, Path(tmp) / "long.jsonl", args.tokens)
+        if args.stage == "dpo":
+            data.cutoff_len = write_pairs(data.path, model, args.tokens, args.steps)
+        else:
+            write_corpus(data.path, args.tokens, args.steps)
+        print(f"{args.stage}: rows of about {args.tokens} tokens, {args.steps} steps of one each")
         results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
         for round_ in range(args.rounds):
             order = list(SYSTEMS) if round_ % 2 == 0 else list(reversed(SYSTEMS))
             for system in order:
-                result = run_once(system, corpus, model, args)
+                result = run_once(system, data, model, args)
                 results[system].append(result)
                 print(f"  {system}: {json.dumps({k: round(v, 4) for k, v in result.items()})}")
-    print("\n| system | steps add (MB/process) | plan: activations (MB) | step s | loss 1 |")
+    print(
+        "\n| system | steps add (MB/process) | plan: activations (MB) | step s | loss 1 (dpo: logps/chosen 1) |"
+    )
     print("|---|---|---|---|---|")
     for system, runs in results.items():
         added = statistics.median(r["steps_add_mb"] for r in runs)
         planned = statistics.median(r["planned_activations_mb"] for r in runs)
         step = statistics.median(r["step_s"] for r in runs)
-        print(
-            f"| {system} | {added:.0f} | {planned:.0f} | {step:.2f} | {runs[0]['first_loss']:.4f} |"
-        )
+        print(f"| {system} | {added:.0f} | {planned:.0f} | {step:.2f} | {runs[0]['check']:.4f} |")
 
 
 if __name__ == "__main__":

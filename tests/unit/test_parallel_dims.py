@@ -164,7 +164,10 @@ def test_hsdp_groups_and_their_refusals():
     ("settings", "problem"),
     [
         ({}, None),
-        ({"train.stage": "dpo"}, "train.stage dpo is not one of them"),
+        ({"train.stage": "dpo"}, None),
+        ({"train.stage": "kto"}, None),
+        ({"train.stage": "rm"}, "train.stage rm is not one of them"),
+        ({"train.stage": "grpo"}, "train.stage grpo is not one of them"),
         ({"train.padding_free": False}, "set train.padding_free true"),
         ({"distributed.fsdp.shard_size": 2}, "cannot be combined with it"),
         ({"train.router_aux_loss_coef": 0.01}, "routers' balance term"),

@@ -9,7 +9,9 @@ token of a sample, so around it the group exchanges heads for tokens (all-to-all
 Ulysses layout): before, each process gets H/C heads of every token; it attends within
 each sample over the whole row; after, each gets back all heads of its own tokens. Targets
 are shifted before the cut, so each part's loss is its tokens' and the group's parts sum
-to the row's. Gradients flow back through the same exchanges.
+to the row's. Gradients flow back through the same exchanges. The preference stages score
+whole sequences: each process sums its tokens' log-probs per sequence, the group adds
+those sums up (`group_sum`), and every process of the group computes the same loss.
 
 The query heads must split evenly over C (key/value heads are repeated up to them where C
 does not divide them); `head_problem` says when they do not.
@@ -23,32 +25,67 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 # The model-call keyword that carries the context-parallel group to keel's attention
 CP_GROUP = "keel_cp_group"
-_PER_TOKEN = ("input_ids", "targets", "position_ids")  # [1, T] each: what a part takes
+# What a part takes of each sequence set ([1, T] each), with the value its padding gets:
+# pad ids, no target (-100, IGNORE_INDEX), and no sequence (-1, a preference batch's index)
+_PER_TOKEN = {"input_ids": None, "targets": -100, "position_ids": None, "sequence_index": -1}
+# A batch's sequence sets: the main one, and KTO's mismatched sequences
+_PREFIXES = ("", "kl_")
 
 
 def shard_tokens(batch: dict, rank: int, size: int, pad_id: int) -> dict:
     """Part `rank` of `size` of a padding-free micro-batch (keys input_ids, targets,
-    position_ids [1, T] and seq_lens, the samples' lengths): the row padded with one
-    pseudo-sample (pad ids, no targets) to a multiple of `size`, then cut. `seq_lens`
-    stays the whole row's, which attention sees after the exchange."""
-    tokens = batch["input_ids"].shape[1]
-    padding = -tokens % size
+    position_ids [1, T], seq_lens, the samples' lengths, and for preference batches
+    sequence_index [1, T]; the same under the `kl_` prefix for KTO's mismatched sequences):
+    each row padded with one pseudo-sample (pad ids, no targets) to a multiple of `size`,
+    then cut. `seq_lens` stays the whole row's, which attention sees after the exchange;
+    per-sequence entries (labels, reference log-probs) stay whole."""
     out = dict(batch)
+    for prefix in _PREFIXES:
+        if f"{prefix}input_ids" in batch:
+            out |= _part(batch, prefix, rank, size, pad_id)
+    return out
+
+
+def _part(batch: dict, prefix: str, rank: int, size: int, pad_id: int) -> dict:
+    keys = [f"{prefix}{key}" for key in _PER_TOKEN if f"{prefix}{key}" in batch]
+    tokens = batch[f"{prefix}input_ids"].shape[1]
+    padding = -tokens % size
+    out = {key: batch[key] for key in keys}
     if padding:
-        fill = {"input_ids": pad_id, "targets": -100}  # -100: no target (IGNORE_INDEX)
-        for key in _PER_TOKEN:
-            value = batch[key]
-            tail = (
-                torch.arange(padding, dtype=value.dtype, device=value.device)[None]
-                if key == "position_ids"
-                else value.new_full((1, padding), fill[key])
-            )
+        for key in keys:
+            value, fill = batch[key], _PER_TOKEN[key.removeprefix(prefix)]
+            if key.endswith("position_ids"):
+                tail = torch.arange(padding, dtype=value.dtype, device=value.device)[None]
+            else:
+                tail = value.new_full((1, padding), pad_id if fill is None else fill)
             out[key] = torch.cat([value, tail], dim=1)
-        out["seq_lens"] = (*batch["seq_lens"], padding)
+        out[f"{prefix}seq_lens"] = (*batch[f"{prefix}seq_lens"], padding)
     part = (tokens + padding) // size
-    for key in _PER_TOKEN:
+    for key in keys:
         out[key] = out[key][:, rank * part : (rank + 1) * part]
     return out
+
+
+def group_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """`x` summed over the processes of `group`, differentiably: the backward pass sums
+    the gradients over the group too. For per-sequence sums whose parts the group's
+    processes hold: each process then computes the same loss, and weighs it 1/C."""
+    return _GroupSum.apply(x, group)
+
+
+class _GroupSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 def head_problem(num_heads: int, size: int) -> str | None:

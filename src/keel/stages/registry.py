@@ -7,7 +7,7 @@ config section if it has settings of its own), and one line here.
 from __future__ import annotations
 
 from keel.stages import dpo, grpo, kto, orpo, pt, rm, sft, simpo
-from keel.stages.base import DataUnit, Stage, causal_lm_objective
+from keel.stages.base import DataUnit, Stage, causal_lm_objective, sequence_objective
 
 STAGES: dict[str, Stage] = {
     s.name: s for s in (m.STAGE for m in (pt, sft, dpo, orpo, simpo, kto, rm, grpo))
@@ -39,6 +39,15 @@ def next_token_stages() -> list[str]:
     """The names of the stages trained on the next-token cross-entropy (pt, sft): what
     token weighting, a router balance term and context parallelism apply to."""
     return [s.name for s in STAGES.values() if s.objective is causal_lm_objective]
+
+
+def context_parallel_stages() -> list[str]:
+    """The names of the stages a context-parallel group can train (pt, sft, dpo, orpo,
+    simpo, kto): those whose loss reads sums over tokens, each token's cross-entropy or
+    each sequence's log-prob, which the group's processes add up from their parts. Not rm
+    (a score at each sequence's last token) nor grpo (it generates)."""
+    splits = (causal_lm_objective, sequence_objective)
+    return [s.name for s in STAGES.values() if s.objective in splits]
 
 
 def spoken(names: list[str]) -> str:

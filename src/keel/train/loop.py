@@ -266,7 +266,7 @@ class Trainer:
                 out: ObjectiveOutput = self.objective(self._batch(batch_rows or rows[:1]))
             if batch_rows:
                 total += out.loss.item()
-                count += int(out.count)
+                count += float(out.count)
                 if out.statistics is not None:
                     statistics = statistics + out.statistics
         vector = [] if statistics is None else statistics.double().cpu().tolist()

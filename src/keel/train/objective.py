@@ -246,7 +246,7 @@ class CausalLMObjective(nn.Module):
                     selected, targets[mask], head, weighting, chunk_size=chunk
                 )
         if CP_GROUP in inputs:  # a part without targets still runs the group's backward
-            loss = loss + _zero_through_model(out, None if not self.fast_head else head)
+            loss = loss + zero_through_model(out, None if not self.fast_head else head)
         if balance is None and weighting is None:
             return ObjectiveOutput(loss, num_targets, self._no_statistics(loss))
         counted = (num_targets > 0).float()  # a filler micro-batch reports nothing
@@ -416,7 +416,7 @@ class CausalLMObjective(nn.Module):
         return {"dtype": hidden.dtype, "checks": checks}
 
 
-def _zero_through_model(out, head: nn.Module | None) -> torch.Tensor:
+def zero_through_model(out, head: nn.Module | None) -> torch.Tensor:
     """Zero that depends on the model's output and output layer (`head`: the fast head's,
     applied here to one position; None: `out` has logits). Under context parallelism every
     process of a group must run the backward exchanges its forward ran, and use every

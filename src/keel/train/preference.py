@@ -25,11 +25,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from keel.distributed.context_parallel import CP_GROUP, group_sum
 from keel.losses import preference as losses
 from keel.losses.causal_lm import IGNORE_INDEX, chunked_token_logps, token_logps
 from keel.models.vision.family import VisionFamily
 from keel.stages.base import ObjectiveOutput, Scored, Stage, StageSettings
-from keel.train.objective import CausalLMObjective, causal_lm_of, decoder_of, model_inputs
+from keel.train.objective import (
+    CausalLMObjective,
+    causal_lm_of,
+    decoder_of,
+    model_inputs,
+    zero_through_model,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,17 +57,21 @@ def target_logps(model: nn.Module, batch: dict, how: TokenScoring, *, prefix: st
     targets = batch[f"{prefix}targets"]  # [B, T]
     mask = targets != IGNORE_INDEX  # [B, T]
     if how.fast_head:
-        hidden = decoder_of(lm, how.vision)(**inputs).last_hidden_state  # [B, T, H]
+        out = decoder_of(lm, how.vision)(**inputs)
         head = lm.get_output_embeddings()
-        return chunked_token_logps(
-            hidden[mask],
+        logps = chunked_token_logps(
+            out.last_hidden_state[mask],  # [N, H]
             targets[mask],
             head,
             chunk_size=how.chunk_size,
             temperature=how.temperature,
         )  # [N]
-    logits = model(**inputs).logits  # [B, T, V]
-    return token_logps(logits[mask], targets[mask], temperature=how.temperature)  # [N]
+    else:
+        head, out = None, model(**inputs)
+        logps = token_logps(out.logits[mask], targets[mask], temperature=how.temperature)
+    if CP_GROUP in inputs:  # a part without targets still runs the group's backward
+        logps = logps + zero_through_model(out, head)
+    return logps  # [N]
 
 
 def score_sequences(
@@ -86,6 +97,10 @@ def score_sequences(
     count = batch["labels"].shape[0]
     sums = logps.new_zeros(count).index_add(0, sequence, logps)
     counts = torch.bincount(sequence, minlength=count)
+    group = batch.get("cp_group")
+    if group is not None:  # context parallelism: this process holds a part of each sequence
+        sums = group_sum(sums, group)
+        counts = group_sum(counts, group)
     return Scored(sums=sums, counts=counts)
 
 
@@ -193,8 +208,8 @@ class PreferenceObjective(CausalLMObjective):
         policy = self._score(batch)
         reference = self._reference_sums(batch, "") if self.stage.uses_reference else None
         if self.stage.unit == "sample":
-            return self._kto(batch, policy, reference)
-        return self._pairs(policy, reference)
+            return _share(self._kto(batch, policy, reference), batch)
+        return _share(self._pairs(policy, reference), batch)
 
     def _score(self, batch: dict, prefix: str = "") -> Scored:
         return score_sequences(
@@ -237,7 +252,9 @@ class PreferenceObjective(CausalLMObjective):
         """(sum, count) of KTO's KL log-ratios over this micro-batch's mismatched pairs."""
         policy = self._score(batch, "kl_").sums
         ratios = losses.kto_kl(policy, self._reference_sums(batch, "kl_"))
-        return ratios.sum(), torch.tensor(float(ratios.numel()), device=ratios.device)
+        count = torch.tensor(float(ratios.numel()), device=ratios.device)
+        share = _group_share(batch)
+        return ratios.sum() * share, count * share
 
     def _pairs(self, policy: Scored, reference: torch.Tensor | None) -> ObjectiveOutput:
         out, chosen, rejected = self.stage.pair_loss(policy, reference, self.settings)
@@ -279,6 +296,25 @@ class PreferenceObjective(CausalLMObjective):
         }
         stats = _statistics(self.metric_names, values, chosen_or_rejected)
         return ObjectiveOutput(out.losses.sum(), torch.tensor(float(out.losses.shape[0])), stats)
+
+
+def _group_share(batch: dict) -> float:
+    """1 / the processes of the batch's context-parallel group (1 without one)."""
+    group = batch.get("cp_group")
+    return 1.0 if group is None else 1.0 / torch.distributed.get_world_size(group)
+
+
+def _share(out: ObjectiveOutput, batch: dict) -> ObjectiveOutput:
+    """This process's share of the output: under context parallelism every process of a
+    group computes the same loss from the group's summed log-probs, and weighs it (its
+    count and statistics too) 1/C, so the group's parts add up to the micro-batch's as they
+    do for pt and sft. The backward of the sums (`group_sum`) adds the group's 1/C
+    gradients up, so each process gets the whole loss's gradient for its own tokens."""
+    share = _group_share(batch)
+    if share == 1.0:
+        return out
+    statistics = None if out.statistics is None else out.statistics * share
+    return ObjectiveOutput(out.loss * share, out.count * share, statistics)
 
 
 def _statistics(

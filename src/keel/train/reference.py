@@ -210,9 +210,10 @@ def _compute(trainer: Trainer, job: PrecomputeJob, dist: DistContext, log) -> No
                 main_parts.append(main.float().cpu())
                 kl_parts.append(kl.float().cpu() if kl is not None else torch.zeros(0))
                 done += chunk
-        name = f"{split}.rank-{dist.dp_rank:05d}-of-{dist.dp_size:05d}.safetensors"
-        files.append(name)
-        _save(job.folder / name, rows, done, main_parts, kl_parts)
+        if dist.cp_rank == 0:  # a context-parallel group's processes hold the same values
+            name = f"{split}.rank-{dist.dp_rank:05d}-of-{dist.dp_size:05d}.safetensors"
+            files.append(name)
+            _save(job.folder / name, rows, done, main_parts, kl_parts)
     names = dist.gather_objects(files)
     dist.barrier()
     if dist.is_main:
