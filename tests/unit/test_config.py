@@ -230,6 +230,25 @@ def test_check_config_refuses_non_finite_numbers_of_a_config_built_in_code(tmp_p
     assert "train.adam_betas.1 = nan must be a finite number" in problems
 
 
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (["data.min_len=-1"], "must be a whole number of tokens >= 0"),
+        (["data.min_len=2000", "data.cutoff_len=1024"], "is over data.cutoff_len = 1024"),
+        (["data.min_len=16", "train.stage=dpo"], "train.stage dpo's pairs are not filtered"),
+        (["data.min_len=16", "train.stage=pt"], None),
+    ],
+)
+def test_min_len_is_a_length_pt_and_sft_samples_can_have(tmp_path, overrides, problem):
+    path = write(tmp_path, minimal(tmp_path))
+    if problem is None:
+        assert load_config(path, overrides).data.min_len == 16
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    assert any(problem in p for p in info.value.problems), info.value.problems
+
+
 def test_overlength_split_is_for_pretraining_only(tmp_path):
     path = write(tmp_path, minimal(tmp_path))
     with pytest.raises(ConfigError) as info:

@@ -317,6 +317,37 @@ def test_overlength_auto_is_drop_outside_pretraining(run):
     assert data.report.overlength == "drop" and data.report.files[0].dropped == 1
 
 
+def test_min_len_drops_short_samples_and_counts_them(run):
+    every = run(GOOD[:6], cutoff_len=256)  # the negative control: 0 keeps every length
+    lengths = sorted(len(r["input_ids"]) for r in all_rows(every.train))
+    floor = lengths[2]
+    assert lengths[1] < floor  # two samples are shorter
+    data = run(GOOD[:6], min_len=floor, cutoff_len=256)
+    assert data.report.files[0].short == 2 and data.report.files[0].kept == 4
+    assert data.report.files[0].rejected == 0 and data.report.files[0].dropped == 0
+    assert sorted(len(r["input_ids"]) for r in all_rows(data.train)) == lengths[2:]
+    report = data.report.format()
+    assert f"min_len {floor}" in report.splitlines()[0]
+    assert report.splitlines()[1].split()[-2:] == ["short", "rejected"]
+    assert len(every.train) == 6 and "short" not in every.report.format()
+    assert every.fingerprint != data.fingerprint
+
+
+def test_min_len_drops_a_documents_short_last_piece(run, tiny_tokenizer):
+    """Axolotl's min_sample_len also drops the short chunks its completion texts are cut
+    into: a document of 2 full pieces and a short one keeps 2."""
+    document = long_document(3)
+    whole = tiny_tokenizer(document["text"])["input_ids"] + [tiny_tokenizer.eos_token_id]
+    tail = len(whole) % 64
+    assert len(whole) > 2 * 64 and 1 < tail < 60
+    kept = run([document], stage="pt", cutoff_len=64, min_len=60, shuffle=False)
+    pieces = [r["input_ids"] for r in all_rows(kept.train)]
+    assert pieces == [whole[i : i + 64] for i in range(0, len(whole) - tail, 64)]
+    assert kept.report.files[0].short == 0  # the document is long enough; its tail is not
+    every = run([document], stage="pt", cutoff_len=64, shuffle=False)
+    assert len(every.train) == len(pieces) + 1
+
+
 # --- split and packing ----------------------------------------------------------------
 
 

@@ -64,6 +64,20 @@ def test_streamed_rows_are_the_prepared_rows_epoch_after_epoch(streamed, tmp_pat
     assert open_stream().take(len(prepared)) == prepared
 
 
+def test_streamed_rows_drop_what_is_under_min_len_as_prepared_rows_do(
+    streamed, tmp_path, small_blocks
+):
+    """data.min_len: short documents and the short last pieces of long ones are left out,
+    the same ones streamed as prepared, and each block says how many it dropped."""
+    path = write_jsonl(tmp_path / "a.jsonl", documents(0, 13))
+    every, _ = streamed([path], shuffle=False)
+    prepared, open_stream = streamed([path], shuffle=False, min_len=40)
+    assert all(len(r["input_ids"]) >= 40 for r in prepared)
+    assert 0 < len(prepared) < len(every)  # the negative control: 0 keeps them
+    assert open_stream().take(len(prepared)) == prepared
+    assert any("under data.min_len dropped" in line for line in streamed.logs)
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_a_stream_resumed_at_its_cursor_gives_the_same_rows(
     streamed, tmp_path, small_blocks, packing

@@ -480,6 +480,17 @@ def test_completion_text_is_cut_into_pieces_as_they_cut_it():
     assert "overlength" not in translate_axolotl(raw, FIXTURES).config["data"]
 
 
+def test_min_sample_len_drops_short_samples_and_pieces_where_they_read_it():
+    raw = {"base_model": "m", "datasets": [{"path": "c.jsonl", "type": "completion"}]}
+    raw["min_sample_len"] = 200
+    translation = translate_axolotl(raw, FIXTURES)
+    assert translation.config["data"]["min_len"] == 200
+    assert _fates(raw)["min_sample_len"].fate == "mapped"
+    dpo = {"base_model": "m", "rl": "dpo", "min_sample_len": 200}  # their RL data: not read
+    assert _fates(dpo)["min_sample_len"].fate == "ignored"
+    assert "min_len" not in translate_axolotl(dpo, FIXTURES).config.get("data", {})
+
+
 def test_pretraining_dataset_is_streamed_plain_text_cut_into_pieces():
     raw = {
         "base_model": "m",

@@ -177,6 +177,10 @@ class DataConfig:
     # tokens per sample (and per packed row); preference stages: per prompt + one answer,
     # packed rows of pairs up to 2 x cutoff_len
     cutoff_len: int = 1024
+    # pt and sft: a sample of fewer tokens is dropped (the report counts them as short); with
+    # data.overlength split, so is a piece of a long document (Axolotl's min_sample_len). 0:
+    # keep every length
+    min_len: int = 0
     packing: bool = False  # several samples per row, attention kept within each sample
     # sft only: the loss covers the prompt too (system, user and tool turns, the template's
     # own tokens), not only the assistant turns (LLaMA-Factory's train_on_prompt, Axolotl's

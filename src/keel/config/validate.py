@@ -164,6 +164,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
                 f"data.{key} = true applies to train.stage sft (it is {stage.name}: "
                 f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
             )
+    problems += _min_len_problems(data, stage)
     if stage and data.overlength == "split" and stage.unit != "text":
         problems.append(
             f"data.overlength = split cuts pretraining text (train.stage pt) into pieces; "
@@ -190,6 +191,26 @@ def _check_data(cfg: RunConfig) -> list[str]:
             f"hold a dataset_info.json"
         )
     return problems
+
+
+def _min_len_problems(data, stage) -> list[str]:
+    """data.min_len: a whole number of tokens up to cutoff_len, for pt and sft samples."""
+    if data.min_len == 0:
+        return []
+    key = f"data.min_len = {data.min_len}"
+    if not isinstance(data.min_len, int) or isinstance(data.min_len, bool) or data.min_len < 0:
+        return [f"{key} must be a whole number of tokens >= 0 (0: keep every length)"]
+    if data.min_len > data.cutoff_len:
+        return [
+            f"{key} is over data.cutoff_len = {data.cutoff_len}: no sample could be both long "
+            f"enough and short enough; lower it or raise cutoff_len"
+        ]
+    if stage and stage.unit not in ("text", "conversation"):
+        return [
+            f"{key} drops short pt and sft samples; train.stage {stage.name}'s "
+            f"{stage.unit}s are not filtered by length: remove it"
+        ]
+    return []
 
 
 # What each kind of stage trains on, for data.train_on_prompt or mask_history outside sft.

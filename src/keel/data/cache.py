@@ -92,6 +92,8 @@ def fingerprint(
             payload[key] = True
     if cfg.max_row_bytes != _DEFAULT_ROW_BYTES:  # it decides which rows are refused
         payload["max_row_bytes"] = cfg.max_row_bytes
+    if cfg.min_len:  # which samples (and pieces) are dropped as short
+        payload["min_len"] = cfg.min_len
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -1,7 +1,8 @@
 """Row → tokens: format, render, tokenize, mask, apply the over-length policy.
 
 `RowEncoder` is the function given to `Dataset.map`. It never raises for a bad row: each
-output row carries a `status` (ok, truncated, dropped, overlength, rejected, template) and a
+output row carries a `status` (ok, truncated, dropped, short, overlength, rejected, template)
+and a
 `reason`, so the pipeline can report every problem at once, with its file and row.
 `RowEncoder` encodes SFT and pretraining rows; keel.data.encode_preference adds pairs and
 KTO samples. With a vision-language model (`EncodeSettings.vision`) rows may hold images:
@@ -63,6 +64,7 @@ class EncodeSettings:
     template: ChatTemplate | None
     cutoff_len: int
     overlength: str  # drop, truncate, error or split (pt); never auto (resolved before)
+    min_len: int = 0  # pt, sft: fewer tokens and the sample is dropped ("short")
     vision: VisionProcessing | None = None  # the run's vision-language model, None for text
     media_dir: Path | None = None  # relative image paths are read from here
     train_on_prompt: bool = False  # sft: every token trains, not only the assistant turns'
@@ -145,6 +147,8 @@ class RowEncoder:
         except TemplateMismatch as e:
             return {"status": "template", "reason": str(e)}
         length, status = len(ids), "ok"
+        if length < s.min_len:  # judged whole, before a cut (as Axolotl filters, then cuts)
+            return {"status": "short", "length": length}
         if length > s.cutoff_len and s.overlength == "split":
             status = "split"
         elif length > s.cutoff_len:

@@ -77,14 +77,15 @@ def restart_positions(seq_lens: np.ndarray) -> np.ndarray:
     return (np.arange(int(seq_lens.sum())) - np.repeat(starts, seq_lens)).astype(np.int32)
 
 
-def cut_into_pieces(units: pa.Table, cutoff_len: int) -> pa.Table:
+def cut_into_pieces(units: pa.Table, cutoff_len: int, min_len: int = 0) -> pa.Table:
     """Pretraining samples (input_ids, targets) cut into pieces of at most `cutoff_len`
     tokens, in order (data.overlength=split).
 
     A document of n tokens gives ceil(n / cutoff_len) pieces, each a sample of its own: its
     last target is -100 like every sequence's, so no piece is trained to predict the next
     one's first token. A piece that would train no token (a last piece of one token) is left
-    out."""
+    out, and so is one of fewer than `min_len` tokens (data.min_len: a document's short last
+    piece, as Axolotl drops the short chunks of its completion texts)."""
     extra = set(units.column_names) - {"input_ids", "targets"}
     assert not extra, f"only text samples are cut into pieces, not ones with {sorted(extra)}"
     ids_column, targets_column = units.column("input_ids"), units.column("targets")
@@ -101,7 +102,8 @@ def cut_into_pieces(units: pa.Table, cutoff_len: int) -> pa.Table:
     targets[starts + lens - 1] = IGNORE_INDEX
     # the pieces are consecutive and cover every token, so reduceat sums each one's targets
     trained = np.add.reduceat((targets != IGNORE_INDEX).astype(np.int64), starts)
-    starts, lens = starts[trained > 0], lens[trained > 0]
+    kept = (trained > 0) & (lens >= min_len)
+    starts, lens = starts[kept], lens[kept]
     taken = gather_ranges(starts, lens)
     ends = np.concatenate([[0], np.cumsum(lens)])
     return pa.table(

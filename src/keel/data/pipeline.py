@@ -82,6 +82,7 @@ class Encoding:
             template=self.template if spec.format != "text" else None,
             cutoff_len=self.cfg.cutoff_len,
             overlength=self.cfg.overlength,
+            min_len=self.cfg.min_len,
             vision=self.vision,
             media_dir=src.media_dir,
             train_on_prompt=self.cfg.train_on_prompt,
@@ -264,6 +265,7 @@ def empty_report(cfg: DataConfig, stage: str) -> DataReport:
         template="none",
         cutoff_len=cfg.cutoff_len,
         overlength=cfg.overlength,
+        min_len=cfg.min_len,
         on_invalid=cfg.on_invalid,
         packing=cfg.packing,
         train_on_prompt=cfg.train_on_prompt,
@@ -393,7 +395,9 @@ def _tally(
             continue
         row, line = unit.row_of(k)
         where = Rejection(unit.file, row, "", line).where()
-        if st == "dropped":
+        if st == "short":  # under data.min_len
+            stats.short += 1
+        elif st == "dropped":
             stats.dropped += 1
             if reasons[k]:  # a vision run's row cut inside an image
                 report.drops.append(Rejection(unit.file, row, reasons[k], line))
@@ -456,7 +460,7 @@ def _split_and_pack(
             continue
         samples = table.num_rows
         if cfg.overlength == "split":  # after the split: a document's pieces stay in its split
-            table = cut_into_pieces(table, cfg.cutoff_len)
+            table = cut_into_pieces(table, cfg.cutoff_len, cfg.min_len)
         rows = rows_of(table, split_seed)
         setattr(report, split, _split_stats(samples, table.num_rows, rows))
         made[split] = Dataset(InMemoryTable(rows))

@@ -45,6 +45,7 @@ class FileStats:
     truncated: int = 0
     cut: int = 0  # over cutoff_len, cut into pieces with data.overlength=split (pt)
     dropped: int = 0  # over cutoff_len with data.overlength=drop
+    short: int = 0  # under data.min_len, dropped
     rejected: int = 0
     split: str = "train"  # eval: a file of data.eval_datasets
 
@@ -72,6 +73,7 @@ class DataReport:
     overlength: str
     on_invalid: str
     packing: bool
+    min_len: int = 0  # data.min_len: shorter samples dropped (0: none)
     train_on_prompt: bool = False  # sft: the prompt's tokens train as well
     mask_history: bool = False  # sft: only the last assistant turn trains
     duplicates: int = 0  # samples dropped as copies of earlier ones (data.deduplicate)
@@ -96,6 +98,7 @@ class DataReport:
             total.truncated += f.truncated
             total.cut += f.cut
             total.dropped += f.dropped
+            total.short += f.short
             total.rejected += f.rejected
         return total
 
@@ -103,7 +106,8 @@ class DataReport:
         """The line of the settings the data is prepared with."""
         return (
             f"data: stage {self.stage}, template {self.template}, cutoff_len {self.cutoff_len}, "
-            f"overlength {self.overlength}, on_invalid {self.on_invalid}, "
+            + (f"min_len {self.min_len}, " if self.min_len else "")
+            + f"overlength {self.overlength}, on_invalid {self.on_invalid}, "
             f"packing {'on' if self.packing else 'off'}"
             + (
                 ", train_on_prompt on (the prompt's tokens train too)"
@@ -116,7 +120,9 @@ class DataReport:
     def format(self, max_listed: int = MAX_LISTED) -> str:
         """A readable table: per-file counts, split sizes, then the rejected rows."""
         lines = [self.settings()]
-        lines += _file_table([*self.files, self.totals()], cuts=self.overlength == "split")
+        lines += _file_table(
+            [*self.files, self.totals()], cuts=self.overlength == "split", short=self.min_len > 0
+        )
         stage_unit = get_stage(self.stage).unit
         unit = {"pair": "pairs", "prompt": "prompts"}.get(stage_unit, "samples")
         for name, split in (("train", self.train), ("eval", self.eval)):
@@ -174,17 +180,17 @@ def list_capped(items: list[str], max_listed: int = MAX_LISTED, indent: str = " 
     return out
 
 
-def _file_table(rows: list[FileStats], cuts: bool) -> list[str]:
+def _file_table(rows: list[FileStats], cuts: bool, short: bool = False) -> list[str]:
     """Per-file counts; `cuts` (data.overlength=split): the long samples cut into pieces
-    where the others show those truncated (a run does one or the other)."""
-    heads = ("file", "read", "kept", "split" if cuts else "truncated", "dropped", "rejected")
-    cells = [heads] + [
-        (
-            f"{r.file} (eval)" if r.split == "eval" else r.file,
-            *map(str, (r.read, r.kept, r.cut if cuts else r.truncated, r.dropped, r.rejected)),
-        )
-        for r in rows
-    ]
+    where the others show those truncated (a run does one or the other); `short`
+    (data.min_len): a column of the samples dropped as too short."""
+    heads = ("file", "read", "kept", "split" if cuts else "truncated", "dropped")
+    heads += ("short", "rejected") if short else ("rejected",)
+    cells: list[tuple[str, ...]] = [heads]
+    for r in rows:
+        counts = [r.read, r.kept, r.cut if cuts else r.truncated, r.dropped]
+        counts += [r.short, r.rejected] if short else [r.rejected]
+        cells.append((f"{r.file} (eval)" if r.split == "eval" else r.file, *map(str, counts)))
     widths = [max(len(c[i]) for c in cells) for i in range(len(heads))]
     out = []
     for c in cells:

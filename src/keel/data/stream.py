@@ -77,6 +77,7 @@ class RowMaking:
 
     cutoff_len: int
     overlength: str  # drop, truncate, error or split (resolved, never auto)
+    min_len: int  # data.min_len: shorter samples and pieces are dropped
     on_invalid: str
     packing: bool
     shuffle: bool
@@ -152,7 +153,7 @@ def prepare_stream(
         if note:
             log(note)
     making = RowMaking(
-        cfg.cutoff_len, cfg.overlength, cfg.on_invalid, cfg.packing, cfg.shuffle, seed
+        cfg.cutoff_len, cfg.overlength, cfg.min_len, cfg.on_invalid, cfg.packing, cfg.shuffle, seed
     )
     shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
     log(
@@ -259,13 +260,13 @@ class RowStream:
             keep = [k for k, text in enumerate(raw["text"]) if text.strip()]
             raw, numbers = {"text": [raw["text"][k] for k in keep]}, [numbers[k] for k in keep]
         encoded = self.data.encoders[file.source](raw) if numbers else {"status": []}
-        kept, dropped, skipped = [], 0, []
+        kept, dropped, skipped = [], {"dropped": 0, "short": 0}, []
         for k, status in enumerate(encoded["status"]):
             where = f"{file.label} row {numbers[k]}"
             if status in KEPT:
                 kept.append(k)
-            elif status == "dropped":
-                dropped += 1
+            elif status in dropped:
+                dropped[status] += 1
             elif status == "overlength":
                 raise DataError(
                     f"{where}: {encoded['length'][k]} tokens, over data.cutoff_len="
@@ -279,7 +280,7 @@ class RowStream:
                 )
             else:
                 skipped.append(f"row {numbers[k]}: {encoded['reason'][k]}")
-        if dropped or skipped:
+        if any(dropped.values()) or skipped:
             self._note(file, numbers, dropped, skipped)
         units = pa.table(
             {
@@ -290,15 +291,19 @@ class RowStream:
             }
         )
         if making.overlength == "split":
-            units = cut_into_pieces(units, making.cutoff_len)
+            units = cut_into_pieces(units, making.cutoff_len, making.min_len)
         seed = _block_seed(making.seed, cursor)
         rows = make_rows(units, making.packing, making.cutoff_len, seed)
         if making.shuffle and not making.packing:  # first_fit packs in a seeded order already
             rows = rows.take(np.random.default_rng(seed).permutation(rows.num_rows))
         return rows
 
-    def _note(self, file: StreamFile, numbers: list[int], dropped: int, skipped: list[str]):
-        parts = [f"{dropped} over data.cutoff_len dropped"] if dropped else []
+    def _note(self, file: StreamFile, numbers: list[int], dropped: dict, skipped: list[str]):
+        """Log a block's dropped rows ({"dropped": over cutoff_len, "short": under min_len})
+        and skipped ones."""
+        parts = [f"{dropped['dropped']} over data.cutoff_len dropped"] if dropped["dropped"] else []
+        if dropped["short"]:
+            parts.append(f"{dropped['short']} under data.min_len dropped")
         if skipped:
             parts.append(
                 f"{len(skipped)} rejected and skipped (data.on_invalid=skip; {skipped[0]})"

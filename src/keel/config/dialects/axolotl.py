@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from keel.config.dialects.axolotl_data import dataset_stage, translate_datasets
+from keel.config.dialects.axolotl_data import dataset_stage, min_sample_len, translate_datasets
 from keel.config.dialects.axolotl_qat import QAT_HANDLERS
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_streaming import STREAMING_HANDLERS, pretraining_stage
@@ -434,6 +434,7 @@ _HANDLERS = {
     "tokens": added_tokens,
     "datasets": _datasets,
     "test_datasets": _datasets,
+    "min_sample_len": min_sample_len,
     "save_strategy": save_strategy,
     "eval_strategy": eval_strategy,
     "evaluation_strategy": eval_strategy,

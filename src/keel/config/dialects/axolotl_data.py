@@ -93,6 +93,17 @@ def translate_datasets(build: Build, value, key: str = "datasets") -> None:
         build.kept("data.overlength", "truncate", why + " (keel cuts the answers, never a prompt)")
 
 
+def min_sample_len(build: Build, key: str, value) -> None:
+    """Their shortest sample (and completion chunk) in tokens; shorter ones are dropped.
+    Their preference and RL data are filtered by other rules, which do not read it."""
+    if value is None:
+        build.ignored(key, "empty: Axolotl's default (a sample of under 2 tokens trains nothing)")
+    elif build.stage not in ("pt", "sft"):
+        build.ignored(key, f"Axolotl does not read it for {build.stage}'s data")
+    else:
+        build.put(key, "data.min_len", value, "shorter samples and pieces are dropped")
+
+
 def _dataset(build: Build, prefix: str, target: str, entry: dict) -> dict:
     ds: dict = {}
     for key, value in entry.items():
