@@ -491,6 +491,25 @@ def test_min_sample_len_drops_short_samples_and_pieces_where_they_read_it():
     assert "min_len" not in translate_axolotl(dpo, FIXTURES).config.get("data", {})
 
 
+def test_data_files_pick_files_of_the_hub_dataset_or_of_a_local_folder(tmp_path):
+    """Their data_files are load_dataset's: files inside the repo `path` names (the ALST
+    recipes' Long-Data-Collections), or inside a local folder."""
+    hub = {"path": "togethercomputer/Long-Data-Collections", "type": "completion"}
+    raw = {"base_model": "m", "datasets": [{**hub, "data_files": ["pretrain/a.jsonl"]}]}
+    (entry,) = translate_axolotl(raw, tmp_path / "x.yml").config["data"]["datasets"]
+    assert entry["path"] == hub["path"] and entry["files"] == ["pretrain/a.jsonl"]
+    (tmp_path / "local").mkdir()  # the same keys on a folder beside the config
+    raw["datasets"] = [{"data_files": "b.jsonl", "path": "local", "type": "completion"}]
+    (entry,) = translate_axolotl(raw, tmp_path / "x.yml").config["data"]["datasets"]
+    assert entry["path"] == "local/b.jsonl" and "files" not in entry
+    raw["datasets"][0]["data_files"] = ["b.jsonl", "c.jsonl"]
+    assert _fates(raw, tmp_path / "x.yml")["datasets.0.data_files"].fate == "refused"
+    streamed = {"base_model": "m", "pretraining_dataset": [{"data_files": "d/*.jsonl", **hub}]}
+    streamed["pretraining_dataset"][0]["type"] = "pretrain"
+    (entry,) = translate_axolotl(streamed, tmp_path / "x.yml").config["data"]["datasets"]
+    assert entry["path"] == hub["path"] and entry["files"] == ["d/*.jsonl"]
+
+
 def test_pretraining_dataset_is_streamed_plain_text_cut_into_pieces():
     raw = {
         "base_model": "m",

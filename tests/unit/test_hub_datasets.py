@@ -117,6 +117,31 @@ def test_the_readme_configs_choose_the_files(hub_cache, tmp_path, prepare):
     assert len(texts) == 2 and all("user\nb " in t for t in texts)
 
 
+def test_named_files_of_the_repo_are_its_train_split(hub_cache, tmp_path, prepare):
+    """data.datasets[].files (Axolotl's data_files): these files, whatever the card says."""
+    card = "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: raw/b.jsonl\n---\n"
+    files = {"README.md": card, "raw/a.jsonl": _rows("a", 3), "raw/b.jsonl": _rows("b", 2)}
+    add_snapshot(
+        hub_cache, REPO, _repo(tmp_path, files | {"c/d.jsonl": _rows("d", 4)}), repo_type="dataset"
+    )
+    named, texts, lines = prepare(DatasetConfig(path=REPO, files=["c/d.jsonl"]))
+    assert len(texts) == 4 and all("user\nd " in t for t in texts)
+    assert [f.file for f in named.report.files] == [f"{REPO}/c/d.jsonl"]
+    assert any("files ('c/d.jsonl',)" in line for line in lines)
+    _, texts, _ = prepare(DatasetConfig(path=REPO, files=["raw/*.jsonl"]))
+    assert len(texts) == 5  # a pattern: a.jsonl and b.jsonl
+    card_only, texts, _ = prepare(REPO)  # the negative control: the card's b.jsonl alone
+    assert len(texts) == 2 and card_only.fingerprint != named.fingerprint
+    with pytest.raises(DataError, match=r"has no file matching 'c/e.jsonl' \(files\)"):
+        prepare(DatasetConfig(path=REPO, files=["c/e.jsonl"]))
+
+
+def test_files_of_a_local_path_are_refused(tmp_path, prepare):
+    (tmp_path / "local.jsonl").write_text(json.dumps(_rows("x", 1)[0]) + "\n")
+    with pytest.raises(DataError, match=r"files = \['a.jsonl'\] applies to Hugging Face Hub"):
+        prepare(DatasetConfig(path="local.jsonl", files=["a.jsonl"]))
+
+
 def test_a_new_upstream_commit_prepares_again(cached, hub_cache, tmp_path, prepare):
     first, _, _ = prepare(REPO)
     assert prepare(REPO)[0].from_cache
@@ -201,6 +226,9 @@ def test_the_default_revision_and_subset_leave_the_data_fingerprint_as_it_was():
     }  # fmt: skip
     pinned = _entry_identity(DatasetConfig(path="owner/name", revision="abc123", subset="en"))
     assert pinned["revision"] == "abc123" and pinned["subset"] == "en"
+    assert _entry_identity(DatasetConfig(path="owner/name", files=["a.jsonl"]))["files"] == [
+        "a.jsonl"
+    ]
 
 
 def _info(tmp_path, entries: dict) -> None:

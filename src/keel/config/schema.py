@@ -157,6 +157,10 @@ class DatasetConfig:
     # Hub dataset names only: the configuration of its card to read (load_dataset's name;
     # LLaMA-Factory's subset), else its default one
     subset: str | None = None
+    # Hub dataset names only: read these files of the repo (paths in it, or glob patterns
+    # such as data/*.jsonl) as its train split instead of its card's configuration
+    # (load_dataset's data_files)
+    files: list[str] = field(default_factory=list)
     max_samples: int | None = None  # use the first N rows (after split and num_samples)
     # Draw N rows with train.seed, as LLaMA-Factory's num_samples does (every row once, then
     # repeats, when N exceeds the rows); overrides the dataset_info.json entry's

@@ -183,6 +183,11 @@ def _check_data(cfg: RunConfig) -> list[str]:
             problems.append(_format_problem(f"data.datasets.{index}.format", ds.format, stage))
         if ds.max_samples is not None:
             problems += positive(ds.max_samples, f"data.datasets.{index}.max_samples")
+        if ds.files and ds.subset is not None:
+            problems.append(
+                f"data.datasets.{index}.files and .subset both choose what of the Hub dataset "
+                f"is read (files: those files as its train split); keep one"
+            )
         if ds.num_samples is not None:
             problems += positive(ds.num_samples, f"data.datasets.{index}.num_samples")
     if data.dataset_dir is not None and not Path(data.dataset_dir).is_dir():

@@ -158,16 +158,15 @@ def stale_image(path: Path) -> str | None:
 
 
 def _entry_identity(entry) -> dict:
-    """A dataset entry's settings. `revision`, `subset` and `drop_system` (added later) count only when
-    they choose something, so data prepared, and checkpoints written, before they existed
-    keep their fingerprint and still resume."""
+    """A dataset entry's settings. `revision`, `subset`, `files` and `drop_system` (added
+    later) count only when they choose something, so data prepared, and checkpoints
+    written, before they existed keep their fingerprint and still resume."""
     settings = asdict(entry)
     if settings.get("revision") == "main":
         del settings["revision"]
-    if settings.get("subset") is None:
-        settings.pop("subset", None)
-    if not settings.get("drop_system"):
-        settings.pop("drop_system", None)
+    for later in ("subset", "files", "drop_system"):
+        if not settings.get(later):
+            settings.pop(later, None)
     return settings
 
 

@@ -48,6 +48,9 @@ class HubPart:
     subset: str | None = None  # `name`, LLaMA-Factory's `subset`
     folder: str | None = None  # `data_dir`, LLaMA-Factory's `folder`
     key: str = "subset"  # how the config names the subset, for messages
+    # `data_files`: these files of the repo (paths or glob patterns) are its train split;
+    # () reads the card's configuration
+    files: tuple[str, ...] = ()
 
 
 def fetch_hub_dataset(
@@ -58,8 +61,22 @@ def fetch_hub_dataset(
     its `part`. Every failure is a DataError naming `where`, the id and the fix; `key` is
     the config entry (data.datasets.0)."""
     repo = HubRepo(repo_id, revision, kind="dataset", key=key, local="file or folder")
-    folder = fetch_snapshot(repo, DATA_PATTERNS, lambda message: DataError(f"{where}: {message}"))
-    return HubDataset(repo_id, revision, folder.name, folder, _split_files(folder, where, part))
+    patterns = part.files or DATA_PATTERNS  # named files: only those are fetched
+    folder = fetch_snapshot(repo, patterns, lambda message: DataError(f"{where}: {message}"))
+    splits = _named_files(folder, where, part) if part.files else _split_files(folder, where, part)
+    return HubDataset(repo_id, revision, folder.name, folder, splits)
+
+
+def _named_files(folder: Path, where: str, part: HubPart) -> dict[str, list[Path]]:
+    """The train split of the files `part.files` names, in the order named (a pattern's
+    matches in name order); each must match at least one file of the snapshot."""
+    found: list[Path] = []
+    for pattern in part.files:
+        matched = sorted(p for p in folder.glob(pattern) if p.is_file())
+        if not matched:
+            raise DataError(f"{where}: the dataset has no file matching {pattern!r} (files)")
+        found += [p for p in matched if p not in found]
+    return {"train": found}
 
 
 def _split_files(folder: Path, where: str, part: HubPart) -> dict[str, list[Path]]:

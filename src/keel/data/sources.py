@@ -148,7 +148,8 @@ def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Sou
         num_samples = entry.num_samples if num_samples is None else num_samples
         if entry.hub_id is not None:
             reading = _Reading(fmt, columns, tags, split, num_samples, raw, notes)
-            part = HubPart(dc.subset or entry.subset, entry.folder, key=f"{where}'s subset")
+            subset = dc.subset or entry.subset
+            part = HubPart(subset, entry.folder, f"{where}'s subset", tuple(dc.files))
             return _resolve_hub(key, dc, where, entry.hub_id, reading, part)
     else:
         path = _absolute(dc.path, base_dir)
@@ -157,14 +158,19 @@ def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Sou
                 reading = _Reading(
                     dc.format, dict(dc.columns), dict(dc.tags), dc.split, num_samples, None, []
                 )
-                part = HubPart(dc.subset, key=f"{key}.subset")
+                part = HubPart(dc.subset, key=f"{key}.subset", files=tuple(dc.files))
                 return _resolve_hub(key, dc, where, dc.path, reading, part)
             if info is not None:
                 raise unknown_name_error(dc.path, info, dataset_dir)
             raise DataError(f"{where}: file not found: {path}")
         fmt, split, raw, notes = dc.format, dc.split, None, []
         columns, tags = dict(dc.columns), dict(dc.tags)
-    for name, value, default in (("revision", dc.revision, "main"), ("subset", dc.subset, None)):
+    hub_only = (
+        ("revision", dc.revision, "main"),
+        ("subset", dc.subset, None),
+        ("files", dc.files, []),
+    )
+    for name, value, default in hub_only:
         if value != default:
             raise DataError(
                 f"{where}: {name} = {value!r} applies to Hugging Face Hub datasets only, and "
@@ -229,7 +235,8 @@ def _resolve_hub(
                 f"reads {', '.join(LOADERS)}: convert it, or download the data elsewhere"
             )
     of = "".join(
-        f", {name} {value!r}" for name, value in (("subset", part.subset), ("folder", part.folder))
+        f", {name} {value!r}"
+        for name, value in (("subset", part.subset), ("folder", part.folder), ("files", part.files))
         if value
     )  # fmt: skip
     note = (

@@ -6,6 +6,7 @@ from __future__ import annotations
 from keel.config.dialects.build import Build
 from keel.config.dialects.report import unknown_key
 from keel.config.schema import REASONING_FIELDS
+from keel.config.validate import is_hub_id
 
 PAIR_STAGES = ("dpo", "orpo", "simpo", "rm")
 
@@ -122,8 +123,9 @@ def _dataset(build: Build, prefix: str, target: str, entry: dict) -> dict:
         elif key in _COLUMNS:
             ds.setdefault("columns", {})[_COLUMNS[key]] = value
             build.mapped(name, f"{target}.columns.{_COLUMNS[key]}")
-        else:
+        elif key != "data_files":  # read once the path is known
             _other_key(build, name, key, value, ds, target)
+    read_data_files(build, prefix, entry, ds, target)
     if ds.get("format") == "messages" and entry.get("roles") is None:
         _default_roles(build, ds, target)
     return ds
@@ -148,8 +150,6 @@ def _other_key(build: Build, name: str, key: str, value, ds: dict, target: str) 
         build.ignored(name, "empty: Axolotl's default")
     elif key == "ds_type":
         _ds_type(build, name, value)
-    elif key == "data_files":
-        _data_files(build, name, value, ds, target)
     elif key in _LEGACY_TAGS:
         ds.setdefault("tags", {})[_LEGACY_TAGS[key]] = value
         build.mapped(name, f"{target}.tags.{_LEGACY_TAGS[key]}")
@@ -244,14 +244,32 @@ def _ds_type(build: Build, name: str, value) -> None:
         build.refused(name, f"{value!r} is not a file type keel reads ({', '.join(_FILE_TYPES)})")
 
 
-def _data_files(build: Build, name: str, value, ds: dict, target: str) -> None:
+def read_data_files(build: Build, prefix: str, entry: dict, ds: dict, target: str) -> None:
+    """An entry's data_files, once its path is known (`ds` holds it, whatever the keys'
+    order)."""
+    if entry.get("data_files") is not None:
+        data_files(build, f"{prefix}.data_files", entry["data_files"], ds, target)
+    elif "data_files" in entry:
+        build.ignored(f"{prefix}.data_files", "empty: Axolotl's default")
+
+
+def data_files(build: Build, name: str, value, ds: dict, target: str) -> None:
+    """load_dataset's data_files: files inside the Hub dataset `path` names (keel's
+    `files`), or inside a local folder (one file: the path to it)."""
     files = [value] if isinstance(value, str) else value
-    if isinstance(files, list) and len(files) == 1 and isinstance(files[0], str):
-        ds["path"] = files[0]
-        why = "keel reads that one file (it replaces path)"
-        build.mapped(name, f"{target}.path", why)
+    if not (isinstance(files, list) and files and all(isinstance(f, str) for f in files)):
+        build.refused(name, f"{value!r}: a file name or a list of them")
         return
-    build.refused(name, "keel reads one file per dataset; list each file as its own dataset")
+    path = ds.get("path")
+    local = path is not None and (build.source.parent / path).exists()
+    if path is not None and not local and is_hub_id(path):
+        ds["files"] = files
+        build.mapped(name, f"{target}.files", "those files of the Hub dataset, its train split")
+    elif len(files) == 1:
+        ds["path"] = files[0] if path is None else f"{path.rstrip('/')}/{files[0]}"
+        build.mapped(name, f"{target}.path", "keel reads that file of the folder")
+    else:
+        build.refused(name, "keel reads one local file per dataset; list each as its own dataset")
 
 
 def _tags(build: Build, name: str, value: dict, names: dict, ds: dict, target: str) -> None:

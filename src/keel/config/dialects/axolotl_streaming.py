@@ -3,6 +3,7 @@ keel's data.streaming, which reads, checks and tokenizes the rows as training go
 
 from __future__ import annotations
 
+from keel.config.dialects.axolotl_data import read_data_files
 from keel.config.dialects.build import Build
 from keel.config.dialects.report import unknown_key
 
@@ -48,9 +49,8 @@ def _entry(build: Build, prefix: str, entry: dict) -> dict:
             build.mapped(name, f"{target}.columns.prompt", "the column of plain text")
         elif key == "type" and value in (None, "pretrain"):
             build.mapped(name, f"{target}.format", "plain text, every token trained")
-        elif key == "data_files" and isinstance(value, str):
-            ds["path"] = value
-            build.mapped(name, f"{target}.path", "keel reads that one file (it replaces path)")
+        elif key == "data_files":
+            continue  # read once the path is known
         elif key == "trust_remote_code" and not value:
             build.ignored(name, "false: keel runs no dataset script")
         elif key == "type":
@@ -60,6 +60,7 @@ def _entry(build: Build, prefix: str, entry: dict) -> dict:
         else:
             why = "an Axolotl pretraining_dataset key keel has no counterpart for; remove it"
             build.refused(name, unknown_key(key, _PRETRAINING_KEYS, why))
+    read_data_files(build, prefix, entry, ds, target)
     return ds
 
 
