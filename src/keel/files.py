@@ -8,12 +8,19 @@ offset of the first byte that cannot be decoded, and how to convert the file.
 A UTF-8 byte order mark (BOM, EF BB BF) at the start of a file is valid UTF-8 and accepted:
 `read_text` drops it, as Python's `utf-8-sig` codec and the JSON/CSV loaders of `datasets`
 do, so it never reaches a parser or a training sample.
+
+A file whose last suffix names a compression (`.gz`, `.bz2`, `.xz`, `.zst`: corpora are
+published so, `c4-train.00000-of-01024.json.gz`) is read decompressed, as `datasets` reads
+it; a damaged one is an error naming the file.
 """
 
 from __future__ import annotations
 
+import bz2
 import codecs
+import gzip
 import io
+import lzma
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +32,34 @@ from keel.errors import KeelError
 CHUNK_BYTES = 1 << 20  # streamed in 1 MiB pieces: a multi-GB corpus is never held in memory
 _CONTEXT_CHARS = 30  # text shown before the bad byte
 ErrorType = Callable[[str], Exception]
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
+
+
+def open_binary(path: Path) -> BinaryIO:
+    """The file's bytes, decompressed when its last suffix is one of COMPRESSIONS."""
+    suffix = path.suffix.lower()
+    if suffix == ".gz":
+        return gzip.open(path, "rb")
+    if suffix == ".bz2":
+        return bz2.open(path, "rb")
+    if suffix == ".xz":
+        return lzma.open(path, "rb")
+    if suffix == ".zst":
+        import zstandard
+
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            path.open("rb"), read_across_frames=True, closefd=True
+        )
+        return io.BufferedReader(reader, CHUNK_BYTES)
+    return path.open("rb")
+
+
+def read_errors() -> tuple[type[Exception], ...]:
+    """What reading a file through `open_binary` raises for a file that cannot be read or
+    decompressed (a truncated or damaged archive)."""
+    import zstandard
+
+    return (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError)
 
 
 @dataclass(frozen=True)
@@ -112,10 +147,10 @@ def check_utf8(
     """
     path = Path(path)
     try:
-        with path.open("rb") as f:
+        with open_binary(path) as f:
             problem = find_utf8_problem(f)
-    except OSError as e:
-        raise error(f"cannot read {what} {shown or path}: {e.strerror or e}") from None
+    except read_errors() as e:
+        raise error(f"cannot read {what} {shown or path}: {_reason(e)}") from None
     if problem is not None:
         raise error(describe(problem, shown or str(path), what))
 
@@ -131,9 +166,10 @@ def read_text(
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise error(f"cannot read {what} {shown or path}: {e.strerror or e}") from None
+        with open_binary(path) as f:
+            data = f.read()
+    except read_errors() as e:
+        raise error(f"cannot read {what} {shown or path}: {_reason(e)}") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -141,6 +177,13 @@ def read_text(
         assert problem is not None, "decode failed, so the scan finds the bad byte"
         raise error(describe(problem, shown or str(path), what)) from None
     return text.removeprefix("\ufeff")
+
+
+def _reason(exc: Exception) -> str:
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if isinstance(exc, EOFError):  # gzip, bz2, xz: the stream ends inside a block
+        return f"it ends early (a truncated archive?): {reason}"
+    return reason
 
 
 def fsync_tree(root: Path) -> None:

@@ -290,3 +290,63 @@ def test_split_slice_of_a_saved_dataset_dict(tmp_path, prepare):
     DatasetDict({"train": Dataset.from_list(ALPACA)}).save_to_disk(str(tmp_path / "dd"))
     _, texts = prepare(DatasetConfig(path="dd", split="train[:1]+train[-1:]"))
     assert len(texts) == 2 and "I am Keel." in texts[0] and "Eat well" in texts[1]
+
+
+# --- compressed files: corpora as they are published -----------------------------------
+
+CODECS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma", ".zst": "zstandard"}
+
+
+def compress(data: bytes, codec: str) -> bytes:
+    import importlib
+
+    if codec == ".zst":
+        import zstandard
+
+        # two frames, as large corpora are written in blocks: both must be read
+        half = len(data) // 2
+        return b"".join(zstandard.ZstdCompressor().compress(p) for p in (data[:half], data[half:]))
+    return importlib.import_module(CODECS[codec]).compress(data)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_compressed_file_gives_the_rows_of_the_plain_one(tmp_path, prepare, codec):
+    plain = write_jsonl(tmp_path / "d.jsonl", ALPACA)
+    (tmp_path / f"d.jsonl{codec}").write_bytes(compress(plain.read_bytes(), codec))
+    want, want_texts = prepare("d.jsonl")
+    got, texts = prepare(f"d.jsonl{codec}")
+    assert texts == want_texts and len(texts) == 3
+    assert [f.file for f in got.report.files] == [f"d.jsonl{codec}"]
+    (tmp_path / f"d.txt{codec}").write_bytes(compress(b"The quick brown fox.\n\nA dog.\n", codec))
+    _, texts = prepare(f"d.txt{codec}", stage="pt")  # the text loader, blank lines skipped
+    assert texts == ["The quick brown fox.<|im_end|>", "A dog.<|im_end|>"]
+
+
+def test_a_folder_reads_its_compressed_files_and_checks_them_decompressed(tmp_path, prepare):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ALPACA[:1])
+    rows = b'{"instruction": "ok", "output": "ok"}\n{"output": "caf\xe9"}\n'
+    (folder / "b.jsonl.gz").write_bytes(compress(rows, ".gz"))
+    (folder / "c.parquet.gz").write_bytes(b"not read")  # parquet is compressed inside
+    with pytest.raises(DataError) as err:
+        prepare("corpus")
+    # the UTF-8 check reads the decompressed text: the line and column are its own
+    assert str(err.value).startswith("data file corpus/b.jsonl.gz is not UTF-8: line 2, column 16")
+    (folder / "b.jsonl.gz").write_bytes(compress(json.dumps(ALPACA[1]).encode() + b"\n", ".gz"))
+    data, _ = prepare("corpus")
+    assert [f.file for f in data.report.files] == ["corpus/a.jsonl", "corpus/b.jsonl.gz"]
+
+
+def test_a_truncated_archive_and_a_long_compressed_row_are_named(tmp_path, prepare):
+    whole = compress(write_jsonl(tmp_path / "d.jsonl", ALPACA).read_bytes(), ".gz")
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=r"cannot read data file cut.jsonl.gz: it ends early"):
+        prepare("cut.jsonl.gz")
+    big = {**ALPACA[0], "output": "x" * 5000}  # 5 KB decompressed, far less compressed
+    (tmp_path / "big.jsonl.xz").write_bytes(compress((json.dumps(big) + "\n").encode(), ".xz"))
+    with pytest.raises(DataError, match=r"big.jsonl.xz: line 1 is larger than data.max_row_bytes"):
+        prepare("big.jsonl.xz", max_row_bytes=4096)
+    with pytest.raises(DataError, match=r"unsupported file type '.parquet.gz'"):
+        (tmp_path / "t.parquet.gz").write_bytes(b"x")
+        prepare("t.parquet.gz")

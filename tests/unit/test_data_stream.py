@@ -64,6 +64,18 @@ def test_streamed_rows_are_the_prepared_rows_epoch_after_epoch(streamed, tmp_pat
     assert open_stream().take(len(prepared)) == prepared
 
 
+def test_a_compressed_corpus_streams_as_its_prepared_rows(streamed, tmp_path, small_blocks):
+    import zstandard
+
+    plain = write_jsonl(tmp_path / "a.jsonl", documents(0, 13))  # its name
+    packed = zstandard.ZstdCompressor().compress((tmp_path / plain).read_bytes())
+    (tmp_path / "a.jsonl.zst").write_bytes(packed)
+    want, _ = streamed([plain], shuffle=False)
+    prepared, open_stream = streamed(["a.jsonl.zst"], shuffle=False)
+    assert prepared == want
+    assert open_stream().take(len(prepared)) == prepared
+
+
 def test_streamed_rows_drop_what_is_under_min_len_as_prepared_rows_do(
     streamed, tmp_path, small_blocks
 ):

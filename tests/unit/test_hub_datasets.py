@@ -136,6 +136,20 @@ def test_named_files_of_the_repo_are_its_train_split(hub_cache, tmp_path, prepar
         prepare(DatasetConfig(path=REPO, files=["c/e.jsonl"]))
 
 
+def test_a_repo_of_compressed_files_is_read_by_the_file_name_conventions(
+    hub_cache, tmp_path, prepare
+):
+    import gzip
+
+    rows = "".join(json.dumps(r) + "\n" for r in _rows("gz", 3)).encode()
+    src = _repo(tmp_path, {"data/train.jsonl.gz": ""})
+    (src / "data/train.jsonl.gz").write_bytes(gzip.compress(rows))
+    add_snapshot(hub_cache, REPO, src, repo_type="dataset")
+    prepared, texts, _ = prepare(REPO)
+    assert len(texts) == 3 and all("user\ngz " in t for t in texts)
+    assert [f.file for f in prepared.report.files] == [f"{REPO}/data/train.jsonl.gz"]
+
+
 def test_files_of_a_local_path_are_refused(tmp_path, prepare):
     (tmp_path / "local.jsonl").write_text(json.dumps(_rows("x", 1)[0]) + "\n")
     with pytest.raises(DataError, match=r"files = \['a.jsonl'\] applies to Hugging Face Hub"):

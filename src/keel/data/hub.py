@@ -21,8 +21,16 @@ from pathlib import Path
 from keel.errors import DataError
 from keel.hub_cache import HubRepo, fetch_snapshot
 
-# The data files keel reads, and the card whose `configs:` maps files to splits.
-DATA_PATTERNS = ("*.json", "*.jsonl", "*.csv", "*.parquet", "*.arrow", "*.txt", "README.md")
+# The data files keel reads (the text ones compressed too), and the card whose `configs:`
+# maps files to splits.
+_TEXT = ("*.json", "*.jsonl", "*.csv", "*.txt")
+DATA_PATTERNS = (
+    *_TEXT,
+    *(f"{text}{codec}" for text in _TEXT for codec in (".gz", ".bz2", ".xz", ".zst")),
+    "*.parquet",
+    "*.arrow",
+    "README.md",
+)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from keel.errors import DataError
+from keel.files import open_binary
 
 CHUNK_BYTES = 1 << 20
 KEY = "data.max_row_bytes"
@@ -26,13 +27,13 @@ def check_row_sizes(path: Path, label: str, kind: str, limit: int) -> None:
     kind: the loader ("json", "csv", "text"); a .json file that starts with `[` is checked
     element by element, any other text file line by line.
     """
-    with path.open("rb") as stream:
+    with open_binary(path) as stream:  # decompressed (.jsonl.gz, ...): rows are its lines
         head = stream.read(CHUNK_BYTES).removeprefix(codecs.BOM_UTF8).lstrip()
         if kind == "json" and head.startswith(b"["):
             _check_array(stream, head[1:], label, limit)
-        else:
-            stream.seek(0)
-            _check_lines(stream, label, limit)
+            return
+    with open_binary(path) as stream:  # again from the start (a codec's stream cannot seek)
+        _check_lines(stream, label, limit)
 
 
 def _too_large(label: str, what: str, limit: int) -> DataError:

@@ -28,7 +28,7 @@ from keel.data.report import Rejection
 from keel.data.row_size import check_row_sizes
 from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
 from keel.errors import DataError
-from keel.files import check_utf8, read_text
+from keel.files import COMPRESSIONS, check_utf8, read_text
 
 LOADERS = {
     ".json": "json",
@@ -39,6 +39,22 @@ LOADERS = {
     ".txt": "text",
 }
 _BINARY = ("parquet", "arrow")  # formats that hold no text to check for UTF-8
+# how messages list what keel reads: the text formats may be compressed too
+SUPPORTED = f"{', '.join(LOADERS)} (the text ones also as .gz, .bz2, .xz or .zst)"
+
+
+def loader_of(path: Path) -> str | None:
+    """The `datasets` loader of a data file by its suffixes (json, csv, parquet, arrow,
+    text), through a compression suffix (`a.jsonl.zst`: json); None: keel does not read
+    it."""
+    suffixes = [s.lower() for s in path.suffixes]
+    compressed = bool(suffixes) and suffixes[-1] in COMPRESSIONS
+    if compressed:
+        suffixes.pop()
+    kind = LOADERS.get(suffixes[-1]) if suffixes else None
+    return None if compressed and kind in _BINARY else kind
+
+
 _SAVED_MARKERS = ("state.json", "dataset_dict.json")  # written by save_to_disk
 
 
@@ -201,7 +217,7 @@ def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Sou
 
 def _hub_name(path: str) -> bool:
     """owner/name and not a data file's name: data/train.jsonl that is missing is a typo."""
-    return is_hub_id(path) and Path(path).suffix.lower() not in LOADERS
+    return is_hub_id(path) and loader_of(Path(path)) is None
 
 
 @dataclass(frozen=True)
@@ -229,10 +245,10 @@ def _resolve_hub(
     used = {name for name, _, _ in split_ranges(split, dict.fromkeys(names, 0), where)}
     files = [f for name in names if name in used for f in hub.splits[name]]
     for f in files:
-        if f.suffix.lower() not in LOADERS:
+        if loader_of(f) is None:
             raise DataError(
                 f"{where}: {hub.label(f)} is a {f.suffix or 'extension-less'} file; keel "
-                f"reads {', '.join(LOADERS)}: convert it, or download the data elsewhere"
+                f"reads {SUPPORTED}: convert it, or download the data elsewhere"
             )
     of = "".join(
         f", {name} {value!r}"
@@ -268,11 +284,11 @@ def _absolute(path: str, base_dir: Path) -> Path:
 
 
 def _data_files(path: Path, where: str) -> tuple[list[Path], bool]:
-    supported = ", ".join(LOADERS)
     if path.is_file():
-        if path.suffix.lower() not in LOADERS:
+        if loader_of(path) is None:
             raise DataError(
-                f"{where}: unsupported file type '{path.suffix}'; supported: {supported}"
+                f"{where}: unsupported file type '{''.join(path.suffixes[-2:])}'; supported: "
+                f"{SUPPORTED}"
             )
         return [path], False
     if any((path / m).is_file() for m in _SAVED_MARKERS):
@@ -281,12 +297,12 @@ def _data_files(path: Path, where: str) -> tuple[list[Path], bool]:
         p
         for p in path.rglob("*")
         if p.is_file()
-        and p.suffix.lower() in LOADERS
+        and loader_of(p) is not None
         and p.name != "dataset_info.json"
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
-        raise DataError(f"{where}: the folder {path} holds no data files ({supported})")
+        raise DataError(f"{where}: the folder {path} holds no data files ({SUPPORTED})")
     return files, False
 
 
@@ -402,7 +418,7 @@ def _load_file(
 ) -> SourceUnit:
     from datasets import load_dataset
 
-    kind = LOADERS[path.suffix.lower()]
+    kind = loader_of(path)
     if kind not in _BINARY:  # streamed: a multi-GB corpus is not read into memory for this
         check_utf8(path, what="data file", error=DataError, shown=label)
         check_row_sizes(path, label, kind, max_row_bytes)

@@ -33,7 +33,7 @@ from keel.data.encode_preference import encoder_for
 from keel.data.packing import cut_into_pieces, make_rows
 from keel.data.pipeline import Encoding, empty_report, prepare_data
 from keel.data.report import DataReport
-from keel.data.sources import LOADERS, label_of, resolve_sources
+from keel.data.sources import label_of, loader_of, resolve_sources
 from keel.data.template import resolve_template
 from keel.errors import DataError
 
@@ -57,7 +57,7 @@ class StreamFile:
     @property
     def kind(self) -> str:
         """The `datasets` builder that reads it: json, csv, parquet, arrow or text."""
-        return LOADERS[self.path.suffix.lower()]
+        return loader_of(self.path)
 
 
 @dataclass(frozen=True)
