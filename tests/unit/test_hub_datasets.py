@@ -150,6 +150,38 @@ def test_a_repo_of_compressed_files_is_read_by_the_file_name_conventions(
     assert [f.file for f in prepared.report.files] == [f"{REPO}/data/train.jsonl.gz"]
 
 
+def test_online_only_the_chosen_configurations_files_are_downloaded(tmp_path, monkeypatch):
+    """A corpus repo (fineweb-edu's layout) holds terabytes beyond the configuration a run
+    reads: the file list and the card decide what is fetched, as datasets resolves it."""
+    from huggingface_hub import constants
+
+    from keel.data import hub
+    from keel.hub_cache import HubRepo
+
+    card = tmp_path / "README.md"
+    card.write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files: data/*/*.parquet\n"
+        "- config_name: sample-10BT\n  data_files: sample/10BT/*.parquet\n---\n"
+    )
+    listing = [
+        "README.md", ".gitattributes", "data/CC-2013/000.parquet", "data/CC-2024/000.parquet",
+        "sample/10BT/000.parquet", "sample/10BT/001.parquet", "sample/100BT/000.parquet",
+    ]  # fmt: skip
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "repo_listing", lambda repo: (listing, card))
+    repo = HubRepo(REPO, "main", kind="dataset", key="data.datasets.0", local="file or folder")
+    sample = hub._files_to_fetch(repo, "here", hub.HubPart("sample-10BT"))
+    assert sample == ("sample/10BT/000.parquet", "sample/10BT/001.parquet", "README.md")
+    default = hub._files_to_fetch(repo, "here", hub.HubPart())
+    assert default == ("data/CC-2013/000.parquet", "data/CC-2024/000.parquet", "README.md")
+    plain = ["data/train-0.jsonl", "data/train-1.jsonl", "data/test.jsonl", "raw/dump.parquet"]
+    monkeypatch.setattr(hub, "repo_listing", lambda repo: (plain, None))
+    conventions = hub._files_to_fetch(repo, "here", hub.HubPart())  # no card: file names
+    assert conventions == (*sorted(plain[:3]), "README.md")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # offline: the cache answers
+    assert hub._files_to_fetch(repo, "here", hub.HubPart()) is None
+
+
 def test_files_of_a_local_path_are_refused(tmp_path, prepare):
     (tmp_path / "local.jsonl").write_text(json.dumps(_rows("x", 1)[0]) + "\n")
     with pytest.raises(DataError, match=r"files = \['a.jsonl'\] applies to Hugging Face Hub"):

@@ -11,10 +11,18 @@ at an exact commit, then asks `datasets` which files make which split (the READM
 `configs:` or its file-name patterns, as `load_dataset` would) and reads those files as it
 reads local ones: UTF-8 and `data.max_row_bytes` checks, file and line in every message.
 An online `load_dataset` of the same repo fills the same hub cache, so either way works.
+
+Online, only the files the run reads are downloaded: the repo's file list and card are read
+first, and the same resolution run over an empty copy of its layout says which files the
+chosen configuration holds (a corpus repo holds terabytes of others: fineweb-edu's
+sample-10BT is a small part of it).
 """
 
 from __future__ import annotations
 
+import fnmatch
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,10 +77,49 @@ def fetch_hub_dataset(
     its `part`. Every failure is a DataError naming `where`, the id and the fix; `key` is
     the config entry (data.datasets.0)."""
     repo = HubRepo(repo_id, revision, kind="dataset", key=key, local="file or folder")
-    patterns = part.files or DATA_PATTERNS  # named files: only those are fetched
+    # only what is read: the named files, else (online) the chosen configuration's files
+    patterns = part.files or _files_to_fetch(repo, where, part) or DATA_PATTERNS
     folder = fetch_snapshot(repo, patterns, lambda message: DataError(f"{where}: {message}"))
     splits = _named_files(folder, where, part) if part.files else _split_files(folder, where, part)
     return HubDataset(repo_id, revision, folder.name, folder, splits)
+
+
+def _files_to_fetch(repo: HubRepo, where: str, part: HubPart) -> tuple[str, ...] | None:
+    """Online: the repo paths of the files `part` reads, and its card: the file list and
+    card are fetched first, and the split resolution runs over an empty copy of the repo's
+    layout. None offline (the cache holds what it holds), or when the list cannot be read
+    (the snapshot fetch then says why: gated, missing, no network)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return None
+    try:
+        listing, card = repo_listing(repo)
+    except (OSError, ValueError):  # huggingface_hub's errors derive from these
+        return None
+    data = [p for p in listing if any(fnmatch.fnmatch(p, pat) for pat in DATA_PATTERNS)]
+    with tempfile.TemporaryDirectory() as tmp:
+        layout = Path(tmp)
+        for name in data:
+            (layout / name).parent.mkdir(parents=True, exist_ok=True)
+            (layout / name).touch()
+        if card is not None:
+            shutil.copyfile(card, layout / "README.md")
+        splits = _split_files(layout, where, part)
+        read = [f.relative_to(layout).as_posix() for files in splits.values() for f in files]
+    return (*sorted(set(read)), "README.md")
+
+
+def repo_listing(repo: HubRepo) -> tuple[list[str], Path | None]:
+    """The paths of every file of the dataset repo at its revision, and its card (README.md)
+    fetched into the hub cache, or None when it has none."""
+    from huggingface_hub import HfApi, hf_hub_download
+
+    listing = HfApi().list_repo_files(repo.repo_id, repo_type="dataset", revision=repo.revision)
+    if "README.md" not in listing:
+        return listing, None
+    card = hf_hub_download(repo.repo_id, "README.md", repo_type="dataset", revision=repo.revision)
+    return listing, Path(card)
 
 
 def _named_files(folder: Path, where: str, part: HubPart) -> dict[str, list[Path]]:
