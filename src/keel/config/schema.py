@@ -196,6 +196,15 @@ class DataConfig:
     # drop each sample identical to an earlier one (its tokens and what trains), before the
     # split; the report counts them (Axolotl's dataset_exact_deduplication)
     deduplicate: bool = False
+    # How several data.datasets are mixed (LLaMA-Factory's mix_strategy): concat keeps every
+    # row of each (the shuffle mixes them); interleave_under draws rows from them in turn (or
+    # by mix_weights) until the first runs out, interleave_over until each has run out (the
+    # others drawn again), interleave_once until each has run out, no row drawn twice. Not
+    # with data.streaming; data.eval_datasets are mixed alike
+    mix: Literal["concat", "interleave_under", "interleave_over", "interleave_once"] = "concat"
+    # interleave_*: each dataset's probability of being drawn, in data.datasets' order (they
+    # sum to 1; LLaMA-Factory's interleave_probs); empty: in turn
+    mix_weights: list[float] = field(default_factory=list)
     val_size: float = 0.0  # fraction (<1) or number of samples held out for eval
     # evaluation data of its own, read as data.datasets are (the same formats, the stage's
     # data), instead of rows held out by val_size (LLaMA-Factory's eval_dataset)

@@ -165,6 +165,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
                 f"{_TRAINED_TOKENS.get(stage.unit, 'it trains its own tokens')}); remove it"
             )
     problems += _min_len_problems(data, stage)
+    problems += _mix_problems(data)
     if stage and data.overlength == "split" and stage.unit != "text":
         problems.append(
             f"data.overlength = split cuts pretraining text (train.stage pt) into pieces; "
@@ -194,6 +195,45 @@ def _check_data(cfg: RunConfig) -> list[str]:
         problems.append(
             f"data.dataset_dir = {data.dataset_dir!r} is not a folder; it should "
             f"hold a dataset_info.json"
+        )
+    return problems
+
+
+def _mix_problems(data) -> list[str]:
+    """data.mix and mix_weights: one probability per dataset, for the interleave mixes."""
+    weights = data.mix_weights
+    if data.mix == "concat":
+        if weights:
+            return [
+                "data.mix_weights apply to the interleave mixes; data.mix is concat (every "
+                "row of each dataset): set data.mix interleave_under, interleave_over or "
+                "interleave_once, or remove the weights"
+            ]
+        return []
+    problems = []
+    if data.streaming:
+        problems.append(
+            f"data.mix = {data.mix}: streamed files are read one after another, not drawn "
+            f"from in turn; use data.mix concat with data.streaming, or prepare the data"
+        )
+    if not weights:
+        return problems
+    for name, entries in (
+        ("data.datasets", data.datasets),
+        ("data.eval_datasets", data.eval_datasets),
+    ):
+        count = len(entries)
+        if count and len(weights) != count:
+            problems.append(
+                f"data.mix_weights has {len(weights)} weight(s) and {name} {count} "
+                f"entries: give one weight per dataset"
+            )
+    if (
+        any(not isinstance(w, int | float) or w < 0 for w in weights)
+        or abs(sum(weights) - 1) > 1e-6
+    ):
+        problems.append(
+            f"data.mix_weights = {list(weights)} must be probabilities >= 0 that sum to 1"
         )
     return problems
 

@@ -94,6 +94,8 @@ def fingerprint(
         payload["max_row_bytes"] = cfg.max_row_bytes
     if cfg.min_len:  # which samples (and pieces) are dropped as short
         payload["min_len"] = cfg.min_len
+    if cfg.mix != "concat":  # which rows of each dataset are drawn
+        payload["mix"] = [cfg.mix, list(cfg.mix_weights)]
     blob = json.dumps(payload, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -17,7 +17,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -43,9 +42,10 @@ from keel.data.encode_preference import encoder_for
 from keel.data.encode_prompt import prompt_rows
 from keel.data.formats import FormatSpec
 from keel.data.kto import add_kl_sequences
+from keel.data.mixing import source_loader
 from keel.data.packing import cut_into_pieces, make_rows, split_indices
 from keel.data.report import DataReport, FileStats, Rejection, SplitStats, list_capped
-from keel.data.sources import Source, SourceUnit, load_source, resolve_sources
+from keel.data.sources import Source, SourceUnit, resolve_sources
 from keel.data.template import ChatTemplate, resolve_template
 from keel.errors import DataError
 from keel.stages.registry import STAGES
@@ -175,13 +175,14 @@ def prepare_data(
     shown = ", ".join(source.label for source in read[:3]) + (", ..." if len(read) > 3 else "")
     log(f"data: reading, checking and tokenizing {shown} (once: the result is cached)")
     report = empty_report(cfg, stage)
-    load = _source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
+    load = source_loader(cfg, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
     encoding = Encoding(cfg, tokenizer, template, stage, vision, fp)
-    samples, overlong, used_template, images = _encode_sources(encoding, sources, load, report)
+    encoded = _encode_sources(encoding, sources, load(sources), report)
+    samples, overlong, used_template, images = encoded
     units = _Units(samples)
     if held_out:  # encoded after the training data: LLaMA-Factory's num_samples draws in order
         eval_samples, eval_overlong, eval_template, eval_images = _encode_sources(
-            encoding, held_out, load, report
+            encoding, held_out, load(held_out), report
         )
         units = _Units(samples, eval_samples)
         overlong, used_template = overlong + eval_overlong, used_template or eval_template
@@ -273,22 +274,6 @@ def empty_report(cfg: DataConfig, stage: str) -> DataReport:
     )
 
 
-def _source_loader(
-    cfg: DataConfig, *, cache_dir: Path, base_dir: Path, seed: int, log: Callable[[str], None]
-) -> Callable:
-    """`load_source` bound to this run: one generator for every source, in order, since
-    LLaMA-Factory's num_samples draws from numpy's global generator, seeded with the run's
-    seed, dataset after dataset."""
-    return partial(
-        load_source,
-        cache_dir=cache_dir,
-        base_dir=base_dir,
-        rng=np.random.RandomState(seed),
-        log=log,
-        max_row_bytes=cfg.max_row_bytes,
-    )
-
-
 def _check_tokenizer(tokenizer, stage: str, vision) -> None:
     if stage not in STAGES:
         raise DataError(f"stage '{stage}': train.stage must be one of {', '.join(STAGES)}")
@@ -338,14 +323,11 @@ def _refuse_image_entries(sources: list[Source]) -> None:
             )
 
 
-def _encode_sources(run: Encoding, sources, load, report):
+def _encode_sources(run: Encoding, sources, loaded, report):
     """Encode every unit of every source; fill `report`. Returns (samples, overlong, used
-    template, image files read).
-
-    load: Source -> list[SourceUnit] (`load_source` with the paths and generator bound)."""
+    template, image files read). `loaded`: each source's units (keel.data.mixing)."""
     tables, overlong, used_template, images = [], [], False, set()
-    for i, src in enumerate(sources):
-        units = load(src)
+    for i, (src, units) in enumerate(zip(sources, loaded, strict=True)):
         spec = _spec_for(src, units, run.stage, src.where)
         split = "eval" if src.held_out else "train"
         used_template |= spec.format != "text"

@@ -311,6 +311,31 @@ def _streaming(build: Build, key: str, value) -> None:
         build.ignored(key, "false: keel's default")
 
 
+def _mix(build: Build, key: str, value) -> None:
+    """mix_strategy and interleave_probs: how their datasets are merged, as keel's data.mix
+    draws the same rows (datasets.interleave_datasets with the run's seed)."""
+    if key == "mix_strategy":
+        if value == "concat":
+            build.ignored(key, "concat: keel's default (every row of each dataset)")
+        elif value in ("interleave_under", "interleave_over", "interleave_once"):
+            build.put(key, "data.mix", value, "rows drawn from the datasets as theirs are")
+        else:
+            build.refused(
+                key, f"{value!r}: their mixes are concat and interleave_under, _over, _once"
+            )
+        return
+    if value is None:
+        build.ignored(key, "empty: the datasets in turn")
+        return
+    parts = value if isinstance(value, list) else str(value).split(",")
+    try:
+        weights = [float(part) for part in parts]
+    except (TypeError, ValueError):
+        build.refused(key, f"{value!r}: probabilities, comma-separated")
+        return
+    build.put(key, "data.mix_weights", weights)
+
+
 KEY_RULES: dict[str, Rule] = {
     **{key: _direct for key in _DIRECT},
     "freeze_trainable_layers": _direct,
@@ -319,6 +344,8 @@ KEY_RULES: dict[str, Rule] = {
     **{key: _ignore for key in _IGNORED},
     "streaming": _streaming,
     "buffer_size": _streaming,
+    "mix_strategy": _mix,
+    "interleave_probs": _mix,
     "stage": _stage,
     "pref_loss": _pref_loss,
     "pref_ftx": _pref_ftx,
