@@ -1,9 +1,10 @@
-"""Context parallelism for the preference stages: a group of 2 processes, each holding part
-of every micro-batch's tokens, trains as one process on the whole rows.
+"""Context parallelism for the preference stages and rm: a group of 2 processes, each
+holding part of every micro-batch's tokens, trains as one process on the whole rows.
 
 A preference loss reads each sequence's log-prob, a sum over its tokens that the group's
-processes add up from their parts (keel.distributed.context_parallel.group_sum); every
-process then computes the same loss and weighs it 1/2. Each case compares every step's
+processes add up from their parts (keel.distributed.context_parallel.group_sum); rm's
+score is read at a sequence's last token, by the process holding it, and added up the same
+way. Every process then computes the same loss and weighs it 1/2. Each case compares every step's
 loss and metrics, the grad norms (a gradient summed over the wrong processes trains the
 same under Adam, but not with the same norm), the eval loss and the final weights.
 """
@@ -28,6 +29,7 @@ from test_preference_parity import (
 
 from keel.distributed.context_parallel import shard_tokens
 from keel.distributed.process_group import exit_now, init_distributed, shutdown
+from keel.stages.rm import RM_METRICS
 
 CP2 = ("distributed.context_parallel=2",)
 KTO_METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected")
@@ -46,6 +48,12 @@ CASES = {
         (*PAIR_METRICS, "nll_loss", "log_odds_ratio"),
     ),
     "simpo-lora-ddp-packed": (("train.stage=simpo", "data.packing=true"), "ddp", PAIR_METRICS),
+    # a score at each sequence's last token: the process holding it scores it
+    "rm-lora-ddp-packed": (
+        ("train.stage=rm", "data.packing=true"),
+        "ddp",
+        ("loss", *RM_METRICS),
+    ),
     # one sample per micro-batch: the first part is often all prompt (no target token),
     # and still runs the group's backward exchanges and uses every weight DDP waits for
     "kto-freeze-ddp-copy": (

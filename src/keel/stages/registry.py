@@ -7,7 +7,7 @@ config section if it has settings of its own), and one line here.
 from __future__ import annotations
 
 from keel.stages import dpo, grpo, kto, orpo, pt, rm, sft, simpo
-from keel.stages.base import DataUnit, Stage, causal_lm_objective, sequence_objective
+from keel.stages.base import DataUnit, Stage, causal_lm_objective
 
 STAGES: dict[str, Stage] = {
     s.name: s for s in (m.STAGE for m in (pt, sft, dpo, orpo, simpo, kto, rm, grpo))
@@ -42,12 +42,11 @@ def next_token_stages() -> list[str]:
 
 
 def context_parallel_stages() -> list[str]:
-    """The names of the stages a context-parallel group can train (pt, sft, dpo, orpo,
-    simpo, kto): those whose loss reads sums over tokens, each token's cross-entropy or
-    each sequence's log-prob, which the group's processes add up from their parts. Not rm
-    (a score at each sequence's last token) nor grpo (it generates)."""
-    splits = (causal_lm_objective, sequence_objective)
-    return [s.name for s in STAGES.values() if s.objective in splits]
+    """The names of the stages a context-parallel group can train: those that train on rows
+    read from the data, whose losses read per-token values or per-sequence sums of them (a
+    score at a sequence's last token too) that the group's processes add up from their
+    parts. Not grpo: it generates its rows."""
+    return [s.name for s in STAGES.values() if s.unit != "prompt"]
 
 
 def spoken(names: list[str]) -> str:

@@ -208,8 +208,8 @@ class PreferenceObjective(CausalLMObjective):
         policy = self._score(batch)
         reference = self._reference_sums(batch, "") if self.stage.uses_reference else None
         if self.stage.unit == "sample":
-            return _share(self._kto(batch, policy, reference), batch)
-        return _share(self._pairs(policy, reference), batch)
+            return share_of_group(self._kto(batch, policy, reference), batch)
+        return share_of_group(self._pairs(policy, reference), batch)
 
     def _score(self, batch: dict, prefix: str = "") -> Scored:
         return score_sequences(
@@ -253,7 +253,7 @@ class PreferenceObjective(CausalLMObjective):
         policy = self._score(batch, "kl_").sums
         ratios = losses.kto_kl(policy, self._reference_sums(batch, "kl_"))
         count = torch.tensor(float(ratios.numel()), device=ratios.device)
-        share = _group_share(batch)
+        share = group_share(batch)
         return ratios.sum() * share, count * share
 
     def _pairs(self, policy: Scored, reference: torch.Tensor | None) -> ObjectiveOutput:
@@ -298,19 +298,20 @@ class PreferenceObjective(CausalLMObjective):
         return ObjectiveOutput(out.losses.sum(), torch.tensor(float(out.losses.shape[0])), stats)
 
 
-def _group_share(batch: dict) -> float:
+def group_share(batch: dict) -> float:
     """1 / the processes of the batch's context-parallel group (1 without one)."""
     group = batch.get("cp_group")
     return 1.0 if group is None else 1.0 / torch.distributed.get_world_size(group)
 
 
-def _share(out: ObjectiveOutput, batch: dict) -> ObjectiveOutput:
+def share_of_group(out: ObjectiveOutput, batch: dict) -> ObjectiveOutput:
     """This process's share of the output: under context parallelism every process of a
-    group computes the same loss from the group's summed log-probs, and weighs it (its
-    count and statistics too) 1/C, so the group's parts add up to the micro-batch's as they
-    do for pt and sft. The backward of the sums (`group_sum`) adds the group's 1/C
-    gradients up, so each process gets the whole loss's gradient for its own tokens."""
-    share = _group_share(batch)
+    group computes the same loss from the group's summed per-sequence values (log-probs,
+    rm's scores), and weighs it (its count and statistics too) 1/C, so the group's parts
+    add up to the micro-batch's as they do for pt and sft. The backward of the sums
+    (`group_sum`) adds the group's 1/C gradients up, so each process gets the whole loss's
+    gradient for its own tokens."""
+    share = group_share(batch)
     if share == 1.0:
         return out
     statistics = None if out.statistics is None else out.statistics * share

@@ -24,10 +24,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from keel.distributed.context_parallel import group_sum
 from keel.losses.reward import bradley_terry_loss
 from keel.models.vision.family import VisionFamily
 from keel.stages.base import ObjectiveOutput, Stage, StageSettings
 from keel.train.objective import CausalLMObjective, causal_lm_of, decoder_of
+from keel.train.preference import share_of_group
 
 HEAD = "score"  # transformers' name of a *ForSequenceClassification model's head
 
@@ -108,8 +110,21 @@ class RewardObjective(CausalLMObjective):
         """[S]: each sequence's score, in the order of `batch["labels"]`."""
         lm = causal_lm_of(self.model)
         hidden = decoder_of(lm, self.vision)(**self.inputs(batch)).last_hidden_state  # [B, T, H]
-        pooled = hidden.reshape(-1, hidden.shape[-1])[last_positions(batch)]  # [S, H]
-        return self.score(pooled).squeeze(-1).float()  # [S]
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [B * T, H]
+        group = batch.get("cp_group")
+        if group is None:
+            return self.score(hidden[last_positions(batch)]).squeeze(-1).float()  # [S]
+        # Context parallelism: this process holds a part of the one padding-free row, and
+        # scores the sequences whose last token is in it; the group adds the scores up
+        count = batch["labels"].shape[0]
+        ends = torch.tensor(batch["seq_lens"][:count], device=hidden.device).cumsum(0) - 1
+        local = ends - torch.distributed.get_rank(group) * hidden.shape[0]
+        mine = (local >= 0) & (local < hidden.shape[0])  # [S]
+        pooled = hidden[local.clamp(0, hidden.shape[0] - 1)]  # [S, H]
+        # every process's scores depend on its hidden states and the head (zero where not
+        # its own), so each runs the group's backward exchanges and DDP sees the head's grad
+        mine_scores = self.score(pooled).squeeze(-1).float() * mine
+        return group_sum(mine_scores, group)
 
     def forward(self, batch: dict, *, probe: str | None = None):
         if probe:
@@ -134,7 +149,7 @@ class RewardObjective(CausalLMObjective):
             [part for name in self.metric_names for part in _sum_and_count(values[name])]
         )
         pairs = torch.tensor(float(chosen.shape[0]), device=scores.device)
-        return ObjectiveOutput(out.losses.sum(), pairs, statistics)
+        return share_of_group(ObjectiveOutput(out.losses.sum(), pairs, statistics), batch)
 
 
 def _sum_and_count(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
