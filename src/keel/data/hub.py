@@ -105,7 +105,10 @@ def _files_to_fetch(repo: HubRepo, where: str, part: HubPart) -> tuple[str, ...]
             (layout / name).touch()
         if card is not None:
             shutil.copyfile(card, layout / "README.md")
-        splits = _split_files(layout, where, part)
+        try:
+            splits = _split_files(layout, where, part)
+        except DataError as exc:  # name the repo, not the empty copy
+            raise DataError(str(exc).replace(tmp, f"{repo.repo_id}@{repo.revision}")) from None
         read = [f.relative_to(layout).as_posix() for files in splits.values() for f in files]
     return (*sorted(set(read)), "README.md")
 
