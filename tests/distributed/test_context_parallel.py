@@ -76,13 +76,19 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def one_group(rank: int, world: int, port: int):
+    """This spawned process's gloo context, all `world` processes one context-parallel group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = init_distributed(
         rank=rank, world_size=world, local_rank=rank, local_world_size=world,
         timeout_s=60, preprocess_timeout_s=60, log=lambda _m: None,
     )  # fmt: skip
     ctx.dims = ctx.dims.with_context(world, "cpu")
+    return ctx
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    ctx = one_group(rank, world, port)
     group = ctx.cp_group
     seen = {"ranks": [ctx.dp_rank, ctx.dp_size, ctx.cp_rank, ctx.grad_size]}
     for kv_heads in (2, 1):  # 1: fewer key/value heads than processes (repeated)

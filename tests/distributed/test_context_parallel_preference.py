@@ -12,7 +12,6 @@ same under Adam, but not with the same norm), the eval loss and the final weight
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from test_preference_parity import (
 )
 
 from keel.distributed.context_parallel import shard_tokens
-from keel.distributed.process_group import exit_now, init_distributed, shutdown
+from keel.distributed.process_group import exit_now, shutdown
 from keel.stages.rm import RM_METRICS
 
 CP2 = ("distributed.context_parallel=2",)
@@ -137,16 +136,11 @@ def _sample_row() -> dict:
 
 
 def _sums_worker(rank: int, world: int, port: int, out: str) -> None:
-    from test_context_parallel import _model
+    from test_context_parallel import _model, one_group
 
     from keel.train.preference import score_sequences
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    ctx = init_distributed(
-        rank=rank, world_size=world, local_rank=rank, local_world_size=world,
-        timeout_s=60, preprocess_timeout_s=60, log=lambda _m: None,
-    )  # fmt: skip
-    ctx.dims = ctx.dims.with_context(world, "cpu")
+    ctx = one_group(rank, world, port)
     seen = {}
     for fast_head in (True, False):
         model = _model(2)
