@@ -99,10 +99,6 @@ def test_concat_keeps_every_row_once(mix):
             "1 weight(s) and data.datasets 2",
         ),
         (["data.mix=interleave_over", "data.mix_weights=[0.6,0.6]"], "sum to 1"),
-        (
-            ["data.mix=interleave_under", "data.streaming=true", "train.max_steps=5"],
-            "streamed files",
-        ),
         (["data.mix=interleave_once", "data.mix_weights=[0.25,0.75]"], None),
     ],
 )

@@ -199,8 +199,9 @@ class DataConfig:
     # How several data.datasets are mixed (LLaMA-Factory's mix_strategy): concat keeps every
     # row of each (the shuffle mixes them); interleave_under draws rows from them in turn (or
     # by mix_weights) until the first runs out, interleave_over until each has run out (the
-    # others drawn again), interleave_once until each has run out, no row drawn twice. Not
-    # with data.streaming; data.eval_datasets are mixed alike
+    # others drawn again), interleave_once until each has run out, no row drawn twice.
+    # Streamed, each block of rows draws from every dataset; data.eval_datasets are mixed
+    # alike
     mix: Literal["concat", "interleave_under", "interleave_over", "interleave_once"] = "concat"
     # interleave_*: each dataset's probability of being drawn, in data.datasets' order (they
     # sum to 1; LLaMA-Factory's interleave_probs); empty: in turn

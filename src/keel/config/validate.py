@@ -211,11 +211,6 @@ def _mix_problems(data) -> list[str]:
             ]
         return []
     problems = []
-    if data.streaming:
-        problems.append(
-            f"data.mix = {data.mix}: streamed files are read one after another, not drawn "
-            f"from in turn; use data.mix concat with data.streaming, or prepare the data"
-        )
     if not weights:
         return problems
     for name, entries in (

@@ -18,7 +18,7 @@ block it points into again, skipping the rows before that block without encoding
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
     from keel.config.schema import DataConfig
+    from keel.data.stream_mix import MixedRowStream
 
 BLOCK_ROWS = 1024  # rows of a file encoded, packed and shuffled together
 _READ_OPTIONS = {"json": {"parse_agent_traces": False}, "text": {"encoding": "utf-8-sig"}}
@@ -82,6 +83,8 @@ class RowMaking:
     packing: bool
     shuffle: bool
     seed: int
+    mix: str = "concat"  # data.mix: interleave_* draws each block from every dataset
+    mix_weights: tuple[float, ...] = ()
 
 
 @dataclass
@@ -103,7 +106,13 @@ class StreamedData:
     def longest_prompt(self) -> None:
         return None
 
-    def open(self, log: Callable[[str], None]) -> RowStream:
+    def open(self, log: Callable[[str], None]) -> RowStream | MixedRowStream:
+        """The stream of its rows: its files one after another, or with data.mix interleave_*
+        and several datasets, each block drawn from all of them (keel.data.stream_mix)."""
+        if self.making.mix != "concat" and len({f.source for f in self.files}) > 1:
+            from keel.data.stream_mix import MixedRowStream
+
+            return MixedRowStream(self, log)
         return RowStream(self, log)
 
 
@@ -155,6 +164,7 @@ def prepare_stream(
     making = RowMaking(
         cfg.cutoff_len, cfg.overlength, cfg.min_len, cfg.on_invalid, cfg.packing, cfg.shuffle, seed
     )
+    making = replace(making, mix=cfg.mix, mix_weights=tuple(cfg.mix_weights))
     shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
     log(
         f"data: streaming {len(files)} file(s) of {shown}: read, checked and tokenized as "
@@ -182,6 +192,19 @@ class RowStream:
     def seek(self, cursor: Cursor) -> None:
         self.cursor, self._rows, self._reader = cursor, None, None
         self._epoch_rows = 1  # resumed inside an epoch that gave rows before
+
+    def state(self) -> dict:
+        """The position, as a checkpoint holds it."""
+        return asdict(self.cursor)
+
+    def seek_state(self, state: dict) -> None:
+        if state.get("mix"):
+            raise DataError(
+                "the checkpoint's stream mixed its datasets (data.mix interleave_*), and this "
+                "run reads them one after another; resume with its data.mix, or set "
+                "train.resume=never to start over"
+            )
+        self.seek(Cursor(**state))
 
     def take(self, count: int) -> list[dict]:
         """The next `count` rows (moving on to the next epoch where the files end)."""
@@ -237,81 +260,102 @@ class RowStream:
         """Block `where[2]` of `file`'s rows (columns of lists), read on from the previous
         block where it was the one before; None past the file's end."""
         if self._reader is None or self._reader[0] != where:
-            self._reader = (where, _blocks(file, where[2] * BLOCK_ROWS))
-        try:
-            batch = next(self._reader[1], None)
-        except DataError:
-            raise
-        except Exception as exc:  # a row the library cannot parse: name the file and block
-            first = where[2] * BLOCK_ROWS + 1
-            raise DataError(
-                f"{file.label}: cannot be read as {file.kind} in rows {first}-"
-                f"{first + BLOCK_ROWS - 1}: {exc}; find the row with data.streaming=false "
-                f"(keel validate lists every bad row)"
-            ) from None
+            self._reader = (where, reader(file, where[2] * BLOCK_ROWS))
+        batch = read_block(file, self._reader[1], where[2] * BLOCK_ROWS)
         self._reader = ((where[0], where[1], where[2] + 1), self._reader[1])
         return batch
 
     def _make_rows(self, file: StreamFile, cursor: Cursor, raw: dict[str, list]) -> pa.Table:
         """One block's rows: its rows encoded, checked, cut or dropped, then made into rows."""
-        making, first = self.data.making, cursor.block * BLOCK_ROWS + 1
+        first = cursor.block * BLOCK_ROWS + 1
         numbers = list(range(first, first + len(next(iter(raw.values()), []))))
-        if file.kind == "text":  # one document per line; blank lines are not documents
-            keep = [k for k, text in enumerate(raw["text"]) if text.strip()]
-            raw, numbers = {"text": [raw["text"][k] for k in keep]}, [numbers[k] for k in keep]
-        encoded = self.data.encoders[file.source](raw) if numbers else {"status": []}
-        kept, dropped, skipped = [], {"dropped": 0, "short": 0}, []
-        for k, status in enumerate(encoded["status"]):
-            where = f"{file.label} row {numbers[k]}"
-            if status in KEPT:
-                kept.append(k)
-            elif status in dropped:
-                dropped[status] += 1
-            elif status == "overlength":
-                raise DataError(
-                    f"{where}: {encoded['length'][k]} tokens, over data.cutoff_len="
-                    f"{making.cutoff_len} (data.overlength=error); raise data.cutoff_len, or "
-                    f"set data.overlength: truncate, drop or split (pt)"
-                )
-            elif status == "template" or making.on_invalid == "error":
-                raise DataError(
-                    f"{where}: {encoded['reason'][k]}; fix the row, or set data.on_invalid: "
-                    f"skip to train without it"
-                )
-            else:
-                skipped.append(f"row {numbers[k]}: {encoded['reason'][k]}")
-        if any(dropped.values()) or skipped:
-            self._note(file, numbers, dropped, skipped)
-        units = pa.table(
-            {
-                "input_ids": pa.array(
-                    [encoded["input_ids"][k] for k in kept], pa.list_(pa.int32())
-                ),
-                "targets": pa.array([encoded["targets"][k] for k in kept], pa.list_(pa.int32())),
-            }
-        )
-        if making.overlength == "split":
-            units = cut_into_pieces(units, making.cutoff_len, making.min_len)
-        seed = _block_seed(making.seed, cursor)
-        rows = make_rows(units, making.packing, making.cutoff_len, seed)
-        if making.shuffle and not making.packing:  # first_fit packs in a seeded order already
-            rows = rows.take(np.random.default_rng(seed).permutation(rows.num_rows))
-        return rows
+        units = encode_units(self.data, file, raw, numbers, self.log)
+        return make_block_rows(self.data.making, units, _block_seed(self.data.making.seed, cursor))
 
-    def _note(self, file: StreamFile, numbers: list[int], dropped: dict, skipped: list[str]):
-        """Log a block's dropped rows ({"dropped": over cutoff_len, "short": under min_len})
-        and skipped ones."""
-        parts = [f"{dropped['dropped']} over data.cutoff_len dropped"] if dropped["dropped"] else []
-        if dropped["short"]:
-            parts.append(f"{dropped['short']} under data.min_len dropped")
-        if skipped:
-            parts.append(
-                f"{len(skipped)} rejected and skipped (data.on_invalid=skip; {skipped[0]})"
+
+def encode_units(
+    data: StreamedData,
+    file: StreamFile,
+    raw: dict[str, list],
+    numbers: list[int],
+    log: Callable[[str], None],
+) -> pa.Table:
+    """The samples (input_ids, targets) of `raw`, rows `numbers` of `file`: encoded and
+    checked as prepared data is; over-long and short ones dropped, bad ones skipped (with
+    data.on_invalid skip), and the block's drops logged."""
+    making = data.making
+    if file.kind == "text":  # one document per line; blank lines are not documents
+        keep = [k for k, text in enumerate(raw["text"]) if text.strip()]
+        raw, numbers = {"text": [raw["text"][k] for k in keep]}, [numbers[k] for k in keep]
+    encoded = data.encoders[file.source](raw) if numbers else {"status": []}
+    kept, dropped, skipped = [], {"dropped": 0, "short": 0}, []
+    for k, status in enumerate(encoded["status"]):
+        where = f"{file.label} row {numbers[k]}"
+        if status in KEPT:
+            kept.append(k)
+        elif status in dropped:
+            dropped[status] += 1
+        elif status == "overlength":
+            raise DataError(
+                f"{where}: {encoded['length'][k]} tokens, over data.cutoff_len="
+                f"{making.cutoff_len} (data.overlength=error); raise data.cutoff_len, or "
+                f"set data.overlength: truncate, drop or split (pt)"
             )
-        self.log(f"data: {file.label} rows {numbers[0]}-{numbers[-1]}: {', '.join(parts)}")
+        elif status == "template" or making.on_invalid == "error":
+            raise DataError(
+                f"{where}: {encoded['reason'][k]}; fix the row, or set data.on_invalid: "
+                f"skip to train without it"
+            )
+        else:
+            skipped.append(f"row {numbers[k]}: {encoded['reason'][k]}")
+    if any(dropped.values()) or skipped:
+        _note(file, numbers, dropped, skipped, log)
+    return pa.table(
+        {
+            "input_ids": pa.array([encoded["input_ids"][k] for k in kept], pa.list_(pa.int32())),
+            "targets": pa.array([encoded["targets"][k] for k in kept], pa.list_(pa.int32())),
+        }
+    )
 
 
-def _blocks(file: StreamFile, skip: int) -> Iterator[dict[str, list]]:
+def make_block_rows(making: RowMaking, units: pa.Table, seed: int) -> pa.Table:
+    """A block's samples cut (data.overlength split), made into rows (packed with
+    data.packing) and, with data.shuffle, put in an order drawn from `seed`."""
+    if making.overlength == "split":
+        units = cut_into_pieces(units, making.cutoff_len, making.min_len)
+    rows = make_rows(units, making.packing, making.cutoff_len, seed)
+    if making.shuffle and not making.packing:  # first_fit packs in a seeded order already
+        rows = rows.take(np.random.default_rng(seed).permutation(rows.num_rows))
+    return rows
+
+
+def _note(file: StreamFile, numbers: list[int], dropped: dict, skipped: list[str], log) -> None:
+    """Log a block's dropped rows ({"dropped": over cutoff_len, "short": under min_len})
+    and skipped ones."""
+    parts = [f"{dropped['dropped']} over data.cutoff_len dropped"] if dropped["dropped"] else []
+    if dropped["short"]:
+        parts.append(f"{dropped['short']} under data.min_len dropped")
+    if skipped:
+        parts.append(f"{len(skipped)} rejected and skipped (data.on_invalid=skip; {skipped[0]})")
+    log(f"data: {file.label} rows {numbers[0]}-{numbers[-1]}: {', '.join(parts)}")
+
+
+def read_block(file: StreamFile, rows: Iterator, first: int) -> dict[str, list] | None:
+    """The next BLOCK_ROWS rows of `rows`, a reader of `file` standing after `first` rows
+    (columns of lists); None past the file's end."""
+    try:
+        return next(rows, None)
+    except DataError:
+        raise
+    except Exception as exc:  # a row the library cannot parse: name the file and block
+        raise DataError(
+            f"{file.label}: cannot be read as {file.kind} in rows {first + 1}-"
+            f"{first + BLOCK_ROWS}: {exc}; find the row with data.streaming=false "
+            f"(keel validate lists every bad row)"
+        ) from None
+
+
+def reader(file: StreamFile, skip: int) -> Iterator[dict[str, list]]:
     """`file`'s rows after the first `skip`, BLOCK_ROWS at a time, read lazily."""
     from datasets import load_dataset
 
@@ -331,7 +375,7 @@ def _first_row(file: StreamFile) -> dict | None:
     """The file's first non-blank row, None if it has none (what its entry's format is
     detected from)."""
     try:
-        batch = next(_blocks(file, 0), None)
+        batch = next(reader(file, 0), None)
     except DataError:
         raise
     except Exception as exc:

@@ -9,14 +9,13 @@ implements the same protocol, and its state_dict carries what resuming it needs.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow.compute as pc
 
 from keel.data import epoch_order
-from keel.data.stream import Cursor
 from keel.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -309,7 +308,7 @@ class StreamBatchSource:
         return self.stream.progress()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "stream", "step": self.next_step, "cursor": asdict(self.stream.cursor)}
+        return {"kind": "stream", "step": self.next_step, "cursor": self.stream.state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict.get("kind") != "stream":
@@ -319,7 +318,7 @@ class StreamBatchSource:
                 "train.resume=never to start over"
             )
         self.next_step = state_dict["step"]
-        self.stream.seek(Cursor(**state_dict["cursor"]))
+        self.stream.seek_state(state_dict["cursor"])
 
 
 def eval_rows(data: PreparedData, references: dict[str, ReferenceLogps] | None) -> list[dict]:
