@@ -166,10 +166,16 @@ def prepare_stream(
     )
     making = replace(making, mix=cfg.mix, mix_weights=tuple(cfg.mix_weights))
     shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
+    mixed = ""
+    if cfg.mix != "concat" and len(sources) > 1:
+        weights = f", weights {', '.join(f'{w:g}' for w in cfg.mix_weights)}" * bool(
+            cfg.mix_weights
+        )
+        mixed = f"; each block drawn from every dataset (data.mix {cfg.mix}{weights})"
     log(
         f"data: streaming {len(files)} file(s) of {shown}: read, checked and tokenized as "
-        f"training goes, in blocks of {BLOCK_ROWS} rows (each process reads them all and "
-        f"takes its share of each step)"
+        f"training goes, in blocks of {BLOCK_ROWS} rows{mixed} (each process reads them "
+        f"all and takes its share of each step)"
     )
     log(report.settings())
     held_out = None
