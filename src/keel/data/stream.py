@@ -168,9 +168,8 @@ def prepare_stream(
     shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
     mixed = ""
     if cfg.mix != "concat" and len(sources) > 1:
-        weights = f", weights {', '.join(f'{w:g}' for w in cfg.mix_weights)}" * bool(
-            cfg.mix_weights
-        )
+        shares = ", ".join(f"{w:g}" for w in cfg.mix_weights)
+        weights = f", weights {shares}" if shares else ""
         mixed = f"; each block drawn from every dataset (data.mix {cfg.mix}{weights})"
     log(
         f"data: streaming {len(files)} file(s) of {shown}: read, checked and tokenized as "
