@@ -83,6 +83,18 @@ def test_the_mix_draws_the_rows_their_merge_draws(mix, how, weights):
         assert max(got.values()) > 1 and len(got) == 16  # every row, some of b's twice
 
 
+def test_eval_datasets_are_mixed_alike(mix, tmp_path):
+    """LLaMA-Factory merges its eval_dataset with the same mix (and needs as many weights)."""
+    for name, n in (("c", 6), ("d", 2)):
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in _rows(name, n))
+        )
+    held_out = [DatasetConfig(path="c.jsonl"), DatasetConfig(path="d.jsonl")]
+    _, lines = mix(mix="interleave_under", eval_datasets=held_out)
+    assert any("c.jsonl: 2 of 6 rows (data.mix interleave_under)" in line for line in lines)
+    assert any("d.jsonl: 2 of 2 rows" in line for line in lines)
+
+
 def test_concat_keeps_every_row_once(mix):
     got, _ = mix()  # the negative control: nothing is drawn
     assert sum(got.values()) == 16 and set(got.values()) == {1}
