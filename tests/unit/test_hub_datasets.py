@@ -178,6 +178,13 @@ def test_online_only_the_chosen_configurations_files_are_downloaded(tmp_path, mo
     monkeypatch.setattr(hub, "repo_listing", lambda repo: (plain, None))
     conventions = hub._files_to_fetch(repo, "here", hub.HubPart())  # no card: file names
     assert conventions == (*sorted(plain[:3]), "README.md")
+    def no_network(repo):
+        import httpx
+
+        raise httpx.ConnectError("Name or service not known")  # not an OSError
+
+    monkeypatch.setattr(hub, "repo_listing", no_network)  # the cache answers, as before
+    assert hub._files_to_fetch(repo, "here", hub.HubPart()) is None
     monkeypatch.setattr(hub, "repo_listing", lambda repo: (["notes.pdf"], None))
     with pytest.raises(DataError, match=rf"no data files keel can read in {REPO}@main"):
         hub._files_to_fetch(repo, "here", hub.HubPart())  # nothing to fetch: said at once

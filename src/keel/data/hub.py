@@ -95,8 +95,8 @@ def _files_to_fetch(repo: HubRepo, where: str, part: HubPart) -> tuple[str, ...]
         return None
     try:
         listing, card = repo_listing(repo)
-    except (OSError, ValueError):  # huggingface_hub's errors derive from these
-        return None
+    except Exception:  # no network (httpx's errors), gated, missing: the cached snapshot
+        return None  # answers, or the fetch says why, in the user's terms
     data = [p for p in listing if any(fnmatch.fnmatch(p, pat) for pat in DATA_PATTERNS)]
     with tempfile.TemporaryDirectory() as tmp:
         layout = Path(tmp)
