@@ -178,6 +178,7 @@ def test_online_only_the_chosen_configurations_files_are_downloaded(tmp_path, mo
     monkeypatch.setattr(hub, "repo_listing", lambda repo: (plain, None))
     conventions = hub._files_to_fetch(repo, "here", hub.HubPart())  # no card: file names
     assert conventions == (*sorted(plain[:3]), "README.md")
+
     def no_network(repo):
         import httpx
 

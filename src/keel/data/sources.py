@@ -22,41 +22,14 @@ import pyarrow.compute as pc
 from keel.config.schema import DataConfig, DatasetConfig
 from keel.config.validate import is_hub_id
 from keel.data.dataset_info import load_dataset_info, resolve_entry, unknown_name_error
+from keel.data.file_kinds import BINARY, SUPPORTED, data_files, loader_of
 from keel.data.formats import FORMATS, check_overrides
 from keel.data.hub import HubDataset, HubPart, fetch_hub_dataset
 from keel.data.report import Rejection
 from keel.data.row_size import check_row_sizes
 from keel.data.sampling import FILE_SPLITS, check_split, sample_indices, split_indices, split_ranges
 from keel.errors import DataError
-from keel.files import COMPRESSIONS, check_utf8, read_text
-
-LOADERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
-_BINARY = ("parquet", "arrow")  # formats that hold no text to check for UTF-8
-# how messages list what keel reads: the text formats may be compressed too
-SUPPORTED = f"{', '.join(LOADERS)} (the text ones also as .gz, .bz2, .xz or .zst)"
-
-
-def loader_of(path: Path) -> str | None:
-    """The `datasets` loader of a data file by its suffixes (json, csv, parquet, arrow,
-    text), through a compression suffix (`a.jsonl.zst`: json); None: keel does not read
-    it."""
-    suffixes = [s.lower() for s in path.suffixes]
-    compressed = bool(suffixes) and suffixes[-1] in COMPRESSIONS
-    if compressed:
-        suffixes.pop()
-    kind = LOADERS.get(suffixes[-1]) if suffixes else None
-    return None if compressed and kind in _BINARY else kind
-
-
-_SAVED_MARKERS = ("state.json", "dataset_dict.json")  # written by save_to_disk
-
+from keel.files import check_utf8, read_text
 
 EVAL_KEY = "data.eval_datasets"
 
@@ -192,7 +165,7 @@ def _resolve(key: str, dc: DatasetConfig, base_dir: Path, listing, stage) -> Sou
                 f"{where}: {name} = {value!r} applies to Hugging Face Hub datasets only, and "
                 f"this path is local; remove {key}.{name}"
             )
-    files, saved = _data_files(path, where)
+    files, saved = data_files(path, where)
     if not saved:  # a saved DatasetDict's split names are checked when it is loaded
         check_split(split, FILE_SPLITS, where, "A file or a folder of files has one split. ")
     label = label_of(path, base_dir)
@@ -281,29 +254,6 @@ def _resolve_hub(
 def _absolute(path: str, base_dir: Path) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else Path(base_dir) / p
-
-
-def _data_files(path: Path, where: str) -> tuple[list[Path], bool]:
-    if path.is_file():
-        if loader_of(path) is None:
-            raise DataError(
-                f"{where}: unsupported file type '{''.join(path.suffixes[-2:])}'; supported: "
-                f"{SUPPORTED}"
-            )
-        return [path], False
-    if any((path / m).is_file() for m in _SAVED_MARKERS):
-        return sorted(p for p in path.rglob("*") if p.is_file()), True
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file()
-        and loader_of(p) is not None
-        and p.name != "dataset_info.json"
-        and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-    if not files:
-        raise DataError(f"{where}: the folder {path} holds no data files ({SUPPORTED})")
-    return files, False
 
 
 def load_source(
@@ -419,7 +369,7 @@ def _load_file(
     from datasets import load_dataset
 
     kind = loader_of(path)
-    if kind not in _BINARY:  # streamed: a multi-GB corpus is not read into memory for this
+    if kind not in BINARY:  # streamed: a multi-GB corpus is not read into memory for this
         check_utf8(path, what="data file", error=DataError, shown=label)
         check_row_sizes(path, label, kind, max_row_bytes)
     # A UTF-8 BOM is valid: the json and csv loaders drop it; the text loader would keep it

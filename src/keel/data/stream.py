@@ -30,10 +30,11 @@ from keel.data.cache import fingerprint
 from keel.data.detect import spec_for_stage
 from keel.data.encode import KEPT, RowEncoder, resolve_overlength
 from keel.data.encode_preference import encoder_for
+from keel.data.file_kinds import loader_of
 from keel.data.packing import cut_into_pieces, make_rows
 from keel.data.pipeline import Encoding, empty_report, prepare_data
 from keel.data.report import DataReport
-from keel.data.sources import label_of, loader_of, resolve_sources
+from keel.data.sources import label_of, resolve_sources
 from keel.data.template import resolve_template
 from keel.errors import DataError
 
