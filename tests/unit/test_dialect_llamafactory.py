@@ -223,6 +223,23 @@ def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
     assert all("(LLaMA-Factory) is refused: " in problem for problem in problems)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "fate", "shuffle"),
+    [
+        ("disable_shuffling", True, "mapped", False),  # their trainer reads rows in order
+        ("disable_shuffling", False, "ignored", None),
+        ("eval_on_each_dataset", True, "ignored", None),  # a logging difference only
+        ("enable_thinking", True, "ignored", None),  # their default
+        ("enable_thinking", False, "refused", None),  # strips the reasoning keel trains
+    ],
+)
+def test_their_data_switches(key, value, fate, shuffle, tmp_path: Path):
+    raw = {"model_name_or_path": "m", "do_train": True, "stage": "sft", key: value}
+    translation = translate(raw, tmp_path / "their.yaml")
+    assert {f.key: f.fate for f in translation.fates}[key] == fate
+    assert translation.config.get("data", {}).get("shuffle") == shuffle
+
+
 def test_a_typo_is_refused_naming_the_key_it_resembles(tmp_path: Path):
     raw = {"model_name_or_path": "m", "do_train": True, "lora_rnak": 8, "learning_rat": 1e-4}
     zero = {"stage": 3, "offlod_param": {"device": "cpu"}}

@@ -311,6 +311,35 @@ def _streaming(build: Build, key: str, value) -> None:
         build.ignored(key, "false: keel's default")
 
 
+def _shuffling(build: Build, key: str, value) -> None:
+    """disable_shuffling: their trainer then reads the training set in order."""
+    if value:
+        build.put(key, "data.shuffle", False, "the training rows in order, every epoch")
+    else:
+        build.ignored(key, "false: keel's default (rows shuffled each epoch with train.seed)")
+
+
+def _each_dataset(build: Build, key: str, value) -> None:
+    """eval_on_each_dataset: a loss per eval dataset; keel logs one over them all."""
+    why = "keel evaluates data.eval_datasets together and logs one eval_loss over them"
+    build.ignored(key, why if value else "false: their default")
+
+
+def _thinking(build: Build, key: str, value) -> None:
+    """enable_thinking (their default true): false strips the reasoning from the answers."""
+    if value is False:
+        build.refused(
+            key,
+            "false strips each answer's reasoning before training; keel trains the "
+            "reasoning the data holds (reasoning_content or thinking): remove it from the "
+            "data, or leave the key out",
+        )
+    else:
+        build.ignored(
+            key, "true: their default (the answers' reasoning trains where the data has it)"
+        )
+
+
 def _mix(build: Build, key: str, value) -> None:
     """mix_strategy and interleave_probs: how their datasets are merged, as keel's data.mix
     draws the same rows (datasets.interleave_datasets with the run's seed)."""
@@ -345,6 +374,9 @@ KEY_RULES: dict[str, Rule] = {
     "streaming": _streaming,
     "buffer_size": _streaming,
     "mix_strategy": _mix,
+    "disable_shuffling": _shuffling,
+    "eval_on_each_dataset": _each_dataset,
+    "enable_thinking": _thinking,
     "interleave_probs": _mix,
     "stage": _stage,
     "pref_loss": _pref_loss,
