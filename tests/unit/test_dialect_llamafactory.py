@@ -240,6 +240,24 @@ def test_their_data_switches(key, value, fate, shuffle, tmp_path: Path):
     assert translation.config.get("data", {}).get("shuffle") == shuffle
 
 
+def test_their_settings_at_their_defaults_are_ignored_as_their_webui_writes_them(tmp_path):
+    """LlamaBoard saves many of their settings at default values; those ask for nothing keel
+    does differently. The same keys set otherwise are refused, naming their default."""
+    webui = {
+        "model_name_or_path": "m", "do_train": True, "stage": "sft", "template": "qwen3",
+        "flash_attn": "auto", "preprocessing_batch_size": 1000, "use_fast_tokenizer": True,
+        "upcast_layernorm": False, "default_system": None, "preserve_thinking": False,
+        "include_num_input_tokens_seen": True, "plot_loss": True, "enable_thinking": True,
+    }  # fmt: skip
+    translation = translate(webui, tmp_path / "their.yaml")
+    assert translation.refused() == []
+    changed = translate({**webui, "upcast_layernorm": True}, tmp_path / "their.yaml")
+    (refused,) = changed.refused()
+    assert refused.key == "upcast_layernorm" and "their default, False" in refused.why
+    galore = translate({**webui, "galore_rank": 16}, tmp_path / "x.yaml")  # default: ignored
+    assert galore.refused() == []
+
+
 def test_a_typo_is_refused_naming_the_key_it_resembles(tmp_path: Path):
     raw = {"model_name_or_path": "m", "do_train": True, "lora_rnak": 8, "learning_rat": 1e-4}
     zero = {"stage": 3, "offlod_param": {"device": "cpu"}}

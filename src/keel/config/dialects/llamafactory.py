@@ -15,6 +15,7 @@ from keel.config.dialects.build import (
     scheduler,
 )
 from keel.config.dialects.deepspeed import apply_deepspeed
+from keel.config.dialects.llamafactory_defaults import THEIR_DEFAULTS
 from keel.config.dialects.llamafactory_keys import KEY_RULES, Rule, keel_stage
 from keel.config.dialects.report import Translation, unknown_key
 from keel.config.dialects.token_weighting import LLAMAFACTORY_HANDLERS
@@ -30,16 +31,33 @@ def translate_llamafactory(
     )
     for key, value in raw.items():
         rule = RULES.get(str(key))
-        if rule is None:
+        if rule is not None:
+            rule(build, str(key), value)
+        elif str(key) in THEIR_DEFAULTS:
+            _their_setting(build, str(key), value)
+        else:
             why = unknown_key(
                 str(key), RULES, "not a LLaMA-Factory training key keel knows; remove it"
             )
             build.refused(str(key), why)
-        else:
-            rule(build, str(key), value)
     _datasets(build)
     _defaults(build)
     return build.translation("llamafactory")
+
+
+def _their_setting(build: Build, key: str, value) -> None:
+    """One of their settings keel has no key for: ignored at their default (it asks for
+    nothing keel does differently), refused otherwise."""
+    default = THEIR_DEFAULTS[key]
+    same = value == default and isinstance(value, bool) == isinstance(default, bool)
+    if same or (value is None and default is None):
+        build.ignored(key, f"{value!r}: their default, nothing keel does differently")
+    else:
+        build.refused(
+            key,
+            f"{value!r}: a LLaMA-Factory setting keel has no counterpart for (their "
+            f"default, {default!r}, is the only value keel follows); remove it",
+        )
 
 
 def _dataset_keys(build: Build, key: str, value) -> None:

@@ -67,6 +67,8 @@ _IGNORED = {
     "save_only_model": "keel's checkpoints always hold the optimizer and data state, so a "
     "resumed run continues exactly; the final model is saved in Hugging Face format",
     "per_device_eval_batch_size": "keel evaluates with train.micro_batch_size",
+    "include_num_input_tokens_seen": "keel logs each step's tokens (tokens_per_s) and the "
+    "run's real_tokens in keel_run.json",
     "overwrite_cache": "keel keeps no LLaMA-Factory dataset cache to overwrite",
     "tokenized_path": "keel tokenizes the datasets as part of the run; it neither writes nor "
     "reads a tokenized copy",
