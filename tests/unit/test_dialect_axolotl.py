@@ -426,6 +426,15 @@ def test_a_family_chat_template_is_checked_against_the_models_type(
         ({"chat_template": "qwen3_5"}, {"chat_template": "mapped"}),
         ({"chat_template": "tokenizer_default_fallback_chatml"}, {"chat_template": "mapped"}),
         ({"chat_template": "metharme"}, {"chat_template": "refused"}),
+        # their settings keel has no key for: ignored at their defaults, refused otherwise
+        (
+            {"save_safetensors": True, "use_ray": False},
+            {"save_safetensors": "ignored", "use_ray": "ignored"},
+        ),
+        ({"save_safetensors": False}, {"save_safetensors": "refused"}),
+        ({"sample_packing_bin_size": 200}, {"sample_packing_bin_size": "ignored"}),
+        # its default (random new embedding rows) is not keel's (their mean): never ignored
+        ({"mean_resizing_embeddings": False}, {"mean_resizing_embeddings": "refused"}),
     ],
 )
 def test_keys_of_their_other_examples(keys, fates):

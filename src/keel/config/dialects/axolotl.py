@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from keel.config.dialects.axolotl_data import dataset_stage, min_sample_len, translate_datasets
+from keel.config.dialects.axolotl_defaults import THEIR_DEFAULTS
 from keel.config.dialects.axolotl_qat import QAT_HANDLERS
 from keel.config.dialects.axolotl_runtime import RUNTIME_HANDLERS, offloads_activations
 from keel.config.dialects.axolotl_streaming import STREAMING_HANDLERS, pretraining_stage
@@ -18,6 +19,7 @@ from keel.config.dialects.axolotl_training import TRAINING_HANDLERS, yaml_number
 from keel.config.dialects.axolotl_trl import STAGE_KEYS, stage_defaults, translate_stage_key
 from keel.config.dialects.build import (
     Build,
+    at_their_default,
     eval_strategy,
     optimizer,
     save_strategy,
@@ -177,6 +179,8 @@ def _one_key(build: Build, key: str, value) -> None:
         )
     elif key in IGNORED:
         build.ignored(key, IGNORED[key])
+    elif key in THEIR_DEFAULTS:
+        at_their_default(build, key, value, THEIR_DEFAULTS[key])
     else:
         why = "an Axolotl key keel has no counterpart for; remove it"
         build.refused(key, unknown_key(key, _KNOWN, why))

@@ -228,3 +228,17 @@ def eval_strategy(build: Build, key: str, value) -> None:
         build.put(key, "train.evals_per_epoch", 1)
     else:
         build.refused(key, f"{value!r}: keel evaluates every train.eval_every steps (eval_steps)")
+
+
+def at_their_default(build: Build, key: str, value, default) -> None:
+    """One of their settings keel has no key for: ignored at their `default` (it asks for
+    nothing keel does differently), refused otherwise, naming the default."""
+    same = value == default and isinstance(value, bool) == isinstance(default, bool)
+    if same or (value is None and default is None):
+        build.ignored(key, f"{value!r}: their default, nothing keel does differently")
+    else:
+        build.refused(
+            key,
+            f"{value!r}: a setting of theirs keel has no counterpart for (their default, "
+            f"{default!r}, is the only value keel follows); remove it",
+        )

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from keel.config.dialects.build import (
     Build,
+    at_their_default,
     eval_strategy,
     llamafactory_muon,
     optimizer,
@@ -34,7 +35,7 @@ def translate_llamafactory(
         if rule is not None:
             rule(build, str(key), value)
         elif str(key) in THEIR_DEFAULTS:
-            _their_setting(build, str(key), value)
+            at_their_default(build, str(key), value, THEIR_DEFAULTS[str(key)])
         else:
             why = unknown_key(
                 str(key), RULES, "not a LLaMA-Factory training key keel knows; remove it"
@@ -43,21 +44,6 @@ def translate_llamafactory(
     _datasets(build)
     _defaults(build)
     return build.translation("llamafactory")
-
-
-def _their_setting(build: Build, key: str, value) -> None:
-    """One of their settings keel has no key for: ignored at their default (it asks for
-    nothing keel does differently), refused otherwise."""
-    default = THEIR_DEFAULTS[key]
-    same = value == default and isinstance(value, bool) == isinstance(default, bool)
-    if same or (value is None and default is None):
-        build.ignored(key, f"{value!r}: their default, nothing keel does differently")
-    else:
-        build.refused(
-            key,
-            f"{value!r}: a LLaMA-Factory setting keel has no counterpart for (their "
-            f"default, {default!r}, is the only value keel follows); remove it",
-        )
 
 
 def _dataset_keys(build: Build, key: str, value) -> None:
