@@ -31,6 +31,11 @@ STOPPING = {
 }
 
 
+def mixes(mix: str, datasets: int) -> bool:
+    """Whether data.mix draws from the datasets: an interleave mix, and more than one."""
+    return mix != "concat" and datasets > 1
+
+
 def source_loader(
     cfg: DataConfig, *, cache_dir: Path, base_dir: Path, seed: int, log: Callable[[str], None]
 ) -> Callable[[list[Source]], list[list[SourceUnit]]]:
@@ -48,7 +53,7 @@ def source_loader(
 
     def load(sources: list[Source]) -> list[list[SourceUnit]]:
         loaded = [one(src) for src in sources]
-        if cfg.mix == "concat" or len(loaded) < 2:  # one dataset: nothing to mix
+        if not mixes(cfg.mix, len(loaded)):
             return loaded
         return mixed(loaded, sources, cfg, seed, log)
 

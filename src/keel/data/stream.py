@@ -31,6 +31,7 @@ from keel.data.detect import spec_for_stage
 from keel.data.encode import KEPT, RowEncoder, resolve_overlength
 from keel.data.encode_preference import encoder_for
 from keel.data.file_kinds import loader_of
+from keel.data.mixing import mixes
 from keel.data.packing import cut_into_pieces, make_rows
 from keel.data.pipeline import Encoding, empty_report, prepare_data
 from keel.data.report import DataReport
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from keel.data.stream_mix import MixedRowStream
 
 BLOCK_ROWS = 1024  # rows of a file encoded, packed and shuffled together
+# a block's samples before they are cut and made into rows
+UNITS = pa.schema([("input_ids", pa.list_(pa.int32())), ("targets", pa.list_(pa.int32()))])
 _READ_OPTIONS = {"json": {"parse_agent_traces": False}, "text": {"encoding": "utf-8-sig"}}
 
 
@@ -110,7 +113,7 @@ class StreamedData:
     def open(self, log: Callable[[str], None]) -> RowStream | MixedRowStream:
         """The stream of its rows: its files one after another, or with data.mix interleave_*
         and several datasets, each block drawn from all of them (keel.data.stream_mix)."""
-        if self.making.mix != "concat" and len({f.source for f in self.files}) > 1:
+        if mixes(self.making.mix, len({f.source for f in self.files})):
             from keel.data.stream_mix import MixedRowStream
 
             return MixedRowStream(self, log)
@@ -163,12 +166,19 @@ def prepare_stream(
         if note:
             log(note)
     making = RowMaking(
-        cfg.cutoff_len, cfg.overlength, cfg.min_len, cfg.on_invalid, cfg.packing, cfg.shuffle, seed
+        cutoff_len=cfg.cutoff_len,
+        overlength=cfg.overlength,
+        min_len=cfg.min_len,
+        on_invalid=cfg.on_invalid,
+        packing=cfg.packing,
+        shuffle=cfg.shuffle,
+        seed=seed,
+        mix=cfg.mix,
+        mix_weights=tuple(cfg.mix_weights),
     )
-    making = replace(making, mix=cfg.mix, mix_weights=tuple(cfg.mix_weights))
     shown = ", ".join(src.label for src in sources[:3]) + (", ..." if len(sources) > 3 else "")
     mixed = ""
-    if cfg.mix != "concat" and len(sources) > 1:
+    if mixes(cfg.mix, len(sources)):
         shares = ", ".join(f"{w:g}" for w in cfg.mix_weights)
         weights = f", weights {shares}" if shares else ""
         mixed = f"; each block drawn from every dataset (data.mix {cfg.mix}{weights})"
@@ -276,7 +286,8 @@ class RowStream:
         first = cursor.block * BLOCK_ROWS + 1
         numbers = list(range(first, first + len(next(iter(raw.values()), []))))
         units = encode_units(self.data, file, raw, numbers, self.log)
-        return make_block_rows(self.data.making, units, _block_seed(self.data.making.seed, cursor))
+        c, seed = cursor, self.data.making.seed
+        return make_block_rows(self.data.making, units, block_seed(seed, c.epoch, c.file, c.block))
 
 
 def encode_units(
@@ -316,12 +327,8 @@ def encode_units(
             skipped.append(f"row {numbers[k]}: {encoded['reason'][k]}")
     if any(dropped.values()) or skipped:
         _note(file, numbers, dropped, skipped, log)
-    return pa.table(
-        {
-            "input_ids": pa.array([encoded["input_ids"][k] for k in kept], pa.list_(pa.int32())),
-            "targets": pa.array([encoded["targets"][k] for k in kept], pa.list_(pa.int32())),
-        }
-    )
+    columns = {name: [encoded[name][k] for k in kept] for name in UNITS.names}
+    return pa.table(columns, schema=UNITS)
 
 
 def make_block_rows(making: RowMaking, units: pa.Table, seed: int) -> pa.Table:
@@ -393,7 +400,7 @@ def _first_row(file: StreamFile) -> dict | None:
     return None
 
 
-def _block_seed(seed: int, cursor: Cursor) -> int:
-    """The seed of the block at `cursor` (packing and row order): the same on every process."""
-    words = [seed, cursor.epoch, cursor.file, cursor.block]
-    return int(np.random.SeedSequence(words).generate_state(1)[0])
+def block_seed(seed: int, *words: int) -> int:
+    """A seed drawn from train.seed and where a block is (its packing and row order, a
+    mixed block's draws): the same on every process."""
+    return int(np.random.SeedSequence([seed, *words]).generate_state(1)[0])

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
+from keel.data import stream
+from keel.data.batching import epoch_order
+from keel.data.stream import StreamedData, StreamFile, block_seed
 from keel.errors import DataError
-
-if TYPE_CHECKING:
-    from keel.data.stream import StreamedData, StreamFile
 
 
 @dataclass(frozen=True)
@@ -126,8 +125,6 @@ class MixedRowStream:
 
     def _make(self, c: MixCursor) -> _Made:
         """Block `c.block` of epoch `c.epoch`: each dataset's share read on from `c.at`."""
-        from keel.data.stream import encode_units, make_block_rows
-
         at = list(c.at or [Position() for _ in self.files])
         done = list(c.done or [False for _ in self.files])
         mix, units, ran_out = self.data.making.mix, [], False
@@ -147,33 +144,30 @@ class MixedRowStream:
                 file, raw, numbers, at[k] = piece
                 got += len(numbers)
                 if numbers:
-                    units.append(encode_units(self.data, file, raw, numbers, self.log))
-        empty = pa.table({"input_ids": pa.array([], pa.list_(pa.int32())),
-                          "targets": pa.array([], pa.list_(pa.int32()))})  # fmt: skip
-        table = pa.concat_tables(units) if units else empty
-        seed = _seed(self.data.making.seed, c.epoch, c.block, 0)
-        rows = make_block_rows(self.data.making, table, seed)
+                    units.append(stream.encode_units(self.data, file, raw, numbers, self.log))
+        table = pa.concat_tables(units) if units else stream.UNITS.empty_table()
+        seed = block_seed(self.data.making.seed, c.epoch, c.block, 0)
+        rows = stream.make_block_rows(self.data.making, table, seed)
         return _Made(rows, tuple(at), tuple(done), ran_out or all(done))
 
     def _counts(self, c: MixCursor, done: list[bool]) -> list[int]:
         """How many raw rows each dataset gives block `c.block`: a seeded multinomial draw
         by the weights, else equal shares; none from a dataset interleave_once used up."""
-        from keel.data.stream import BLOCK_ROWS
-
+        rows = stream.BLOCK_ROWS  # read here: tests make blocks small
         drawn = [not (d and self.data.making.mix == "interleave_once") for d in done]
         active = [k for k, on in enumerate(drawn) if on]
         counts = [0] * len(self.files)
         if not active:
             return counts
         if self.weights is None:
-            share, extra = divmod(BLOCK_ROWS, len(active))
+            share, extra = divmod(rows, len(active))
             shares = [share + (i < extra) for i in range(len(active))]
         else:
             p = np.array([self.weights[k] for k in active], dtype=np.float64)
             if p.sum() <= 0:  # only zero-weight datasets are left
                 return counts
-            rng = np.random.default_rng(_seed(self.data.making.seed, c.epoch, c.block, 1))
-            shares = rng.multinomial(BLOCK_ROWS, p / p.sum()).tolist()
+            rng = np.random.default_rng(block_seed(self.data.making.seed, c.epoch, c.block, 1))
+            shares = rng.multinomial(rows, p / p.sum()).tolist()
         for k, share in zip(active, shares, strict=True):
             counts[k] = share
         return counts
@@ -181,27 +175,23 @@ class MixedRowStream:
     def _order(self, k: int, epoch: int, passes: int) -> list[int]:
         """Dataset k's files in the order of its pass `passes` of epoch `epoch`."""
         making = self.data.making
-        if not making.shuffle:
-            return list(range(len(self.files[k])))
-        rng = np.random.default_rng(_seed(making.seed, epoch, passes, 2 + k))
-        return rng.permutation(len(self.files[k])).tolist()
+        seed = block_seed(making.seed, passes, 2 + k)
+        return epoch_order(len(self.files[k]), epoch, seed, making.shuffle)
 
     def _read(self, k: int, epoch: int, at: Position, wanted: int):
         """Up to `wanted` raw rows of dataset k from `at`: (file, rows as columns, their
         1-based numbers, the position after them); no rows where the file ends (the
         position moves to the next file); None when the pass is over."""
-        from keel.data.stream import read_block, reader
-
         order = self._order(k, epoch, at.passes)
         if at.file >= len(order):
             return None
         file: StreamFile = self.files[k][order[at.file]]
         held = self._readers.get(k)
         if held is None or held[0] != at:
-            held = (at, reader(file, at.row), {})
+            held = (at, stream.reader(file, at.row), {})
         _, rows, ahead = held
         if not ahead or not len(next(iter(ahead.values()))):
-            ahead = read_block(file, rows, at.row) or {}
+            ahead = stream.read_block(file, rows, at.row) or {}
             if not ahead:
                 self._readers.pop(k, None)
                 return file, {}, [], Position(at.passes, at.file + 1, 0)
@@ -210,7 +200,3 @@ class MixedRowStream:
         after = Position(at.passes, at.file, at.row + size)
         self._readers[k] = (after, rows, {key: values[size:] for key, values in ahead.items()})
         return file, raw, list(range(at.row + 1, at.row + size + 1)), after
-
-
-def _seed(seed: int, *words: int) -> int:
-    return int(np.random.SeedSequence([seed, *words]).generate_state(1)[0])
