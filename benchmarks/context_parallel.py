@@ -10,13 +10,18 @@ within each round:
 With `--stage dpo` each step is one preference pair instead, LoRA (the reference is the
 base with the adapters off): its chosen and rejected sequences, each about half of
 `--tokens` (a long prompt and answers of about 100 words), laid end to end in one row.
+With `--stage grpo` each step is one prompt of about `--tokens` tokens (a document to
+answer about), LoRA, 2 completions of 16 tokens sampled and scored by their length: the
+prompt runs through the model once for both (keel.data.shared_prompt), so the row is the
+prompt and the completions.
 Reported per system (median over rounds): the memory the steps add to a process (its peak
 RSS less its peak RSS when the model was ready, keel_run.json, largest process), `keel
 plan`'s activation estimate per device, the median step time, and the first step's loss
-(dpo: its chosen answer's log-prob), the same for both: the split computes the same row.
+(dpo: its chosen answer's log-prob; grpo: its grad norm), the same for both: the split computes
+the same row.
 
     python benchmarks/context_parallel.py [--tokens 8192] [--steps 4] [--rounds 2]
-        [--stage pt|dpo]
+        [--stage pt|dpo|grpo]
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Data:
-    stage: str  # pt: one long document; dpo: long pairs
+    stage: str  # pt: one long document; dpo: long pairs; grpo: long prompts
     path: Path
     cutoff_len: int
 
@@ -79,6 +84,32 @@ def write_pairs(path: Path, model: Path, tokens: int, steps: int) -> int:
     return longest + 64  # the chat template's tokens
 
 
+# grpo's reward: a function of the completion alone (TRL's signature)
+LENGTH_REWARD = """
+def length(completions, **kwargs):
+    return [len(text) / 100 for text in completions]
+"""
+
+
+def write_prompts(path: Path, model: Path, tokens: int, steps: int) -> int:
+    """`steps` prompts of about `tokens` tokens each (a document, then a question), and
+    rewards.py beside them; returns the cutoff_len that keeps each prompt whole."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    rng = random.Random(0)
+    rows, longest = [], 0
+    for _ in range(steps):
+        ids = tokenizer(" ".join(rng.choices(words, k=tokens)))["input_ids"][: tokens - 64]
+        prompt = tokenizer.decode(ids) + "\nWhat is this text about?"
+        rows.append({"prompt": prompt})
+        longest = max(longest, len(tokenizer(prompt)["input_ids"]))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (path.parent / "rewards.py").write_text(LENGTH_REWARD)
+    return longest + 64  # the chat template's tokens
+
+
 LONG_ROWS = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=65536,
@@ -86,11 +117,11 @@ LONG_ROWS = dict(
 
 
 def job(work: Path, data: Data, model: Path, steps: int) -> Path:
-    pairs = data.stage == "dpo"
+    rows = data.stage != "pt"  # a pair or a prompt per step, not packed pieces
     config = {
         "model": {"path": str(model), "cache_dir": str(work / "cache")},
-        "method": {"type": "lora" if pairs else "full"},
-        "data": {"datasets": [str(data.path)], "cutoff_len": data.cutoff_len, "packing": not pairs},
+        "method": {"type": "lora" if rows else "full"},
+        "data": {"datasets": [str(data.path)], "cutoff_len": data.cutoff_len, "packing": not rows},
         "train": {
             "stage": data.stage, "max_steps": steps, "precision": "fp32", "lr": 1e-4,
             "micro_batch_size": 1, "global_batch_size": 1, "threads": 1,
@@ -98,6 +129,14 @@ def job(work: Path, data: Data, model: Path, steps: int) -> Path:
         },
         "output": {"dir": str(work / "out"), "save_every": 0},
     }  # fmt: skip
+    if data.stage == "grpo":
+        # no LoRA dropout: each process draws its own part's masks, and the first grad norm
+        # (the check: B starts at 0, so the forward does not see the masks) would differ
+        config["method"]["lora"] = {"dropout": 0.0}
+        rewards = data.path.parent / "rewards.py"
+        config["grpo"] = {
+            "rewards": [f"{rewards}:length"], "num_generations": 2, "max_completion_length": 16,
+        }  # fmt: skip
     (work / "job.yaml").write_text(yaml.safe_dump(config))
     return work / "job.yaml"
 
@@ -133,9 +172,15 @@ def run_once(system: str, data: Data, model: Path, args) -> dict:
             "planned_activations_mb": planned_activations_mb(config, system),
             "step_s": statistics.median(r["step_seconds"] for r in steps[1:] or steps),
             # pt: the first loss; dpo: the first chosen log-prob (its loss starts at ln 2
-            # whatever the row, as LoRA starts as the reference)
-            "check": steps[0].get("logps/chosen", steps[0]["loss"]),
+            # whatever the row, as LoRA starts as the reference); grpo: the first grad norm
+            # (its loss is about 0)
+            "check": _check(data.stage, steps[0]),
         }
+
+
+def _check(stage: str, step: dict) -> float:
+    """What the two systems must agree on: the first step's loss, or what stands for it."""
+    return {"dpo": step.get("logps/chosen"), "grpo": step.get("grad_norm")}.get(stage, step["loss"])
 
 
 def main() -> None:
@@ -143,13 +188,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--stage", choices=("pt", "dpo"), default="pt")
+    parser.add_argument("--stage", choices=("pt", "dpo", "grpo"), default="pt")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = tiny_model(Path(tmp) / "model", LONG_ROWS)
         data = Data(args.stage, Path(tmp) / "long.jsonl", args.tokens)
         if args.stage == "dpo":
             data.cutoff_len = write_pairs(data.path, model, args.tokens, args.steps)
+        elif args.stage == "grpo":
+            data.cutoff_len = write_prompts(data.path, model, args.tokens, args.steps)
         else:
             write_corpus(data.path, args.tokens, args.steps)
         print(f"{args.stage}: rows of about {args.tokens} tokens, {args.steps} steps of one each")
@@ -161,7 +208,7 @@ def main() -> None:
                 results[system].append(result)
                 print(f"  {system}: {json.dumps({k: round(v, 4) for k, v in result.items()})}")
     print(
-        "\n| system | steps add (MB/process) | plan: activations (MB) | step s | loss 1 (dpo: logps/chosen 1) |"
+        "\n| system | steps add (MB/process) | plan: activations (MB) | step s | loss 1 (dpo: logps/chosen 1, grpo: grad norm 1) |"
     )
     print("|---|---|---|---|---|")
     for system, runs in results.items():

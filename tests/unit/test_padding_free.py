@@ -192,6 +192,41 @@ def test_sliding_window_applies_within_each_sample():
     assert (windowed - reference[0]).abs().amax() > 1e-4  # the window matters at 7 tokens
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_a_sliding_window_is_computed_in_blocks_as_one_mask_gives_it(kv_heads):
+    """Samples of 3, 4, 5, 8, 11 and 12 tokens under a 4-token window (shorter than it, a
+    whole block, partial blocks): keel's blockwise attention gives the output and gradients
+    of one [T, T] mask per sample, query i seeing keys i - 3 .. i."""
+    window, lengths = 4, (3, 4, 5, 8, 11, 12)
+    generator = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q = torch.randn(1, 4, total, 8, generator=generator, requires_grad=True)
+    k, v = (
+        torch.randn(1, kv_heads, total, 8, generator=generator, requires_grad=True)
+        for _ in range(2)
+    )
+    extra = {SEQ_LENS: lengths, "sliding_window": window}
+    got, _ = sdpa_varlen(torch.nn.Module(), q, k, v, None, scaling=0.3, **extra)  # [1, T, H, D]
+
+    def dense(qs, ks, vs):
+        i = torch.arange(qs.shape[2])
+        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+        ks, vs = (x.repeat_interleave(4 // kv_heads, 1) for x in (ks, vs))
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=0.3)
+
+    pieces = zip(q.split(lengths, 2), k.split(lengths, 2), v.split(lengths, 2))
+    want = torch.cat([dense(*piece) for piece in pieces], 2).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    weights = torch.randn(want.shape, generator=generator)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    # negative control: without the window every query sees its whole sample
+    whole, _ = sdpa_varlen(torch.nn.Module(), q, k, v, None, scaling=0.3, **{SEQ_LENS: lengths})
+    assert (whole - want).abs().amax() > 1e-2
+
+
 def test_probe_refuses_attention_that_does_more():
     """StableLM calls torch's sdpa itself (not through transformers' attention interface),
     so the concatenated samples would see each other: the probe says no, the model is

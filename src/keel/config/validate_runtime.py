@@ -6,7 +6,6 @@ from __future__ import annotations
 from keel.config.schema import RunConfig
 from keel.config.sizes import parse_memory
 from keel.config.validate_method import positive
-from keel.stages.registry import context_parallel_stages
 
 
 def check_distributed(cfg: RunConfig) -> list[str]:
@@ -43,11 +42,6 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         return [f"{key} must be a whole number of processes >= 1 (1: off)"]
     problems = []
-    if cfg.train.stage not in context_parallel_stages():
-        problems.append(
-            f"{key}: context parallelism splits {', '.join(context_parallel_stages())} "
-            f"rows; train.stage {cfg.train.stage} is not one of them (use 1)"
-        )
     if not cfg.train.padding_free:
         problems.append(
             f"{key} splits padding-free micro-batches (one row of samples laid end to "

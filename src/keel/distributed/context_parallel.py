@@ -26,19 +26,28 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 # The model-call keyword that carries the context-parallel group to keel's attention
 CP_GROUP = "keel_cp_group"
 # What a part takes of each sequence set ([1, T] each), with the value its padding gets:
-# pad ids, no target (-100, IGNORE_INDEX), and no sequence (-1, a preference batch's index)
-_PER_TOKEN = {"input_ids": None, "targets": -100, "position_ids": None, "sequence_index": -1}
+# pad ids, no target (-100, IGNORE_INDEX), no sequence (-1, a preference or rollout batch's
+# index), and a log-prob of 0 (a rollout's old log-probs, like collate's padding)
+_PER_TOKEN = {
+    "input_ids": None,
+    "targets": -100,
+    "position_ids": None,
+    "sequence_index": -1,
+    "old_logps": 0.0,
+}
 # A batch's sequence sets: the main one, and KTO's mismatched sequences
 _PREFIXES = ("", "kl_")
 
 
 def shard_tokens(batch: dict, rank: int, size: int, pad_id: int) -> dict:
     """Part `rank` of `size` of a padding-free micro-batch (keys input_ids, targets,
-    position_ids [1, T], seq_lens, the samples' lengths, and for preference batches
-    sequence_index [1, T]; the same under the `kl_` prefix for KTO's mismatched sequences):
-    each row padded with one pseudo-sample (pad ids, no targets) to a multiple of `size`,
-    then cut. `seq_lens` stays the whole row's, which attention sees after the exchange;
-    per-sequence entries (labels, reference log-probs) stay whole."""
+    position_ids [1, T], seq_lens, the samples' lengths, and for preference and rollout
+    batches sequence_index [1, T], for rollouts old_logps [1, T] and prefix_groups (a shared
+    prompt's layout, keel.data.shared_prompt); the same under the `kl_` prefix for KTO's
+    mismatched sequences): each row padded with one pseudo-sample (pad ids, no targets) to a
+    multiple of `size`, then cut. `seq_lens` and `prefix_groups` stay the whole row's, which
+    attention sees after the exchange; per-sequence entries (labels, reference log-probs,
+    advantages) stay whole."""
     out = dict(batch)
     for prefix in _PREFIXES:
         if f"{prefix}input_ids" in batch:
@@ -60,6 +69,8 @@ def _part(batch: dict, prefix: str, rank: int, size: int, pad_id: int) -> dict:
                 tail = value.new_full((1, padding), pad_id if fill is None else fill)
             out[key] = torch.cat([value, tail], dim=1)
         out[f"{prefix}seq_lens"] = (*batch[f"{prefix}seq_lens"], padding)
+        if f"{prefix}prefix_groups" in batch:  # the pseudo-sample: a prefix of its own
+            out[f"{prefix}prefix_groups"] = (*batch[f"{prefix}prefix_groups"], (padding, ()))
     part = (tokens + padding) // size
     for key in keys:
         out[key] = out[key][:, rank * part : (rank + 1) * part]
@@ -86,6 +97,15 @@ class _GroupSum(torch.autograd.Function):
         grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
+
+
+def gather_parts(part: torch.Tensor, group) -> torch.Tensor:
+    """[B, t] per-token values of this process's part -> [B, C*t], the group's parts in
+    group-rank order: the padded row's values (not differentiable; for values read back,
+    such as a rollout's old log-probs)."""
+    parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, part.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
 
 
 def head_problem(num_heads: int, size: int) -> str | None:

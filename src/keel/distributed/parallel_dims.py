@@ -128,13 +128,9 @@ class ParallelDims:
         tokens, with the groups' mesh (every rank must call it; cp 1: unchanged)."""
         if cp == self.cp:
             return self
-        if self.world_size % cp:
-            raise KeelError(
-                f"distributed.context_parallel = {cp} does not divide the {self.world_size} "
-                f"processes; use a divisor of {self.world_size}"
-            )
-        dims = dataclasses.replace(self, dp_replicate=self.world_size // cp, dp_shard=1, cp=cp)
-        shape, names = (self.world_size // cp, cp), (DP, CP)  # a root mesh of its own
+        groups = data_parallel_size(self.world_size, cp)
+        dims = dataclasses.replace(self, dp_replicate=groups, dp_shard=1, cp=cp)
+        shape, names = (groups, cp), (DP, CP)  # a root mesh of its own
         return dataclasses.replace(
             dims, cp_mesh=init_device_mesh(device_type, shape, mesh_dim_names=names)
         )
@@ -159,3 +155,15 @@ class ParallelDims:
         if self.hybrid:
             return dp._unflatten(0, (self.dp_replicate, self.dp_shard), (DP_REPLICATE, DP_SHARD))
         return dp
+
+
+def data_parallel_size(world_size: int, cp: int) -> int:
+    """How many processes read different rows when groups of `cp` split each micro-batch's
+    tokens (known from the config before the groups are made); refused unless cp divides
+    the processes."""
+    if world_size % cp:
+        raise KeelError(
+            f"distributed.context_parallel = {cp} does not divide the {world_size} "
+            f"processes; use a divisor of {world_size}"
+        )
+    return world_size // cp

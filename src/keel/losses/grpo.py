@@ -148,13 +148,16 @@ def aggregate(
     sequence: Tensor,
     num_sequences: int,
     max_completion_length: int,
+    counts: Tensor | None = None,
 ) -> Tensor:
     """The micro-batch's loss SUM over its units (see `loss_unit`); the trainer divides it by
     the global batch's unit count.
 
     losses [N] per target token, sequence [N] the completion (0 .. num_sequences-1) each
     token belongs to. A completion without target tokens (a truncated one under masking)
-    still counts as a unit for grpo and dr_grpo, as in TRL.
+    still counts as a unit for grpo and dr_grpo, as in TRL. `counts` [S], each completion's
+    target tokens, when `losses` hold only some of them (context parallelism: a process's
+    part); by default they are counted from `sequence`.
 
         grpo:    sum_s (sum_{t in s} l_t / max(1, n_s))
         dr_grpo: sum_t l_t / max_completion_length    (the configured length, not the longest)
@@ -162,8 +165,9 @@ def aggregate(
     """
     if loss_type == "grpo":
         sums = losses.new_zeros(num_sequences).index_add(0, sequence, losses)  # [S]
-        counts = torch.bincount(sequence, minlength=num_sequences).clamp(min=1)  # [S]
-        return (sums / counts).sum()
+        if counts is None:
+            counts = torch.bincount(sequence, minlength=num_sequences)  # [S]
+        return (sums / counts.clamp(min=1)).sum()
     if loss_type == "dr_grpo":
         return losses.sum() / max_completion_length
     if loss_type == "dapo":

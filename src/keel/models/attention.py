@@ -20,6 +20,8 @@ more (soft-capping, sinks, its own sdpa call) keeps padded micro-batches.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,17 +95,7 @@ def _attend_row(module: nn.Module, qkv, attention_mask, dropout: float, scaling,
     window = kwargs.get("sliding_window")
 
     def attend(q, k, v):
-        n = q.shape[2]
-        if window is None or n <= window:  # the window reaches the sample's start
-            return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped
-            )
-        # transformers' sliding window: query i sees keys j with i - window < j <= i
-        i = torch.arange(n, device=q.device)
-        seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [n, n]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=seen, dropout_p=dropout, scale=scaling, enable_gqa=grouped
-        )
+        return _attend_sample((q, k, v), window, dropout=dropout, scale=scaling, gqa=grouped)
 
     seq_lens = kwargs.get(SEQ_LENS)
     groups = kwargs.get(PREFIX_GROUPS)
@@ -121,6 +113,64 @@ def _attend_row(module: nn.Module, qkv, attention_mask, dropout: float, scaling,
     return output.transpose(1, 2).contiguous()
 
 
+def _attend_sample(
+    qkv: tuple[torch.Tensor, ...],
+    window: int | None,
+    *,
+    dropout: float,
+    scale: float | None,
+    gqa: bool,
+) -> torch.Tensor:
+    """Causal attention within one sample [B, H, T, D] (or right-padded rows), under a
+    sliding `window` when given; the other arguments as sdpa_varlen got them."""
+    query, key, value = qkv
+    if window is None or query.shape[2] <= window:  # the window reaches the sample's start
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    return _attend_window(qkv, window, dropout=dropout, scale=scale, gqa=gqa)
+
+
+def _attend_window(
+    qkv: tuple[torch.Tensor, ...], window: int, *, dropout: float, scale: float | None, gqa: bool
+) -> torch.Tensor:
+    """Transformers' sliding window (query i sees keys j with i - window < j <= i) over one
+    sample longer than the window, a block of `window` queries at a time: the first block
+    is plain causal attention, each later one sees its own keys and the window - 1 before
+    them through one band mask (`_band`) of [window, 2 window - 1], the same for every
+    block. A mask over the whole sample would be [T, T] (kept for backward by every layer:
+    1 GiB each at 32k tokens); this computes and keeps O(T x window). Returns [B, H, T, D]."""
+    query, key, value = qkv
+    n = query.shape[2]
+    outputs = [
+        F.scaled_dot_product_attention(
+            query[:, :, :window], key[:, :, :window], value[:, :, :window], dropout_p=dropout,
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+    ]  # fmt: skip
+    band = _band(window, query.device)
+    for start in range(window, n, window):
+        end, first = min(start + window, n), start - window + 1
+        seen = band[: end - start, : end - first]  # a partial last block: the band's corner
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, first:end], value[:, :, first:end],
+                attn_mask=seen, dropout_p=dropout, scale=scale, enable_gqa=gqa,
+            )
+        )  # fmt: skip
+    return torch.cat(outputs, dim=2)
+
+
+@functools.lru_cache(maxsize=8)
+def _band(window: int, device: torch.device) -> torch.Tensor:
+    """[window, 2 window - 1] bool: block query r sees block key c (the block's keys start
+    window - 1 before its first query) when r <= c <= r + window - 1. One tensor for every
+    block and layer: the mask is the same wherever the block is."""
+    r = torch.arange(window, device=device)[:, None]
+    c = torch.arange(2 * window - 1, device=device)[None, :]
+    return (c >= r) & (c <= r + window - 1)
+
+
 def _attend_groups(
     qkv: tuple[torch.Tensor, ...],
     groups,
@@ -130,20 +180,31 @@ def _attend_groups(
     scale: float | None,
     gqa: bool,
 ) -> torch.Tensor:
-    """Attention over a row of prefix groups (PREFIX_GROUPS), one masked sdpa per group;
-    the other arguments as sdpa_varlen got them. Returns [1, H, T, D]."""
+    """Attention over a row of prefix groups (PREFIX_GROUPS); the other arguments as
+    sdpa_varlen got them. Returns [1, H, T, D].
+
+    A group's prefix is a sample of its own (`_attend_sample`: causal, in blocks under a
+    sliding window). Its segments' queries (the completions, few next to a long prompt)
+    attend over the group's keys with a mask of [segment tokens, group tokens]: no
+    [T_g, T_g] mask, whose size (and that of the float mask sdpa makes of it) grows with
+    the prompt's square."""
     query, key, value = qkv
     lengths = [prefix + sum(segments) for prefix, segments in groups]
     _check_one_row(query, lengths, PREFIX_GROUPS)
     pieces = zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2))
     outputs = []
     for (q, k, v), (prefix, segments) in zip(pieces, groups):
-        seen = _group_mask(prefix, segments, window, q.device)  # [T_g, T_g]
-        outputs.append(
-            F.scaled_dot_product_attention(
-                q, k, v, attn_mask=seen, dropout_p=dropout, scale=scale, enable_gqa=gqa
-            )
-        )
+        if prefix:
+            own = (q[:, :, :prefix], k[:, :, :prefix], v[:, :, :prefix])
+            outputs.append(_attend_sample(own, window, dropout=dropout, scale=scale, gqa=gqa))
+        if segments:
+            seen = _group_mask(prefix, segments, window, q.device)  # [S_g, T_g]
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, prefix:], k, v, attn_mask=seen, dropout_p=dropout, scale=scale,
+                    enable_gqa=gqa,
+                )
+            )  # fmt: skip
     return torch.cat(outputs, dim=2)
 
 
@@ -158,10 +219,11 @@ def _check_one_row(query: torch.Tensor, lengths, keyword: str) -> None:
 def _group_mask(
     prefix: int, segments: tuple[int, ...], window: int | None, device: torch.device
 ) -> torch.Tensor:
-    """[T, T] bool, True where a query may attend: within the prefix causally; from a
+    """Where a query may attend (bool, True: it may): within the prefix causally; from a
     segment to the whole prefix and causally within the segment. Positions continue the
     prefix in every segment, so a sliding window counts distances as in the sample the
-    segment stands for (its prompt followed by it)."""
+    segment stands for (its prompt followed by it). [S, T]: the rows of the segments' S
+    queries (the prefix attends as a sample of its own)."""
     segment = torch.repeat_interleave(
         torch.arange(len(segments) + 1, device=device),
         torch.tensor([prefix, *segments], device=device),
@@ -170,10 +232,11 @@ def _group_mask(
         [torch.arange(prefix, device=device)]
         + [torch.arange(prefix, prefix + n, device=device) for n in segments]
     )  # [T]
-    seen = (segment[None, :] == 0) | (segment[None, :] == segment[:, None])  # [T, T]
-    seen &= position[None, :] <= position[:, None]
+    at, asks = position[prefix:, None], segment[prefix:, None]  # the queries' [S, 1]
+    seen = (segment[None, :] == 0) | (segment[None, :] == asks)  # [S, T]
+    seen &= position[None, :] <= at
     if window is not None:
-        seen &= position[None, :] > position[:, None] - window
+        seen &= position[None, :] > at - window
     return seen
 
 

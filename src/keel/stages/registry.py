@@ -41,14 +41,6 @@ def next_token_stages() -> list[str]:
     return [s.name for s in STAGES.values() if s.objective is causal_lm_objective]
 
 
-def context_parallel_stages() -> list[str]:
-    """The names of the stages a context-parallel group can train: those that train on rows
-    read from the data, whose losses read per-token values or per-sequence sums of them (a
-    score at a sequence's last token too) that the group's processes add up from their
-    parts. Not grpo: it generates its rows."""
-    return [s.name for s in STAGES.values() if s.unit != "prompt"]
-
-
 def spoken(names: list[str]) -> str:
     """ "dpo, orpo or simpo": names as a sentence lists alternatives."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

@@ -10,6 +10,10 @@ detached, so the ratio is 1 and only the gradient carries signal. keel.losses.gr
 those into per-token losses and the micro-batch's loss SUM; the trainer divides by the
 global batch's completions (grpo, dr_grpo) or completion tokens (dapo).
 
+Under context parallelism (keel.distributed.context_parallel) each process holds a part of
+every row's tokens: its token losses are its part's, grpo's mean over a completion divides
+by the completion's tokens over the whole group, and each process counts a completion 1/C.
+
 With beta > 0 the k3 KL to a reference is added per token: the policy with its LoRA
 adapters off, or the frozen copy model set-up attaches (full and freeze), both scored at
 the same temperature.
@@ -20,13 +24,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from keel.distributed.context_parallel import group_sum
 from keel.losses.causal_lm import IGNORE_INDEX
 from keel.losses.grpo import TokenLosses, aggregate, loss_unit, policy_token_losses
 from keel.models.vision.family import VisionFamily
 from keel.stages.base import ObjectiveOutput
 from keel.stages.grpo import CLIP_METRICS, GrpoSettings
 from keel.train.objective import CausalLMObjective
-from keel.train.preference import SequenceScorer, TokenScoring, adapters_off, target_logps
+from keel.train.preference import (
+    SequenceScorer,
+    TokenScoring,
+    adapters_off,
+    group_share,
+    target_logps,
+)
 
 
 class PolicyGradientObjective(CausalLMObjective):
@@ -86,10 +97,18 @@ class PolicyGradientObjective(CausalLMObjective):
         if kept is not None:  # masked completions: weight 0, in no count (TRL's mask)
             out = _only_kept(out, kept)
         completions = advantages.shape[0]
-        loss = aggregate(s.loss_type, out.losses, sequence, completions, s.max_completion_length)
+        group = batch.get("cp_group")
+        counts = None
+        if group is not None and s.loss_type == "grpo":  # a completion's tokens, every part's
+            counts = group_sum(torch.bincount(sequence, minlength=completions), group)
+        loss = aggregate(
+            s.loss_type, out.losses, sequence, completions, s.max_completion_length, counts
+        )
         tokens = logps.shape[0] if kept is None else kept.sum()
         if loss_unit(s.loss_type) == "completions":
-            count = torch.tensor(float(completions), device=loss.device)
+            # every process of a context-parallel group holds each completion (a part of it)
+            share = float(completions) * group_share(batch)
+            count = torch.tensor(share, device=loss.device)
         else:
             count = torch.as_tensor(tokens, device=loss.device)
         return ObjectiveOutput(loss, count, self._statistics(out, tokens))

@@ -38,7 +38,7 @@ class RolloutTally:
     def of(
         cls, scored, rows: list[dict], group: int, rewards: list[RewardFunction]
     ) -> RolloutTally:
-        """This rank's numbers from its scored block (`scored`: the source's _Scored)."""
+        """This rank's numbers from its scored block (keel.train.rollout_rows.ScoredPrompts)."""
         lengths = [len(c.token_ids) for c in scored.completions]
         grouped = scored.rewards.view(-1, group) if lengths else torch.zeros(0, group)
         return cls(
@@ -54,6 +54,15 @@ class RolloutTally:
             max_length=max(lengths, default=0),
             generation_seconds=scored.seconds,
         )
+
+    @classmethod
+    def zero(cls, functions: int) -> RolloutTally:
+        """Nothing to add (a process whose block another process counts)."""
+        return cls(
+            target_tokens=0.0, real_tokens=0.0, completions=0.0, truncated=0.0,
+            length_sum=0.0, reward=(0.0, 0.0, 0.0), zero_std_groups=0.0, groups=0.0,
+            functions=[(0.0, 0.0, 0.0)] * functions, max_length=0.0, generation_seconds=0.0,
+        )  # fmt: skip
 
     def all_reduced(self, dist: DistContext) -> RolloutTally:
         """Every rank's tally summed (maxima for max_length and generation_seconds: each rank

@@ -1,13 +1,17 @@
 """Where a GRPO step's prompts go and what its rows are: the sampling seed of each prompt,
-each data-parallel rank's contiguous block of the window, and a completion as a trainable
-row (targets pre-shifted onto the completion's tokens) with its per-token values read back
-from a micro-batch. Pure functions of their arguments; keel.train.rollouts uses them.
+each data-parallel rank's contiguous block of the window, the units of it each process of a
+context-parallel group samples (and their scored completions joined back in block order),
+and a completion as a trainable row (targets pre-shifted onto the completion's tokens) with
+its per-token values read back from a micro-batch. Pure functions of their arguments;
+keel.train.rollouts uses them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,7 +19,24 @@ from keel.data.shared_prompt import PROMPT_LEN, can_share, unshare
 from keel.errors import ConfigError
 from keel.stages.registry import get_stage
 
+if TYPE_CHECKING:
+    from keel.infer.batch_generate import Completion
+
 NO_TARGET = -100
+
+
+@dataclass(kw_only=True)
+class ScoredPrompts:
+    """Prompts after generation and scoring (a rank's block, or a part of it), in prompt
+    order, G completions each."""
+
+    prompts: list[int]  # prompt row indices
+    completions: list[Completion]
+    scores: torch.Tensor  # [N, F] float32, NaN: unscorable
+    rewards: torch.Tensor  # [N] weighted sum (NaN where every function abstained)
+    advantages: torch.Tensor  # [N]
+    texts: list[str]
+    seconds: float  # generation time
 
 
 def sample_seed(seed: int, generation_step: int, row: int) -> int:
@@ -29,6 +50,19 @@ def rank_block(window: list[int], dp_rank: int, dp_size: int) -> list[int]:
     """Data-parallel rank `dp_rank`'s contiguous share of the window's prompts."""
     size = math.ceil(len(window) / dp_size)
     return window[dp_rank * size : (dp_rank + 1) * size]
+
+
+def generation_units(block: list[int], unit: int) -> list[list[int]]:
+    """`block`'s prompts in units of `unit` (grpo.generation_batch_prompts), each generated
+    on its own: the completions of a prompt do not depend on which process samples it."""
+    return [block[first : first + unit] for first in range(0, len(block), unit)]
+
+
+def units_of_part(units: list[list[int]], cp_rank: int, cp_size: int) -> list[int]:
+    """The prompts process `cp_rank` of a context-parallel group samples and scores: every
+    cp_size-th unit from its own (the whole block without a group). Only the last unit may
+    be short, so this process's units keep their boundaries when it samples its prompts."""
+    return [row for unit in units[cp_rank::cp_size] for row in unit]
 
 
 def refuse_uneven_prompts(stage: str, global_batch: int, dp_size: int) -> None:
@@ -87,3 +121,39 @@ def per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[l
         values.append(line.float().cpu().tolist())
         start += n
     return values
+
+
+def join_parts(units: list[list[int]], parts: list[ScoredPrompts], group: int) -> ScoredPrompts:
+    """A block scored in parts (`units_of_part`: part r holds units r, r + C, ... of
+    `units`, in order) as one, in block order; `group` completions per prompt."""
+    pieces: list[ScoredPrompts] = []
+    taken = [0] * len(parts)  # prompts of each part used so far
+    for index, unit in enumerate(units):
+        part, first = parts[index % len(parts)], taken[index % len(parts)]
+        taken[index % len(parts)] += len(unit)
+        pieces.append(_prompts_of(part, first, len(unit), group))
+    tensors = {
+        name: torch.cat([getattr(p, name) for p in pieces]) if pieces else getattr(parts[0], name)
+        for name in ("scores", "rewards", "advantages")
+    }
+    return ScoredPrompts(
+        prompts=[row for piece in pieces for row in piece.prompts],
+        completions=[c for piece in pieces for c in piece.completions],
+        texts=[text for piece in pieces for text in piece.texts],
+        seconds=max(part.seconds for part in parts),
+        **tensors,
+    )
+
+
+def _prompts_of(part: ScoredPrompts, first: int, count: int, group: int) -> ScoredPrompts:
+    """Prompts first .. first + count - 1 of `part`, with their `group` completions each."""
+    lo, hi = first * group, (first + count) * group
+    return ScoredPrompts(
+        prompts=part.prompts[first : first + count],
+        completions=part.completions[lo:hi],
+        scores=part.scores[lo:hi],
+        rewards=part.rewards[lo:hi],
+        advantages=part.advantages[lo:hi],
+        texts=part.texts[lo:hi],
+        seconds=part.seconds,
+    )

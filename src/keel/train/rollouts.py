@@ -6,7 +6,10 @@ prompts). Each data-parallel rank takes a contiguous block of them, so a prompt'
 completions never crosses ranks and the group advantages need no communication. Sampling is
 seeded per (train.seed, generation step, prompt row, sample), never per rank, and each unit
 of `grpo.generation_batch_prompts` prompts is generated on its own: 2 processes sample the
-completions 1 process samples. With `grpo.num_iterations` mu > 1 a rollout feeds mu
+completions 1 process samples. A context-parallel group's processes share a block: each
+samples and scores every C-th unit of it, and one gather gives every process of the group
+all of them, so the group trains on the same completions (each its part of their tokens),
+and generation takes 1/C of the time. With `grpo.num_iterations` mu > 1 a rollout feeds mu
 optimizer steps, its old log-probs taken once, before the first of them; a checkpoint
 inside those steps holds each process's rollout, so a resumed run trains the remaining
 steps on it, as the uninterrupted run does.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from keel.distributed.context_parallel import gather_parts
 from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
@@ -31,7 +35,17 @@ from keel.train.batch_source import StepBatch, StepPlan
 from keel.train.completions_log import CompletionRecord
 from keel.train.rollout_generation import generation_ready
 from keel.train.rollout_metrics import RolloutTally, rollout_metrics
-from keel.train.rollout_rows import NO_TARGET, per_row, rank_block, rollout_row, sample_seed
+from keel.train.rollout_rows import (
+    NO_TARGET,
+    ScoredPrompts,
+    generation_units,
+    join_parts,
+    per_row,
+    rank_block,
+    rollout_row,
+    sample_seed,
+    units_of_part,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -67,19 +81,6 @@ class _Rollout:
     rows: int
     metrics: dict[str, float]
     samples: list[CompletionRecord] = field(default_factory=list)  # for completions.jsonl
-
-
-@dataclass(kw_only=True)
-class _Scored:
-    """This rank's block after generation and scoring, in prompt order (G per prompt)."""
-
-    prompts: list[int]  # prompt row indices
-    completions: list[Completion]
-    scores: torch.Tensor  # [N, F] float32, NaN: unscorable
-    rewards: torch.Tensor  # [N] weighted sum (NaN where every function abstained)
-    advantages: torch.Tensor  # [N]
-    texts: list[str]
-    seconds: float  # generation time
 
 
 class RolloutBatchSource:
@@ -126,7 +127,11 @@ class RolloutBatchSource:
     def _generate(self, generation_step: int, step: int) -> _Rollout:
         window = self.plan.window(generation_step // self.settings.num_iterations)
         block = rank_block(window, self.dist.dp_rank, self.dist.dp_size)
-        scored = self._score(block, self._sample(block, generation_step), step)
+        units = generation_units(block, self.settings.generation_batch_prompts)
+        mine = units_of_part(units, self.dist.cp_rank, self.dist.cp_size)
+        scored = self._score(mine, self._sample(mine, generation_step), step)
+        if self.dist.cp_size > 1:  # the group trains on every completion of its block
+            scored = self._joined(units, scored)
         if self.settings.scale_rewards == "batch":  # the std of the whole window's rewards
             scored.advantages = self._batch_scaled(scored.rewards, len(window))
         rows = [
@@ -143,6 +148,8 @@ class RolloutBatchSource:
         if self.settings.num_iterations > 1:
             self._add_old_logps(micro, filler)
         tally = RolloutTally.of(scored, rows, self.group, self.ctx.rewards)
+        if self.dist.cp_rank:  # its group's first process counts the group's block
+            tally = RolloutTally.zero(len(self.ctx.rewards))
         totals = tally.all_reduced(self.dist)
         # the loss's unit over the whole window: completions, or (dapo) completion tokens
         completions = len(window) * self.group
@@ -157,6 +164,19 @@ class RolloutBatchSource:
             metrics=rollout_metrics(totals, [f.short for f in self.ctx.rewards]),
             samples=self._samples(scored) if self.ctx.completions is not None else [],
         )
+
+    def _joined(self, units: list[list[int]], scored: ScoredPrompts) -> ScoredPrompts:
+        """The whole block's scored completions from the parts its context-parallel group's
+        processes generated and scored (`units_of_part`), in block order: one gather of
+        every process's part, so the group trains on the same rows whatever each process's
+        kernels or reward calls would have given had each sampled them all."""
+        dims = self.dist.dims
+        parts = {
+            dims.cp_rank(rank): part
+            for rank, part in enumerate(self.dist.gather_objects(scored))
+            if dims.dp_rank(rank) == self.dist.dp_rank
+        }
+        return join_parts(units, [parts[r] for r in range(len(parts))], self.group)
 
     def _trained(self, completion: Completion) -> bool:
         return not (
@@ -180,14 +200,14 @@ class RolloutBatchSource:
         with generation_ready(
             trainer.objective, dist=self.dist, progress=progress, gather_limit=self.ctx.hang_limit
         ) as model:
-            for first in range(0, len(block), unit):
+            for prompts in generation_units(block, unit):
                 requests = [
                     GroupRequest(
                         prompt_ids=list(self.prompts[row]["input_ids"]),
                         n=self.group,
                         seed=sample_seed(self.plan.seed, generation_step, row),
                     )
-                    for row in block[first : first + unit]
+                    for row in prompts
                 ]
                 groups = generate_groups(
                     model,
@@ -209,7 +229,7 @@ class RolloutBatchSource:
 
     def _score(
         self, block: list[int], sampled: tuple[list[Completion], float], step: int
-    ) -> _Scored:
+    ) -> ScoredPrompts:
         """Every reward function over this rank's completions (each call a watched phase),
         their weighted sum and the group advantages."""
         completions, seconds = sampled
@@ -219,7 +239,7 @@ class RolloutBatchSource:
         count = len(self.ctx.rewards)
         if not completions:
             empty = torch.zeros(0)
-            return _Scored(
+            return ScoredPrompts(
                 prompts=block, completions=[], scores=torch.zeros(0, count), rewards=empty,
                 advantages=empty, texts=[], seconds=seconds,
             )  # fmt: skip
@@ -228,7 +248,7 @@ class RolloutBatchSource:
         )
         rewards = weighted_rewards(scores, self.settings.reward_weights)  # [N]
         advantages = group_advantages(rewards, self.group, scale=self.settings.scale_rewards)
-        return _Scored(
+        return ScoredPrompts(
             prompts=block, completions=completions, scores=scores, rewards=rewards,
             advantages=advantages, texts=texts, seconds=seconds,
         )  # fmt: skip
@@ -240,7 +260,8 @@ class RolloutBatchSource:
         size = window_prompts * self.group
         start = self.dist.dp_rank * math.ceil(window_prompts / self.dist.dp_size) * self.group
         values, unscorable = [0.0] * size, [0.0] * size
-        for i, reward in enumerate(rewards.tolist()):
+        # a context-parallel group's processes hold the same block: its first one sends it
+        for i, reward in enumerate(rewards.tolist() if self.dist.cp_rank == 0 else []):
             if math.isnan(reward):
                 unscorable[start + i] = 1.0
             else:
@@ -309,6 +330,8 @@ class RolloutBatchSource:
                 mask = batch["targets"] != NO_TARGET  # [B, T]
                 logps = torch.zeros(mask.shape, dtype=torch.float32, device=flat.device)
                 logps[mask] = flat.float()
+                if self.dist.cp_size > 1:  # this process's part of the row: the group's
+                    logps = gather_parts(logps, self.dist.cp_group)  # whole (padded) row
                 for row, values in zip(rows, per_row(logps, rows, trainer.padding_free)):
                     row["old_logps"] = values
         # a filler of its own (this rank had no prompts) trains with weight zero: any values
@@ -412,7 +435,7 @@ class RolloutBatchSource:
             samples=[CompletionRecord(**record) for record in samples],
         )
 
-    def _samples(self, scored: _Scored) -> list[CompletionRecord]:
+    def _samples(self, scored: ScoredPrompts) -> list[CompletionRecord]:
         names = [f.short for f in self.ctx.rewards]
         records = []
         for i, text in enumerate(scored.texts):

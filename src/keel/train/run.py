@@ -23,6 +23,7 @@ from keel.data import PreparedData
 from keel.data.stream import StreamedData
 from keel.data.template import resolve_template
 from keel.distributed.launch import detect_world, slurm_rendezvous_env
+from keel.distributed.parallel_dims import data_parallel_size
 from keel.distributed.process_group import (
     DistContext,
     init_distributed,
@@ -232,8 +233,10 @@ def _decide(run: _Run, checked: Preflight) -> _Decisions:
         precision = on_main(dist, lambda: checked.precision)
         log(f"precision: {precision.name} ({precision.reason})")
         identity = run_identity(cfg, model_dir, precision, data.fingerprint)
+        # model set-up makes the context-parallel groups; the config already says them
+        dp_size = data_parallel_size(dist.world_size, cfg.distributed.context_parallel)
         configured_batch = cfg.train.global_batch_size or default_global_batch(
-            cfg.train.micro_batch_size, cfg.train.grad_accum, dist.dp_size
+            cfg.train.micro_batch_size, cfg.train.grad_accum, dp_size
         )
         steps_for = functools.partial(_total_steps, cfg, data.num_rows)
         resume = on_main(
@@ -245,7 +248,7 @@ def _decide(run: _Run, checked: Preflight) -> _Decisions:
             dist, lambda: plan_memory(cfg, model_dir, dist, precision, log, longest_prompt=longest)
         )
     global_batch = resume.global_batch if resume else configured_batch
-    refuse_uneven_prompts(cfg.train.stage, global_batch, dist.dp_size)
+    refuse_uneven_prompts(cfg.train.stage, global_batch, dp_size)
     return _Decisions(
         precision=precision,
         identity=identity,
