@@ -55,9 +55,16 @@ SYSTEMS = {
 }
 
 
+def doc_words() -> list[str]:
+    """The words of keel's docs, but markup a chat row would read as an image placeholder
+    (<image>): random text, the same for every system."""
+    text = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+    return [word for word in text.split() if "<" not in word and ">" not in word]
+
+
 def write_corpus(path: Path, tokens: int, steps: int) -> None:
     """One long document of words from keel's docs: about `steps` rows of `tokens`."""
-    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    words = doc_words()
     rng = random.Random(0)
     text = " ".join(rng.choices(words, k=tokens * (steps + 1)))
     path.write_text(json.dumps({"text": text}) + "\n")
@@ -69,7 +76,7 @@ def write_pairs(path: Path, model: Path, tokens: int, steps: int) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    words = doc_words()
     rng = random.Random(0)
     rows, longest = [], 0
     for _ in range(steps):
@@ -97,7 +104,7 @@ def write_prompts(path: Path, model: Path, tokens: int, steps: int) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    words = " ".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))).split()
+    words = doc_words()
     rng = random.Random(0)
     rows, longest = [], 0
     for _ in range(steps):

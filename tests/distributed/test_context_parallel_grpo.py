@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from multiproc import step_records
+from multiproc import single_process_runs, step_records
 from test_grpo_parity import GrpoWorkspace
 from test_parity import assert_same_weights
 
@@ -121,15 +121,9 @@ def groups_of_two(workspace) -> tuple[dict[str, Path], dict[str, list]]:
 
 @pytest.fixture(scope="module")
 def one_process(workspace):
-    """The 1-process run of each case (by case), made once for the module's tests."""
-    runs: dict[str, Path] = {}
-
-    def run(case: str) -> Path:
-        if case not in runs:
-            runs[case] = workspace.train(f"{case}-one", *CASES[case][1])
-        return runs[case]
-
-    return run
+    """case -> its 1-process run, made once for the module's tests."""
+    run = single_process_runs(workspace)
+    return lambda case: run(*CASES[case][1])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -263,3 +263,58 @@ def test_accumulation_normalises_per_pair(model, stage):
     assert abs(mean_of_means - sum(per_pair) / 3) > 50 * 1e-5 * abs(
         sum(per_pair) / 3
     )  # vs rel=1e-5
+
+
+@pytest.mark.parametrize("stage", ["dpo", "orpo", "simpo"])
+def test_pairs_sharing_their_prompt_train_as_their_sequences_laid_end_to_end(model, stage):
+    """Padding-free pairs (two rows of one pair and a packed row of three) with each pair's
+    prompt computed once for its chosen and rejected sequences (keel.data.shared_prompt):
+    the same loss, statistics and gradients as the sequences laid end to end (dpo: its
+    reference, the adapters off, on the shared layout too), on a shorter row; the segments
+    read as plain samples (not seeing the prompt) move the loss: the negative control."""
+    from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
+    from keel.train.objective import use_attention
+
+    policy = lora(model, perturb=True)
+    register_varlen_attention()
+    use_attention(policy, VARLEN_ATTENTION)
+    built = objective(policy, stage)
+    assert built.shares_pair_prompts
+    rows = [*pair_rows()[:2], packed_row()]
+    plain = collate(rows, 0, padding_free=True)
+    shared = collate(rows, 0, padding_free=True, share_pairs=True)
+    prompts = [*PROMPTS[:2], *PROMPTS]
+    saved = sum(len(prompt) - 1 for prompt in prompts)  # each pair's prompt but its last token
+    assert shared["input_ids"].shape[1] == plain["input_ids"].shape[1] - saved
+    assert torch.equal(shared["labels"], plain["labels"])
+
+    results = []
+    for batch in (plain, shared):
+        policy.zero_grad()
+        out = built(batch)
+        out.loss.backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        results.append((out, grads))
+    (want, want_grads), (got, got_grads) = results
+    assert got.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
+    assert got.count.item() == want.count.item() == 5
+    assert got.statistics.tolist() == pytest.approx(want.statistics.tolist(), rel=1e-5, abs=1e-6)
+    for g, e in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    with torch.no_grad():
+        leaky = built({**shared, "prefix_groups": None})
+    assert abs(leaky.loss.item() - want.loss.item()) > 1e-4 * abs(want.loss.item())  # 10x rel
+
+
+def test_only_pair_stages_share_prompts(model):
+    """KTO's rows are single sequences (no pair to share a prompt), rm reads each sequence's
+    last token from its lengths under context parallelism, a vision-language model's
+    sequences carry images and 3-D positions: none of them shares."""
+    from keel.train.reward_objective import RewardObjective
+
+    assert not objective(lora(model), "kto").shares_pair_prompts
+    assert not RewardObjective.shares_pair_prompts
+    record = get_stage("dpo")
+    vision = object()  # a vision-language family: its images and 3-D positions stay whole
+    built = PreferenceObjective(model, stage=record, settings=record.settings(), vision=vision)
+    assert not built.shares_pair_prompts

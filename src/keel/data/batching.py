@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from keel.data.encode import IGNORE_INDEX
-from keel.data.shared_prompt import can_share, sequence_index, share_prompts
+from keel.data.shared_prompt import (
+    can_share,
+    sequence_index,
+    share_pair_prompts,
+    share_prompts,
+)
 
 
 def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -17,7 +22,9 @@ def epoch_order(num_rows: int, epoch: int, seed: int, shuffle: bool) -> list[int
     return torch.randperm(num_rows, generator=generator).tolist()
 
 
-def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dict:
+def collate(
+    rows: list[dict], pad_id: int, *, padding_free: bool = False, share_pairs: bool = False
+) -> dict:
     """Right-pad rows to the longest one, or (`padding_free`) lay them end to end.
 
     Padding-free, the micro-batch is one row holding every row's samples (position ids
@@ -46,10 +53,14 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
     `old_logps` [B, T] float32 (aligned with targets, 0 on padding) when the rows carry the
     log-probs they were sampled with. Padding-free rollout rows that carry `prompt_len` are
     laid out with each prompt once (keel.data.shared_prompt) and give `prefix_groups` too.
+    So are padding-free rows of preference pairs with `share_pairs` (dpo, orpo and simpo on
+    a text model: each pair's prompt once for its chosen and rejected sequences).
     """
     assert rows, "collate needs at least one row"
     if padding_free and can_share(rows):
         return _shared_rollout(rows, pad_id)
+    if padding_free and share_pairs:
+        return _shared_pairs(rows, pad_id)
     if padding_free:
         rows = [merge_rows(rows)]
     batch = _pad(rows, "", pad_id)
@@ -62,7 +73,6 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
         return batch | _rollout(rows, batch["input_ids"].shape[1])
     if not rows[0].get("labels"):
         return batch
-    batch["labels"] = torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)
     batch["sequence_index"] = _sequence_index(rows, "", batch["input_ids"].shape[1])
     if rows[0].get("kl_input_ids"):
         batch |= _pad(rows, "kl_", pad_id)
@@ -70,11 +80,30 @@ def collate(rows: list[dict], pad_id: int, *, padding_free: bool = False) -> dic
         batch["kl_sequence_index"] = _sequence_index(rows, "kl_", width)
         if padding_free:
             batch["kl_seq_lens"] = sample_lengths(rows[0]["kl_position_ids"])
+    return batch | _per_sequence(rows)
+
+
+def _per_sequence(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """A preference batch's `labels` [S] and, when the rows carry them, its precomputed
+    reference log-probs [S] and rm's margins [P]."""
+    out = {"labels": torch.tensor([x for row in rows for x in row["labels"]], dtype=torch.long)}
     for key in ("reference_logps", "reference_kl_logps", "margin"):
         if key in rows[0]:
             values = [x for row in rows for x in row[key]]
-            batch[key] = torch.tensor(values, dtype=torch.float32)
-    return batch
+            out[key] = torch.tensor(values, dtype=torch.float32)
+    return out
+
+
+def _shared_pairs(rows: list[dict], pad_id: int) -> dict:
+    """Padding-free preference pairs with each pair's prompt computed once
+    (keel.data.shared_prompt): one row, `prefix_groups` for keel's varlen attention,
+    `seq_lens` its groups' lengths, the sequences numbered as collate numbers them."""
+    merged, groups = share_pair_prompts(merge_rows(rows))
+    batch = _pad([merged], "", pad_id)
+    batch["prefix_groups"] = groups
+    batch["seq_lens"] = tuple(prefix + sum(segments) for prefix, segments in groups)
+    batch["sequence_index"] = torch.tensor([sequence_index(groups)], dtype=torch.long)  # [1, T]
+    return batch | _per_sequence(rows)
 
 
 def _rollout(rows: list[dict], width: int) -> dict[str, torch.Tensor]:

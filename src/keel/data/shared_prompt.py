@@ -1,4 +1,6 @@
-"""Rollout rows of one prompt laid out so that the prompt is computed once (grpo).
+"""Rows whose sequences share a prompt laid out so that the prompt is computed once: grpo's
+rollout rows (`share_prompts`) and a preference pair's chosen and rejected sequences
+(`share_pair_prompts`, dpo, orpo and simpo).
 
 A grpo micro-batch holds G completions of each of its prompts, each row the prompt followed
 by one completion. Laid end to end (padding-free), the prompt's tokens would run through the
@@ -15,6 +17,10 @@ Positions continue the prefix (a segment starts at P - 1); keel's varlen attenti
 (keel.models.attention, `PREFIX_GROUPS`) lets each segment see the prefix and itself only,
 so every target token gets the log-prob it gets in its own row, at the work of
 P - 1 + sum(n_i + 1) tokens instead of sum(P + n_i).
+
+A pair is the same with G = 2: its chosen and rejected sequences render the same prompt, so
+the tokens they begin with before either has a target are laid out once, and each sequence
+goes on from there; its sequence numbers (chosen 2i, rejected 2i + 1) are unchanged.
 """
 
 from __future__ import annotations
@@ -97,3 +103,47 @@ def _runs(rows: list[dict]) -> list[list[dict]]:
 def _same_prompt(first: dict, row: dict) -> bool:
     length = first[PROMPT_LEN]
     return row[PROMPT_LEN] == length and row["input_ids"][:length] == first["input_ids"][:length]
+
+
+def share_pair_prompts(row: dict) -> tuple[dict, Groups]:
+    """A padding-free row of preference pairs (each pair its chosen then its rejected
+    sequence, position ids restarting with each sequence) laid out with each pair's prompt
+    once: a group per pair, its prefix the tokens both sequences begin with before either
+    has a target, its two segments the rest of each sequence. Targets, position ids (a
+    segment continues the prefix's) and the per-sequence values (labels, reference
+    log-probs) stay aligned; the sequences keep their order."""
+    merged: dict = {key: [] for key in _PAIR_TOKENS}
+    groups = []
+    sequences = _sequences(row["position_ids"])
+    for chosen, rejected in zip(sequences[0::2], sequences[1::2]):
+        pair = [{key: row[key][s] for key in _PAIR_TOKENS} for s in (chosen, rejected)]
+        cut = _common_prompt(*pair)
+        for key in _PAIR_TOKENS:
+            merged[key] += pair[0][key][:cut] + pair[0][key][cut:] + pair[1][key][cut:]
+        groups.append(
+            (cut, (chosen.stop - chosen.start - cut, rejected.stop - rejected.start - cut))
+        )
+    return {**row, **merged}, tuple(groups)
+
+
+_PAIR_TOKENS = ("input_ids", "targets", "position_ids")
+_NO_TARGET = -100  # keel.data.encode.IGNORE_INDEX
+
+
+def _sequences(position_ids: Sequence[int]) -> list[slice]:
+    """Each sequence's span in a row whose position ids restart at 0 with each."""
+    starts = [i for i, p in enumerate(position_ids) if p == 0] or [0]
+    ends = [*starts[1:], len(position_ids)]
+    return [slice(start, end) for start, end in zip(starts, ends)]
+
+
+def _common_prompt(chosen: dict, rejected: dict) -> int:
+    """How many leading tokens two sequences share before either has a target (the prompt
+    but its last token, which carries the first answer token's target)."""
+    firsts = [next((i for i, t in enumerate(s["targets"]) if t != _NO_TARGET), len(s["targets"]))
+              for s in (chosen, rejected)]  # fmt: skip
+    limit = min(firsts)
+    cut = 0
+    while cut < limit and chosen["input_ids"][cut] == rejected["input_ids"][cut]:
+        cut += 1
+    return cut

@@ -62,7 +62,8 @@ class Objective(Protocol):
     those over the global batch and calls `set_window_statistic` before the losses (KTO's
     reference point). forward(batch, mode="reference") -> (main, kl or None) log-probs is
     what `<stage>.reference: precompute` (e.g. dpo.reference) caches, for stages that use a
-    reference.
+    reference. An objective whose rows are preference pairs may set `shares_pair_prompts`
+    (keel.data.collate lays each pair's prompt out once); without it, sequences stay whole.
     """
 
     metric_names: tuple[str, ...]  # of the statistics vector, in order; () for none

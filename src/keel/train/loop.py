@@ -126,7 +126,12 @@ class Trainer:
         return unwrap(self.objective)
 
     def _batch(self, rows: list[dict]) -> dict:
-        batch = collate(rows, self.pad_id, padding_free=self.padding_free)
+        batch = collate(
+            rows,
+            self.pad_id,
+            padding_free=self.padding_free,
+            share_pairs=getattr(self.inner_objective, "shares_pair_prompts", False),
+        )
         if not self.padding_free and not any(0 in row["position_ids"][1:] for row in rows):
             # No row holds two samples: plain causal attention is exact (right padding is
             # invisible to real tokens), and without position ids transformers neither

@@ -172,6 +172,9 @@ class CausalLMObjective(nn.Module):
     metric_names: tuple[str, ...] = ()  # no statistics beside the loss
     needs_window_statistic = False
     reports_perplexity = True  # its eval loss is a mean over tokens
+    # rows of preference pairs whose padding-free micro-batches lay each pair's prompt out
+    # once for both its sequences (keel.data.collate's share_pairs)
+    shares_pair_prompts = False
 
     def __init__(
         self,

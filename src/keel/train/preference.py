@@ -185,6 +185,9 @@ class PreferenceObjective(CausalLMObjective):
         self.metric_names = stage.metric_names
         # labelled samples: KTO's reference point, over the global batch, before any loss
         self.needs_window_statistic = stage.unit == "sample"
+        # a pair's chosen and rejected sequences share the prompt: computed once for both
+        # (a vision-language model's images and 3-D positions keep the sequences whole)
+        self.shares_pair_prompts = stage.unit == "pair" and vision is None
         # Not a submodule: its weights are neither trained, nor checkpointed, nor wrapped
         # by the policy's DDP/FSDP (it is sharded as its own root under FSDP).
         self._reference = (reference,)
