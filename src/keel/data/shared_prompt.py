@@ -32,6 +32,8 @@ PROMPT_LEN = "prompt_len"  # a rollout row's field: its prompt's length in token
 Groups = tuple[tuple[int, tuple[int, ...]], ...]
 _PER_TOKEN = ("input_ids", "targets", "position_ids", "old_logps")
 _PER_SEQUENCE = ("advantages", "kept")
+_PAIR_TOKENS = ("input_ids", "targets", "position_ids")  # what a pair's sequences lay out
+_NO_TARGET = -100  # keel.data.encode.IGNORE_INDEX
 
 
 def can_share(rows: list[dict]) -> bool:
@@ -115,19 +117,16 @@ def share_pair_prompts(row: dict) -> tuple[dict, Groups]:
     merged: dict = {key: [] for key in _PAIR_TOKENS}
     groups = []
     sequences = _sequences(row["position_ids"])
+    assert len(sequences) % 2 == 0, f"{len(sequences)} sequences are not whole pairs"
     for chosen, rejected in zip(sequences[0::2], sequences[1::2]):
         pair = [{key: row[key][s] for key in _PAIR_TOKENS} for s in (chosen, rejected)]
         cut = _common_prompt(*pair)
-        for key in _PAIR_TOKENS:
-            merged[key] += pair[0][key][:cut] + pair[0][key][cut:] + pair[1][key][cut:]
+        for key in _PAIR_TOKENS:  # the chosen sequence whole, then the rejected one's rest
+            merged[key] += pair[0][key] + pair[1][key][cut:]
         groups.append(
             (cut, (chosen.stop - chosen.start - cut, rejected.stop - rejected.start - cut))
         )
     return {**row, **merged}, tuple(groups)
-
-
-_PAIR_TOKENS = ("input_ids", "targets", "position_ids")
-_NO_TARGET = -100  # keel.data.encode.IGNORE_INDEX
 
 
 def _sequences(position_ids: Sequence[int]) -> list[slice]:
