@@ -307,13 +307,9 @@ def test_pairs_sharing_their_prompt_train_as_their_sequences_laid_end_to_end(mod
 
 
 def test_only_pair_stages_share_prompts(model):
-    """KTO's rows are single sequences (no pair to share a prompt), rm reads each sequence's
-    last token from its lengths under context parallelism, a vision-language model's
-    sequences carry images and 3-D positions: none of them shares."""
-    from keel.train.reward_objective import RewardObjective
-
+    """KTO's rows are single sequences (no pair to share a prompt), a vision-language model's
+    sequences carry images and 3-D positions: neither shares."""
     assert not objective(lora(model), "kto").shares_pair_prompts
-    assert not RewardObjective.shares_pair_prompts
     record = get_stage("dpo")
     vision = object()  # a vision-language family: its images and 3-D positions stay whole
     built = PreferenceObjective(model, stage=record, settings=record.settings(), vision=vision)

@@ -107,6 +107,31 @@ def test_packed_and_padding_free_rows_score_the_same():
     torch.testing.assert_close(two_rows, padded, rtol=1e-5, atol=1e-6)
 
 
+def test_pairs_sharing_their_prompt_score_as_their_sequences_apart():
+    """Padding-free, each pair's prompt once (keel.data.shared_prompt): the scores are read at
+    the same tokens (each answer's last), so the loss and statistics equal the sequences laid
+    end to end; `sequence_ends` (context parallelism's, from the layout's lengths) finds
+    those tokens in both layouts."""
+    from keel.models.attention import VARLEN_ATTENTION, register_varlen_attention
+    from keel.train.objective import use_attention
+    from keel.train.reward_objective import last_positions, sequence_ends
+
+    model = build_tiny_model(vocab_size=64, seed=1)
+    register_varlen_attention()
+    use_attention(model, VARLEN_ATTENTION)
+    objective = objective_for(model)
+    assert objective.shares_pair_prompts
+    rows = [pair_row(*p) for p in PAIRS]
+    plain = collate(rows, PAD, padding_free=True)
+    shared = collate(rows, PAD, padding_free=True, share_pairs=True)
+    assert shared["input_ids"].shape[1] < plain["input_ids"].shape[1]
+    for batch in (plain, shared):
+        assert sequence_ends(batch) == last_positions(batch).tolist()
+    want, got = objective(plain), objective(shared)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.statistics, want.statistics, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("center,with_margin", [(None, False), (None, True), (0.01, False)])
 def test_step_one_matches_trl_reward_trainer(center, with_margin):
     """TRL's compute_loss on a LlamaForSequenceClassification holding the same backbone and

@@ -53,8 +53,8 @@ def collate(
     `old_logps` [B, T] float32 (aligned with targets, 0 on padding) when the rows carry the
     log-probs they were sampled with. Padding-free rollout rows that carry `prompt_len` are
     laid out with each prompt once (keel.data.shared_prompt) and give `prefix_groups` too.
-    So are padding-free rows of preference pairs with `share_pairs` (dpo, orpo and simpo on
-    a text model: each pair's prompt once for its chosen and rejected sequences).
+    So are padding-free rows of preference pairs with `share_pairs` (dpo, orpo, simpo and rm
+    on a text model: each pair's prompt once for its chosen and rejected sequences).
     """
     assert rows, "collate needs at least one row"
     if padding_free and can_share(rows):

@@ -1,6 +1,6 @@
 """Rows whose sequences share a prompt laid out so that the prompt is computed once: grpo's
 rollout rows (`share_prompts`) and a preference pair's chosen and rejected sequences
-(`share_pair_prompts`, dpo, orpo and simpo).
+(`share_pair_prompts`, dpo, orpo, simpo and rm).
 
 A grpo micro-batch holds G completions of each of its prompts, each row the prompt followed
 by one completion. Laid end to end (padding-free), the prompt's tokens would run through the

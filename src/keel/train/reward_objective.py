@@ -2,7 +2,8 @@
 against rejected with the Bradley-Terry loss (keel.losses.reward).
 
 A pair row holds its chosen then its rejected sequence laid end to end (keel.data:
-`sequence_index` numbers them, `labels` [1, 0] per pair). The backbone runs without its
+`sequence_index` numbers them, `labels` [1, 0] per pair; padding-free, with the pair's
+prompt laid out once, keel.data.shared_prompt). The backbone runs without its
 output layer: no vocabulary-sized logits at all. Each sequence is scored by the `score` head
 (Linear(hidden, 1, bias=False), as transformers' *ForSequenceClassification) on the hidden
 state of its last token: the token transformers' *ForSequenceClassification (and so TRL's
@@ -19,6 +20,7 @@ folder. Its initial value comes from (train.seed, its name), as transformers ini
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -55,6 +57,24 @@ def last_positions(batch: dict) -> torch.Tensor:
     return last.scatter_reduce(0, index[real], flat[real], reduce="amax")
 
 
+def sequence_ends(batch: dict) -> list[int]:
+    """Each sequence's last token in a padding-free micro-batch's one row, from the layout's
+    lengths (under context parallelism the row's tokens are split, its lengths are whole):
+    a sample per sequence (`seq_lens`), or a pair's prompt once and its two answers after it
+    (`prefix_groups`). The padding pseudo-sample at the end is no sequence."""
+    count = batch["labels"].shape[0]
+    groups = batch.get("prefix_groups")
+    if groups is None:
+        return [end - 1 for end in itertools.accumulate(batch["seq_lens"][:count])]
+    ends, offset = [], 0
+    for prefix, segments in groups:
+        offset += prefix
+        for length in segments:
+            offset += length
+            ends.append(offset - 1)
+    return ends[:count]
+
+
 class RewardObjective(CausalLMObjective):
     """forward(batch) -> ObjectiveOutput(loss sum over pairs, pairs, statistics).
 
@@ -88,6 +108,9 @@ class RewardObjective(CausalLMObjective):
         if embeddings.device.type != "meta":  # else keel.models.materialize allocates it
             self.init_new_weights(region_of=lambda _t: None, local=lambda t: t)
         _freeze_output_layer(lm)
+        # a pair's chosen and rejected sequences share the prompt: computed once for both
+        # (a vision-language model's images and 3-D positions keep the sequences whole)
+        self.shares_pair_prompts = vision is None
 
     def init_new_weights(
         self,
@@ -116,8 +139,7 @@ class RewardObjective(CausalLMObjective):
             return self.score(hidden[last_positions(batch)]).squeeze(-1).float()  # [S]
         # Context parallelism: this process holds a part of the one padding-free row, and
         # scores the sequences whose last token is in it; the group adds the scores up
-        count = batch["labels"].shape[0]
-        ends = torch.tensor(batch["seq_lens"][:count], device=hidden.device).cumsum(0) - 1
+        ends = torch.tensor(sequence_ends(batch), device=hidden.device)  # [S], in the row
         local = ends - torch.distributed.get_rank(group) * hidden.shape[0]
         mine = (local >= 0) & (local < hidden.shape[0])  # [S]
         pooled = hidden[local.clamp(0, hidden.shape[0] - 1)]  # [S, H]
