@@ -4,7 +4,7 @@ keel's data.streaming, which reads, checks and tokenizes the rows as training go
 from __future__ import annotations
 
 from keel.config.dialects.axolotl_data import read_data_files
-from keel.config.dialects.build import Build
+from keel.config.dialects.build import Build, streaming
 from keel.config.dialects.report import unknown_key
 
 _PRETRAINING_KEYS = ("path", "name", "split", "text_column", "type", "data_files")
@@ -64,13 +64,6 @@ def _entry(build: Build, prefix: str, entry: dict) -> dict:
     return ds
 
 
-def _streaming(build: Build, key: str, value) -> None:
-    if value:
-        build.put(key, "data.streaming", True, "read, checked and tokenized as training goes")
-    else:
-        build.ignored(key, "false: keel's default")
-
-
 def _buffer(build: Build, key: str, _value) -> None:
     build.ignored(key, _PACKING_WHY)
 
@@ -87,7 +80,7 @@ def _multipack_attention(build: Build, key: str, value) -> None:
 
 STREAMING_HANDLERS = {
     "pretraining_dataset": _pretraining_dataset,
-    "streaming": _streaming,
+    "streaming": streaming,
     "streaming_multipack_buffer_size": _buffer,
     "pretrain_multipack_buffer_size": _buffer,
     "pretrain_multipack_attn": _multipack_attention,

@@ -230,6 +230,14 @@ def eval_strategy(build: Build, key: str, value) -> None:
         build.refused(key, f"{value!r}: keel evaluates every train.eval_every steps (eval_steps)")
 
 
+def streaming(build: Build, key: str, value) -> None:
+    """Their `streaming` (both dialects): read the datasets as training goes."""
+    if value:
+        build.put(key, "data.streaming", True, "read, checked and tokenized as training goes")
+    else:
+        build.ignored(key, "false: keel's default")
+
+
 def at_their_default(build: Build, key: str, value, default) -> None:
     """One of their settings keel has no key for: ignored at their `default` (it asks for
     nothing keel does differently), refused otherwise, naming the default."""

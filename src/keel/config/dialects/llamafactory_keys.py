@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from keel.config.dialects.build import Build, scheduler_kwargs
+from keel.config.dialects.build import Build, scheduler_kwargs, streaming
 from keel.config.dialects.templates import llamafactory_template
 
 
@@ -307,10 +307,8 @@ def _streaming(build: Build, key: str, value) -> None:
     if key == "buffer_size":
         why = "data.streaming shuffles the files' order each epoch and the rows of each block"
         build.ignored(key, why if build.raw.get("streaming") else "used with streaming only")
-    elif value:
-        build.put(key, "data.streaming", True, "read, checked and tokenized as training goes")
     else:
-        build.ignored(key, "false: keel's default")
+        streaming(build, key, value)
 
 
 def _shuffling(build: Build, key: str, value) -> None:
