@@ -99,11 +99,7 @@ def _shared_pairs(rows: list[dict], pad_id: int) -> dict:
     (keel.data.shared_prompt): one row, `prefix_groups` for keel's varlen attention,
     `seq_lens` its groups' lengths, the sequences numbered as collate numbers them."""
     merged, groups = share_pair_prompts(merge_rows(rows))
-    batch = _pad([merged], "", pad_id)
-    batch["prefix_groups"] = groups
-    batch["seq_lens"] = tuple(prefix + sum(segments) for prefix, segments in groups)
-    batch["sequence_index"] = torch.tensor([sequence_index(groups)], dtype=torch.long)  # [1, T]
-    return batch | _per_sequence(rows)
+    return _grouped_row(merged, groups, pad_id) | _per_sequence(rows)
 
 
 def _rollout(rows: list[dict], width: int) -> dict[str, torch.Tensor]:
@@ -127,10 +123,17 @@ def _shared_rollout(rows: list[dict], pad_id: int) -> dict:
     """Padding-free rollout rows with each prompt computed once (keel.data.shared_prompt):
     one row, `prefix_groups` for keel's varlen attention, `seq_lens` its groups' lengths."""
     merged, groups = share_prompts(rows)
+    rollout = _rollout([merged], len(merged["input_ids"]))
+    return rollout | _grouped_row(merged, groups, pad_id)  # the groups' sequence numbers
+
+
+def _grouped_row(merged: dict, groups, pad_id: int) -> dict:
+    """One row laid out in prefix groups (keel.data.shared_prompt): its tokens,
+    `prefix_groups` for keel's varlen attention, `seq_lens` the groups' lengths and
+    `sequence_index` [1, T] (-1 on a prefix, then one number per segment in order)."""
     batch = _pad([merged], "", pad_id)
     batch["prefix_groups"] = groups
     batch["seq_lens"] = tuple(prefix + sum(segments) for prefix, segments in groups)
-    batch |= _rollout([merged], batch["input_ids"].shape[1])
     batch["sequence_index"] = torch.tensor([sequence_index(groups)], dtype=torch.long)  # [1, T]
     return batch
 
