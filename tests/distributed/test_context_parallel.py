@@ -276,14 +276,17 @@ def test_four_processes_in_two_groups_match_one(workspace, reference):
 def test_models_context_parallelism_cannot_split_are_refused_before_weights_load():
     from conftest import build_tiny_model
     from vlm_support import build_tiny_qwen2_vl
+    from vlm_support_more import build_tiny_gemma3
 
     from keel.models.attention import context_parallel_problem
 
     assert context_parallel_problem(build_tiny_model(64), 2) is None  # 4 heads over 2
     three = context_parallel_problem(build_tiny_model(64), 3)
     assert "4 attention heads do not split over distributed.context_parallel = 3" in three
-    assert "is a vision-language model" in context_parallel_problem(build_tiny_qwen2_vl(), 2)
-    assert context_parallel_problem(build_tiny_qwen2_vl(), 1) is None  # off
+    assert context_parallel_problem(build_tiny_qwen2_vl(), 2) is None
+    # Gemma 3's image tokens attend both ways; keel's varlen attention is causal
+    assert "attend to each other both ways" in context_parallel_problem(build_tiny_gemma3(), 2)
+    assert context_parallel_problem(build_tiny_gemma3(), 1) is None  # off
 
 
 def test_the_shipped_example_runs_on_two_processes(tiny_model_dir, tmp_path):

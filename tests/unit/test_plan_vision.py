@@ -294,3 +294,39 @@ def test_text_models_plan_without_a_vision_part(tmp_path):
     assert all(t.part == LANGUAGE and t.unit != REPLICATED for t in census.tensors)
     assert plan.work.vision is None and plan.work.images == 0
     assert "vision" not in to_json(plan)["model"] and "images:" not in summary(plan)
+
+
+def test_context_parallel_splits_the_text_but_not_the_images(tiny_qwen):
+    """distributed.context_parallel 2 on a vision-language model: the language model's
+    activations are a part of the row's, but each process encodes the row's images and
+    keeps the whole row's embeddings (its part is a view of them)."""
+    from dataclasses import replace
+
+    from keel.plan.estimate import estimate
+    from keel.plan.vision import VisionTraining, vision_activation_bytes
+
+    root, model_dir = tiny_qwen
+    devices = DeviceSpec(kind="cuda", per_node=2, memory_bytes=80 * GIB)
+
+    def plan(cp: int):
+        cfg = load_config(run_yaml(root, model_dir, "full"), [f"distributed.context_parallel={cp}"])
+        return plan_run(cfg, devices=devices, precision=FP32)
+
+    whole, split = plan(1), plan(2)
+    assert split.work.tokens * 2 == whole.work.tokens and split.work.images == whole.work.images
+
+    def saved(plan, work) -> int:
+        census = plan.censuses["full"]
+        option = estimate(census, plan.shapes, devices, work, strategy="ddp", checkpointing=False)
+        return option.per_device.activations
+
+    text = saved(split, replace(split.work, vision=None))
+    training = VisionTraining(
+        tower=False, projector=False, checkpointing=False, compute=4, hidden=split.shapes.hidden
+    )
+    images = vision_activation_bytes(split.work.vision, split.work.images, training)
+    embeddings = whole.work.tokens * 4 * split.shapes.hidden  # fp32, the whole row
+    assert saved(split, split.work) == text + images + embeddings
+    assert split.option_for("ddp", "full", False).per_device.activations < (
+        whole.option_for("ddp", "full", False).per_device.activations
+    )

@@ -351,7 +351,9 @@ class DistributedConfig:
     # Context parallelism: groups of this many consecutive processes split each
     # micro-batch's tokens (attention exchanges heads for tokens inside a group), so a
     # process holds 1/N of a long row's activations; a group reads the same rows (the
-    # data-parallel degree is processes / N). Every stage, on text models. 1: off
+    # data-parallel degree is processes / N). Every stage, text and vision-language models
+    # (each process encodes the row's images; not Gemma 3, whose image tokens attend both
+    # ways). 1: off
     context_parallel: int = 1
     # Memory of one device (e.g. 24GiB, 80GB); auto: the GPU's, or on a CPU the node's RAM
     # shared by its processes. Used by `keel plan` and by the check before training.

@@ -13,6 +13,12 @@ to the row's. Gradients flow back through the same exchanges. The preference sta
 whole sequences: each process sums its tokens' log-probs per sequence, the group adds
 those sums up (`group_sum`), and every process of the group computes the same loss.
 
+A vision-language model merges its image features into the embeddings of the whole row
+(an image's tokens may fall into two parts): each process gets the whole padded row's ids
+and positions (`shard_tokens(..., whole_inputs=True)`), encodes the row's images, embeds
+it, and its language model takes its part of the embeddings
+(keel.models.attention.embed_whole_row).
+
 The query heads must split evenly over C (key/value heads are repeated up to them where C
 does not divide them); `head_problem` says when they do not.
 """
@@ -25,56 +31,74 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 # The model-call keyword that carries the context-parallel group to keel's attention
 CP_GROUP = "keel_cp_group"
-# What a part takes of each sequence set ([1, T] each), with the value its padding gets:
-# pad ids, no target (-100, IGNORE_INDEX), no sequence (-1, a preference or rollout batch's
-# index), and a log-prob of 0 (a rollout's old log-probs, like collate's padding)
+# What a part takes of each sequence set ([1, T] each; M-RoPE positions [3, 1, T]), with
+# the value its padding gets: pad ids, positions counting up, no target (-100,
+# IGNORE_INDEX), no sequence (-1, a preference or rollout batch's index), and a log-prob of
+# 0 (a rollout's old log-probs, like collate's padding)
 _PER_TOKEN = {
     "input_ids": None,
     "targets": -100,
     "position_ids": None,
+    "rope_position_ids": None,
     "sequence_index": -1,
     "old_logps": 0.0,
 }
+# What a vision-language model's forward reads whole (`shard_tokens`' whole_inputs)
+_MODEL_INPUTS = ("input_ids", "position_ids", "rope_position_ids")
 # A batch's sequence sets: the main one, and KTO's mismatched sequences
 _PREFIXES = ("", "kl_")
 
 
-def shard_tokens(batch: dict, rank: int, size: int, pad_id: int) -> dict:
+def shard_tokens(
+    batch: dict, rank: int, size: int, pad_id: int, *, whole_inputs: bool = False
+) -> dict:
     """Part `rank` of `size` of a padding-free micro-batch (keys input_ids, targets,
     position_ids [1, T], seq_lens, the samples' lengths, and for preference and rollout
     batches sequence_index [1, T], for rollouts old_logps [1, T] and prefix_groups (a shared
-    prompt's layout, keel.data.shared_prompt); the same under the `kl_` prefix for KTO's
-    mismatched sequences): each row padded with one pseudo-sample (pad ids, no targets) to a
-    multiple of `size`, then cut. `seq_lens` and `prefix_groups` stay the whole row's, which
-    attention sees after the exchange; per-sequence entries (labels, reference log-probs,
-    advantages) stay whole."""
+    prompt's layout, keel.data.shared_prompt), for M-RoPE models rope_position_ids
+    [3, 1, T]; the same under the `kl_` prefix for KTO's mismatched sequences): each row
+    padded with one pseudo-sample (pad ids, no targets) to a multiple of `size`, then cut.
+    `seq_lens` and `prefix_groups` stay the whole row's, which attention sees after the
+    exchange; per-sequence entries (labels, reference log-probs, advantages, images) stay
+    whole. With `whole_inputs` (a vision-language model, which embeds the whole row) the
+    model's inputs (ids and positions) are padded but not cut."""
     out = dict(batch)
     for prefix in _PREFIXES:
         if f"{prefix}input_ids" in batch:
-            out |= _part(batch, prefix, rank, size, pad_id)
+            out |= _part(batch, prefix, rank, size, pad_id, whole_inputs)
     return out
 
 
-def _part(batch: dict, prefix: str, rank: int, size: int, pad_id: int) -> dict:
+def _part(batch: dict, prefix: str, rank: int, size: int, pad_id: int, whole_inputs: bool) -> dict:
     keys = [f"{prefix}{key}" for key in _PER_TOKEN if f"{prefix}{key}" in batch]
-    tokens = batch[f"{prefix}input_ids"].shape[1]
+    tokens = batch[f"{prefix}input_ids"].shape[-1]
     padding = -tokens % size
     out = {key: batch[key] for key in keys}
     if padding:
         for key in keys:
             value, fill = batch[key], _PER_TOKEN[key.removeprefix(prefix)]
-            if key.endswith("position_ids"):
-                tail = torch.arange(padding, dtype=value.dtype, device=value.device)[None]
+            if key.endswith("position_ids"):  # [1, p] or [3, 1, p]
+                tail = torch.arange(padding, dtype=value.dtype, device=value.device)
+                tail = tail.expand(*value.shape[:-1], padding)
             else:
                 tail = value.new_full((1, padding), pad_id if fill is None else fill)
-            out[key] = torch.cat([value, tail], dim=1)
+            out[key] = torch.cat([value, tail], dim=-1)
         out[f"{prefix}seq_lens"] = (*batch[f"{prefix}seq_lens"], padding)
         if f"{prefix}prefix_groups" in batch:  # the pseudo-sample: a prefix of its own
             out[f"{prefix}prefix_groups"] = (*batch[f"{prefix}prefix_groups"], (padding, ()))
     part = (tokens + padding) // size
     for key in keys:
-        out[key] = out[key][:, rank * part : (rank + 1) * part]
+        if not (whole_inputs and key.removeprefix(prefix) in _MODEL_INPUTS):
+            out[key] = out[key][..., rank * part : (rank + 1) * part]
     return out
+
+
+def part_bounds(tokens: int, group) -> tuple[int, int]:
+    """[start, end) of this process's part of a padded row of `tokens` tokens."""
+    size = dist.get_world_size(group)
+    part = tokens // size
+    start = dist.get_rank(group) * part
+    return start, start + part
 
 
 def group_sum(x: torch.Tensor, group) -> torch.Tensor:

@@ -224,14 +224,16 @@ def device_memory_bytes(ctx: DistContext) -> int:
 
 
 def sync_replicated_grads(params: Sequence[nn.Parameter], dims: ParallelDims) -> None:
-    """Average the gradients of replicated trainable `params` over the data-parallel
-    processes, as DDP and FSDP2 average every other gradient: one all-reduce per optimizer
-    step, after the window's last backward. A rank whose micro-batches never ran them
-    (text only, no image for the vision tower) sends zeros: every rank makes the same call.
-    A parameter no rank used keeps no gradient (None), as in one process, so the optimizer
-    skips it rather than decaying it and stepping on its old moments.
+    """Average the gradients of replicated trainable `params` over the processes DDP and
+    FSDP2 average every other gradient over (`dims.grad_size`: the data-parallel ones, and
+    under context parallelism each group's processes, which hold parts of the same rows):
+    one all-reduce per optimizer step, after the window's last backward. A rank whose
+    micro-batches never ran them (text only, no image for the vision tower) sends zeros:
+    every rank makes the same call. A parameter no rank used keeps no gradient (None), as
+    in one process, so the optimizer skips it rather than decaying it and stepping on its
+    old moments.
     """
-    if dims.mesh is None or dims.dp_size == 1 or not params:
+    if dims.mesh is None or dims.grad_size == 1 or not params:
         return
     used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)  # [P]
     for param in params:
@@ -239,7 +241,7 @@ def sync_replicated_grads(params: Sequence[nn.Parameter], dims: ParallelDims) ->
             param.grad = torch.zeros_like(param)
     grads = [p.grad for p in params]
     # Divide first, then sum: DDP's order (exact for a power-of-two world).
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dims.dp_size)  # [numel]
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dims.grad_size)  # [numel]
     flat = torch.cat([flat, used.to(flat.device, flat.dtype)])  # one collective for all
     torch.distributed.all_reduce(flat, group=dims.mesh[DP].get_group())
     offset = 0

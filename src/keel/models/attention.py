@@ -30,6 +30,7 @@ from keel.distributed.context_parallel import (
     CP_GROUP,
     head_problem,
     heads_to_tokens,
+    part_bounds,
     repeat_kv,
     tokens_to_heads,
 )
@@ -249,20 +250,67 @@ def register_varlen_attention() -> None:
 
 def context_parallel_problem(model: nn.Module, size: int) -> str | None:
     """Why distributed.context_parallel = `size` cannot split `model`'s rows, or None: a
-    vision-language model (its images are encoded whole), or query heads that do not
-    divide over the group."""
+    vision-language model whose image tokens attend both ways (keel's varlen attention is
+    causal), or query heads that do not divide over the group."""
     from keel.models.vision import family_of
 
     if size == 1:
         return None
     key = f"distributed.context_parallel = {size}"
-    if family_of(model.config) is not None:
+    family = family_of(model.config)
+    if family is not None and family.image_attention != "causal":
         return (
-            f"{key}: {type(model).__name__} is a vision-language model, whose images are "
-            f"encoded whole; context parallelism splits a text model's rows (use 1)"
+            f"{key}: {type(model).__name__}'s image tokens attend to each other both ways, "
+            f"and context parallelism splits rows inside keel's varlen attention, which is "
+            f"causal only (use 1)"
         )
     problem = head_problem(model.config.get_text_config().num_attention_heads, size)
     return None if problem is None else f"{key}: {type(model).__name__}: {problem}"
+
+
+def embed_whole_row(language_model: nn.Module) -> None:
+    """Let a vision-language model run context parallel (idempotent).
+
+    Its forward merges image features into the embeddings of the row, and an image's tokens
+    may fall into two processes' parts; so each process gets the whole (padded) row's ids
+    and positions (`shard_tokens(..., whole_inputs=True)`) and its images, and a hook on
+    `language_model` (the family's decoder stack) cuts out this process's part of the
+    embeddings, the positions and, for Qwen3-VL, the image features its first layers add
+    (deepstack) before the first layer runs. Without CP_GROUP in the call it does nothing.
+    """
+    if not getattr(language_model, "_keel_embeds_whole_row", False):
+        language_model.register_forward_pre_hook(_take_part_of_row, with_kwargs=True)
+        language_model._keel_embeds_whole_row = True
+
+
+def _take_part_of_row(module: nn.Module, args: tuple, kwargs: dict):
+    group = kwargs.get(CP_GROUP)
+    if group is None:
+        return None
+    embeds = kwargs.get("inputs_embeds")
+    if args or embeds is None or embeds.shape[0] != 1:
+        raise RuntimeError(
+            f"context parallelism: {type(module).__name__} was not called with one row's "
+            "inputs_embeds by keyword, so keel cannot cut out this process's part"
+        )
+    whole = sum(kwargs[SEQ_LENS])
+    if embeds.shape[1] != whole:
+        raise RuntimeError(
+            f"context parallelism: {type(module).__name__} got {embeds.shape[1]} embedded "
+            f"tokens, not the whole row's {whole}"
+        )
+    start, end = part_bounds(whole, group)
+    kwargs = dict(kwargs, inputs_embeds=embeds[:, start:end])
+    if kwargs.get("position_ids") is not None:  # [1, T], or [3 or 4, 1, T] (M-RoPE)
+        kwargs["position_ids"] = kwargs["position_ids"][..., start:end]
+    visual = kwargs.get("visual_pos_masks")  # [1, T]: where deepstack features are added
+    if visual is not None:
+        before, mine = int(visual[:, :start].sum()), int(visual[:, start:end].sum())
+        kwargs["visual_pos_masks"] = visual[:, start:end]
+        kwargs["deepstack_visual_embeds"] = [
+            features[before : before + mine] for features in kwargs["deepstack_visual_embeds"]
+        ]
+    return args, kwargs
 
 
 def requested_attention(attn_implementation: str, context_parallel: int) -> str:

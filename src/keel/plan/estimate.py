@@ -336,6 +336,10 @@ def _with_vision(
         hidden=hidden,
     )
     extra = vision_activation_bytes(work.vision, work.images, training)
+    if work.context_parallel > 1:
+        # each process embeds the whole row (keel.models.attention.embed_whole_row), and
+        # its part, a view the first block keeps, keeps the whole row's embeddings alive
+        extra += work.tokens * work.context_parallel * regime.residual * hidden
     return replace(saved, kept=saved.kept + extra)
 
 

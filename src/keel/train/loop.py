@@ -138,7 +138,13 @@ class Trainer:
             # builds a mask nor reads a device value back to check for packed rows.
             batch["position_ids"] = None
         if self.dist.cp_size > 1:  # this process's part of the row's tokens
-            batch = shard_tokens(batch, self.dist.cp_rank, self.dist.cp_size, self.pad_id)
+            batch = shard_tokens(
+                batch,
+                self.dist.cp_rank,
+                self.dist.cp_size,
+                self.pad_id,
+                whole_inputs=self.inner_objective.vision is not None,  # embeds the whole row
+            )
             batch["cp_group"] = self.dist.cp_group
         return {k: to_device(v, self.device) for k, v in batch.items()}
 

@@ -32,6 +32,7 @@ from keel.models.attention import (
     PREFIX_GROUPS,
     SEQ_LENS,
     VARLEN_ATTENTION,
+    embed_whole_row,
     register_varlen_attention,
 )
 from keel.models.vision import VisionFamily, family_of
@@ -129,8 +130,12 @@ def vision_inputs(
 def use_attention(model: nn.Module, implementation: str) -> None:
     """Switch the causal LM inside `model` (PEFT or not) to an attention implementation;
     for a vision-language model its language model only (the vision tower's attention is
-    not causal)."""
-    text_model(causal_lm_of(model)).set_attn_implementation(implementation)
+    not causal). A vision-language model on keel's varlen attention can also run context
+    parallel, which cuts its embedded rows (`embed_whole_row`)."""
+    lm = causal_lm_of(model)
+    text_model(lm).set_attn_implementation(implementation)
+    if implementation == VARLEN_ATTENTION and family_of(lm.config) is not None:
+        embed_whole_row(text_model(lm))
 
 
 def text_model(lm: nn.Module) -> nn.Module:
@@ -324,8 +329,14 @@ class CausalLMObjective(nn.Module):
         lengths = (size * PROBE_SAMPLES[0] + 1, PROBE_SAMPLES[1])
         whole = self._probe_row(lengths, seed=3, device=next(self.parameters()).device)
         whole["seq_lens"] = lengths
-        part = shard_tokens(whole | {"targets": whole["input_ids"]}, rank, size, pad_id=0)
-        span = part["input_ids"].shape[1]
+        part = shard_tokens(
+            whole | {"targets": whole["input_ids"]},
+            rank,
+            size,
+            pad_id=0,
+            whole_inputs=self.vision is not None,
+        )
+        span = part["targets"].shape[1]
         real = (rank * span, min(span, sum(lengths) - rank * span))  # (start, real tokens)
         batch = {"whole": whole, "part": part | {"cp_group": group}, "real": real}
         batch["input_ids"] = whole["input_ids"]  # where _run_probe reads the device
