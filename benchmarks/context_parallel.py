@@ -14,6 +14,11 @@ With `--stage grpo` each step is one prompt of about `--tokens` tokens (a docume
 answer about), LoRA, 2 completions of 16 tokens sampled and scored by their length: the
 prompt runs through the model once for both (keel.data.shared_prompt), so the row is the
 prompt and the completions.
+With `--stage sft --images N` the model is a random Qwen2-VL (the same language model, a
+2-block vision tower) and each step is one conversation of about `--tokens` tokens with N
+images of 448x448 (256 image tokens each) spread through its text, LoRA: each process
+encodes every image and embeds the whole row, and its language model takes its part
+(keel.models.attention.embed_whole_row).
 Reported per system (median over rounds): the memory the steps add to a process (its peak
 RSS less its peak RSS when the model was ready, keel_run.json, largest process), `keel
 plan`'s activation estimate per device, the median step time, and the first step's loss
@@ -21,7 +26,7 @@ plan`'s activation estimate per device, the median step time, and the first step
 the same row.
 
     python benchmarks/context_parallel.py [--tokens 8192] [--steps 4] [--rounds 2]
-        [--stage pt|dpo|grpo]
+        [--stage pt|dpo|grpo|sft] [--images 8]
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Data:
-    stage: str  # pt: one long document; dpo: long pairs; grpo: long prompts
+    stage: str  # pt: one long document; dpo: long pairs; grpo: long prompts; sft: images
     path: Path
     cutoff_len: int
+    images: int = 0  # sft: images per conversation (a vision-language model)
 
 
 SYSTEMS = {
@@ -117,6 +123,89 @@ def write_prompts(path: Path, model: Path, tokens: int, steps: int) -> int:
     return longest + 64  # the chat template's tokens
 
 
+QWEN2_VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_SIDE = 448  # pixels: (448 / 28)^2 = 256 image tokens
+
+
+def write_conversations(path: Path, model: Path, data: Data, steps: int) -> int:
+    """`steps` conversations of about `data.cutoff_len` tokens, each with `data.images`
+    images (random pixels) between pieces of text, and a short answer; returns the
+    cutoff_len that keeps each conversation whole."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    words, rng = doc_words(), random.Random(0)
+    image_tokens = (IMAGE_SIDE // 28) ** 2
+    text_tokens = data.cutoff_len - data.images * (image_tokens + 2) - 64
+    piece = text_tokens // (data.images + 1)
+    rows, longest = [], 0
+    for step in range(steps):
+        content = ""
+        for index in range(data.images + 1):
+            ids = tokenizer(" ".join(rng.choices(words, k=piece)))["input_ids"][:piece]
+            content += tokenizer.decode(ids)
+            if index < data.images:
+                image = path.parent / f"image{step}-{index}.png"
+                pixels = rng.randbytes(IMAGE_SIDE * IMAGE_SIDE * 3)
+                Image.frombytes("RGB", (IMAGE_SIDE, IMAGE_SIDE), pixels).save(image)
+                content += " <image> "
+        messages = [
+            {"role": "user", "content": content + "\nWhat do these pictures show?"},
+            {"role": "assistant", "content": "Noise, between pieces of keel's docs."},
+        ]
+        rows.append({"messages": messages, "images": [str(i) for i in _images(path, step, data)]})
+        longest = max(longest, len(tokenizer(content)["input_ids"]))
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return longest + data.images * (image_tokens + 2) + 128  # the template and the answer
+
+
+def _images(path: Path, step: int, data: Data) -> list[Path]:
+    return [path.parent / f"image{step}-{index}.png" for index in range(data.images)]
+
+
+def tiny_qwen2_vl(folder: Path, sizes: dict) -> Path:
+    """A random Qwen2-VL whose language model has `sizes` (LlamaConfig's keys) and whose
+    vision tower has 2 blocks, with the bundled tokenizer plus Qwen2-VL's vision specials."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    from keel.models import resolve_model_path
+
+    bundled = resolve_model_path("bundled:smollm2-135m-instruct", "~/.cache/keel", log=print)
+    tokenizer = AutoTokenizer.from_pretrained(bundled)
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_SPECIALS})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIALS}
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
+    sections = [head_dim // 8, 3 * head_dim // 16, 3 * head_dim // 16]  # sum: head_dim / 2
+    rope = {"rope_type": "default", "mrope_section": sections, "rope_theta": 10000.0}
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    text = dict(sizes, vocab_size=len(tokenizer), rope_parameters=rope, **special)
+    vision = dict(
+        depth=2, embed_dim=64, hidden_size=sizes["hidden_size"], num_heads=4, mlp_ratio=2,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    side = IMAGE_SIDE * IMAGE_SIDE
+    Qwen2VLImageProcessorPil(min_pixels=side, max_pixels=side).save_pretrained(folder)
+    return folder
+
+
 LONG_ROWS = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, max_position_embeddings=65536,
@@ -136,6 +225,9 @@ def job(work: Path, data: Data, model: Path, steps: int) -> Path:
         },
         "output": {"dir": str(work / "out"), "save_every": 0},
     }  # fmt: skip
+    if data.images:  # each image at 448x448, not the default 768x768 bound
+        config["model"]["vision"] = {"image_max_pixels": IMAGE_SIDE * IMAGE_SIDE}
+        config["method"]["lora"] = {"dropout": 0.0}  # the check: the first loss
     if data.stage == "grpo":
         # no LoRA dropout: each process draws its own part's masks, and the first grad norm
         # (the check: B starts at 0, so the forward does not see the masks) would differ
@@ -195,12 +287,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--stage", choices=("pt", "dpo", "grpo"), default="pt")
+    parser.add_argument("--stage", choices=("pt", "dpo", "grpo", "sft"), default="pt")
+    parser.add_argument("--images", type=int, default=8, help="sft: images per conversation")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp) / "model", LONG_ROWS)
         data = Data(args.stage, Path(tmp) / "long.jsonl", args.tokens)
-        if args.stage == "dpo":
+        if args.stage == "sft":
+            data.images = args.images
+            model = tiny_qwen2_vl(Path(tmp) / "model", LONG_ROWS)
+        else:
+            model = tiny_model(Path(tmp) / "model", LONG_ROWS)
+        if args.stage == "sft":
+            data.cutoff_len = write_conversations(data.path, model, data, args.steps)
+        elif args.stage == "dpo":
             data.cutoff_len = write_pairs(data.path, model, args.tokens, args.steps)
         elif args.stage == "grpo":
             data.cutoff_len = write_prompts(data.path, model, args.tokens, args.steps)
