@@ -223,6 +223,13 @@ CP2 = ("distributed.context_parallel=2",)
 CASES = {
     # LoRA on the language model, the tower frozen
     "cp2-ddp-lora": ("method.type=lora", "distributed.strategy=ddp"),
+    # packed rows (each sample's images and 3-D positions with it), checkpointed layers
+    "cp2-fsdp-lora-packed-ckpt": (
+        "method.type=lora",
+        "data.packing=true",
+        "train.gradient_checkpointing=true",
+        "distributed.strategy=fsdp",
+    ),
     # everything trains, the tower and projector too (kept whole on every process)
     "cp2-fsdp-full-tower": (
         "method.type=full",

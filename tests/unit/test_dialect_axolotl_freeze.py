@@ -100,3 +100,45 @@ def test_with_an_adapter_or_row_ranges_they_are_refused_with_the_fix():
     assert "ranges of their rows" in ranged["unfrozen_parameters"].why
     empty = _translate(unfrozen_parameters=[])
     assert empty.config["method"] == {"type": "full"} and empty.refused() == []
+
+
+# Axolotl's freeze_mm_modules (axolotl.utils.freeze), restated: a parameter whose name has
+# one of these components is frozen.
+_THEIR_MM_PREFIXES = (
+    "vision_tower", "vision_model", "vision_encoder", "embed_vision", "multi_modal_projector",
+    "visual", "audio_tower", "audio_model", "embed_audio",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_name", ["qwen2_vl", "llava"])
+@pytest.mark.parametrize("freeze", [True, False, None])
+def test_freeze_mm_modules_trains_what_axolotls_full_fine_tuning_trains(model_name, freeze):
+    """Full fine-tuning of a vision-language model (processor_type set): with
+    freeze_mm_modules true the tower and projector stay frozen, as Axolotl freezes them;
+    false or left out, everything trains, as in Axolotl (keel's own default freezes them)."""
+    from vlm_support import build_llava_tokenizer, build_tiny_llava
+
+    from keel.models.vision import family_of
+
+    build = {
+        "qwen2_vl": lambda: build_tiny_qwen2_vl(build_qwen2_vl_tokenizer()),
+        "llava": lambda: build_tiny_llava(build_llava_tokenizer()),
+    }[model_name]
+    keys = {"processor_type": "AutoProcessor"}
+    if freeze is not None:
+        keys["freeze_mm_modules"] = freeze
+    model = _apply(_translate(**keys), build())
+    names = {n for n, _ in build().named_parameters()}
+    frozen = {n for n in names if set(n.split(".")) & set(_THEIR_MM_PREFIXES)} if freeze else set()
+    # tower weights the forward never reads (LLaVA's layers after vision_feature_layer) get
+    # no gradient in either tool; keel freezes them
+    family = family_of(model.config)
+    unused = tuple(f"{path}." for path in family.unused_parameters(model.config))
+    assert _trained(model) == {n for n in names - frozen if not n.startswith(unused)}
+    assert frozen or not freeze  # the negative control: there is something to freeze
+
+
+def test_freeze_mm_modules_with_lora_asks_for_nothing_more():
+    translation = _translate(adapter="lora", lora_r=8, lora_alpha=16, freeze_mm_modules=False)
+    assert "vision" not in translation.config.get("model", {})
+    assert not translation.refused()

@@ -371,6 +371,10 @@ def _defaults(build: Build) -> None:
     raw = build.raw
     if "adapter" not in raw and not raw.get("unfrozen_parameters"):
         build.kept("method.type", "full", "no adapter: Axolotl trains every weight")
+        if raw.get("processor_type") and "freeze_mm_modules" not in raw:  # multimodal
+            why = "Axolotl's full fine-tuning trains a vision-language model's tower too"
+            build.kept("model.vision.freeze_tower", False, why)
+            build.kept("model.vision.freeze_projector", False, why)
     if raw.get("output_dir") is None:
         build.kept("output.dir", "./model-out", "Axolotl's default output_dir")
     if "datasets" not in raw and "pretraining_dataset" not in raw:

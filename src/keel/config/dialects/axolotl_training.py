@@ -101,6 +101,20 @@ def _unfrozen_parameters(build: Build, key: str, value) -> None:
         build.put(key, "method.freeze.trainable_params", keel_patterns, why)
 
 
+def _freeze_mm_modules(build: Build, key: str, value) -> None:
+    """Their switch that freezes a multimodal model's encoders and projectors; without it
+    their full fine-tuning trains them, and LoRA adapts what lora_target_modules names."""
+    if value:
+        build.set("model.vision.freeze_projector", True)
+        build.put(key, "model.vision.freeze_tower", True, "and model.vision.freeze_projector")
+    elif build.raw.get("adapter") in ("lora", "qlora"):
+        build.ignored(key, "keel's LoRA adapts a vision-language model's language model only")
+    else:
+        build.set("model.vision.freeze_projector", False)
+        why = "and model.vision.freeze_projector: full fine-tuning trains them, as theirs does"
+        build.put(key, "model.vision.freeze_tower", False, why)
+
+
 def _model_config(build: Build, key: str, value) -> None:
     """Their overrides of the model's config.json: the router's balance loss is a training
     setting keel has (train.router_aux_loss_coef); any other override is refused."""
@@ -237,6 +251,7 @@ TRAINING_HANDLERS = {
     "lora_target_parameters": _moe_experts_only,
     "experts_implementation": _experts_implementation,
     "unfrozen_parameters": _unfrozen_parameters,
+    "freeze_mm_modules": _freeze_mm_modules,
     "lr_scheduler_kwargs": _scheduler_kwargs,
     "cosine_min_lr_ratio": _cosine_min_lr_ratio,
     "dataset_exact_deduplication": _deduplication,
