@@ -243,6 +243,12 @@ def test_two_processes_splitting_tokens_match_one(workspace, reference, two_proc
     got = two_processes[case]
     want = reference(*CASES[case][:-1])  # one process, no strategy
     assert "1 group(s) of 2 processes (context parallel)" in workspace.outputs_together[case]
+    assert_same_run(got, want)
+
+
+def assert_same_run(got: Path, want: Path) -> None:
+    """Two runs' output folders: the same losses, eval losses, gradient norms (step by
+    step) and final weights."""
     assert_same_losses(train_losses(got), train_losses(want))
     assert_same_losses(eval_losses(got), eval_losses(want))
     assert_same_losses(grad_norms(got), grad_norms(want))
@@ -266,11 +272,7 @@ def test_four_processes_in_two_groups_match_one(workspace, reference):
     extra = ("method.type=full", "data.packing=true")
     got = workspace.train("cp2-dp2-fsdp", *CP2, *extra, "distributed.strategy=fsdp", nproc=4)
     assert "2 group(s) of 2 processes (context parallel)" in workspace.last_output
-    want = reference(*extra)
-    assert_same_losses(train_losses(got), train_losses(want))
-    assert_same_losses(eval_losses(got), eval_losses(want))
-    assert_same_losses(grad_norms(got), grad_norms(want))
-    assert_same_weights(got, want)
+    assert_same_run(got, reference(*extra))
 
 
 def test_models_context_parallelism_cannot_split_are_refused_before_weights_load():
