@@ -162,3 +162,40 @@ def test_a_trained_reward_model_is_a_grpo_reward(rm_config, tiny_model_dir, tmp_
     scored = [s["rewards"]["rm-for-grpo"] for s in samples]
     torch.testing.assert_close(torch.tensor(scored), torch.tensor(own), rtol=1e-5, atol=1e-5)
     assert len(set(scored)) > 1  # completions of different text score differently
+
+
+def test_a_model_rm_cannot_write_is_refused_before_training(tmp_path):
+    """A vision-language model (whose sequence-classification folder transformers cannot
+    build) is refused before any training, with exit 2 and nothing written; before this
+    check the run trained and then failed writing its output with a traceback."""
+    from vlm_support import write_tiny_qwen2_vl_dir
+
+    model = write_tiny_qwen2_vl_dir(tmp_path / "qwen2_vl")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    config = tiny_lora_config(model, data, tmp_path / "out", train={"stage": "rm"})
+    path = tmp_path / "rm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    done = keel_in_process("train", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "train.stage = rm trains text reward models" in done.stderr
+    assert "qwen2_vl is a vision-language model" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_which_models_rm_can_write():
+    from transformers import AutoConfig, GraniteConfig, LlamaConfig, OlmoeConfig
+    from vlm_support import build_qwen2_vl_tokenizer, qwen2_vl_config
+
+    from keel.models.sequence_classifier import sequence_classifier_problem
+
+    assert sequence_classifier_problem(LlamaConfig()) is None
+    assert sequence_classifier_problem(AutoConfig.for_model("qwen3_moe")) is None
+    for config in (GraniteConfig(), OlmoeConfig()):
+        assert "transformers has none for" in sequence_classifier_problem(config)
+    remote = GraniteConfig()
+    remote.auto_map = {"AutoModelForSequenceClassification": "modeling.GraniteScorer"}
+    assert sequence_classifier_problem(remote) is None  # the model's own code has one
+    vlm = qwen2_vl_config(build_qwen2_vl_tokenizer())
+    assert "is a vision-language model" in sequence_classifier_problem(vlm)

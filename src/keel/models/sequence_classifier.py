@@ -20,6 +20,35 @@ import torch
 from keel.models.adapters import save_model_dir
 
 
+def sequence_classifier_problem(config) -> str | None:
+    """Why a reward model of a model with `config` cannot be written as a
+    *ForSequenceClassification folder, or None: a vision-language model (most families have
+    no such class; Gemma 3's cannot be built from its folder with a pad token), or a text
+    model whose model_type has none in transformers (Granite, OLMoE, Cohere) nor in its own
+    code (auto_map)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES,
+    )
+
+    from keel.models.vision import family_of
+
+    if family_of(config) is not None:
+        return (
+            f"train.stage = rm trains text reward models (a *ForSequenceClassification "
+            f"model), and {config.model_type} is a vision-language model; use its text-only "
+            f"sibling or a text model"
+        )
+    auto_map = getattr(config, "auto_map", None) or {}
+    if config.model_type in CLASSES or "AutoModelForSequenceClassification" in auto_map:
+        return None
+    return (
+        f"train.stage = rm writes a *ForSequenceClassification model (what a grpo reward and "
+        f"AutoModelForSequenceClassification load), and transformers has none for "
+        f"{config.model_type} ({type(config).__name__}); use a model whose family has one "
+        f"(Llama, Qwen2/3, Mistral, Gemma, Phi-3, ...)"
+    )
+
+
 def save_sequence_classifier(
     causal_lm_dir: Path, score_weight: torch.Tensor, tokenizer, out_dir: Path
 ) -> None:

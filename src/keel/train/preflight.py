@@ -33,6 +33,7 @@ from keel.models.experts import fused_experts
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.models.qat import qat_problems
+from keel.models.sequence_classifier import sequence_classifier_problem
 from keel.models.trainable import find_decoder_layers
 from keel.models.vision import VisionProcessing, family_of, vision_processing
 from keel.models.vocabulary import (
@@ -44,6 +45,7 @@ from keel.models.vocabulary import (
 from keel.precision import Precision, resolve_precision
 from keel.quant import import_torchao
 from keel.rewards import RewardFunction
+from keel.stages.registry import get_stage
 from keel.train.batch_source import StepPlan, default_global_batch
 from keel.train.online_rl_checks import online_rl_checks
 from keel.train.output_folder import unwritable_reason
@@ -252,6 +254,8 @@ def check_model(
     problems += qat_problems(model, cfg.method.qat)
     if split := context_parallel_problem(model, cfg.distributed.context_parallel):
         problems.append(split)
+    if get_stage(cfg.train.stage).head == "score":  # rm: written as a sequence classifier
+        problems += filter(None, [sequence_classifier_problem(model.config)])
     refused = method_problems(model, method)
     problems += refused
     if not refused:
