@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from conftest import TINY_DECODER
 
 from keel.data import collate
-from keel.data.batching import merge_rows, sample_lengths
+from keel.data.batching import merge_rows
+from keel.data.shared_prompt import sample_lengths
 from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, sdpa_varlen
 from keel.precision import Precision
 from keel.train.loop import Trainer

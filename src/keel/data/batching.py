@@ -7,6 +7,7 @@ import torch
 from keel.data.encode import IGNORE_INDEX
 from keel.data.shared_prompt import (
     can_share,
+    sample_lengths,
     sequence_index,
     share_pair_prompts,
     share_prompts,
@@ -172,13 +173,6 @@ def _vision(rows: list[dict], position_ids: torch.Tensor) -> dict:
             rope[:, b, : len(positions)] = positions.t()
         out["rope_position_ids"] = rope
     return out
-
-
-def sample_lengths(position_ids) -> tuple[int, ...]:
-    """Lengths of the samples of a row whose position ids restart at 0 with each one."""
-    starts = [i for i, p in enumerate(position_ids) if p == 0 and i > 0]
-    bounds = [0, *starts, len(position_ids)]
-    return tuple(int(end - start) for start, end in zip(bounds, bounds[1:]))
 
 
 def _pad(rows: list[dict], prefix: str, pad_id: int) -> dict[str, torch.Tensor]:

@@ -25,7 +25,10 @@ goes on from there; its sequence numbers (chosen 2i, rejected 2i + 1) are unchan
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+
+from keel.data.encode import IGNORE_INDEX
 
 PROMPT_LEN = "prompt_len"  # a rollout row's field: its prompt's length in tokens
 # Per group: (prefix length, each segment's length); the attention keyword's value
@@ -33,7 +36,6 @@ Groups = tuple[tuple[int, tuple[int, ...]], ...]
 _PER_TOKEN = ("input_ids", "targets", "position_ids", "old_logps")
 _PER_SEQUENCE = ("advantages", "kept")
 _PAIR_TOKENS = ("input_ids", "targets", "position_ids")  # what a pair's sequences lay out
-_NO_TARGET = -100  # keel.data.encode.IGNORE_INDEX
 
 
 def can_share(rows: list[dict]) -> bool:
@@ -116,7 +118,8 @@ def share_pair_prompts(row: dict) -> tuple[dict, Groups]:
     log-probs) stay aligned; the sequences keep their order."""
     merged: dict = {key: [] for key in _PAIR_TOKENS}
     groups = []
-    sequences = _sequences(row["position_ids"])
+    ends = list(itertools.accumulate(sample_lengths(row["position_ids"])))
+    sequences = [slice(start, end) for start, end in zip([0, *ends], ends)]
     assert len(sequences) % 2 == 0, f"{len(sequences)} sequences are not whole pairs"
     for chosen, rejected in zip(sequences[0::2], sequences[1::2]):
         pair = [{key: row[key][s] for key in _PAIR_TOKENS} for s in (chosen, rejected)]
@@ -129,17 +132,17 @@ def share_pair_prompts(row: dict) -> tuple[dict, Groups]:
     return {**row, **merged}, tuple(groups)
 
 
-def _sequences(position_ids: Sequence[int]) -> list[slice]:
-    """Each sequence's span in a row whose position ids restart at 0 with each."""
-    starts = [i for i, p in enumerate(position_ids) if p == 0] or [0]
-    ends = [*starts[1:], len(position_ids)]
-    return [slice(start, end) for start, end in zip(starts, ends)]
+def sample_lengths(position_ids: Sequence[int]) -> tuple[int, ...]:
+    """Lengths of the samples of a row whose position ids restart at 0 with each one."""
+    starts = [i for i, p in enumerate(position_ids) if p == 0 and i > 0]
+    bounds = [0, *starts, len(position_ids)]
+    return tuple(int(end - start) for start, end in zip(bounds, bounds[1:]))
 
 
 def _common_prompt(chosen: dict, rejected: dict) -> int:
     """How many leading tokens two sequences share before either has a target (the prompt
     but its last token, which carries the first answer token's target)."""
-    firsts = [next((i for i, t in enumerate(s["targets"]) if t != _NO_TARGET), len(s["targets"]))
+    firsts = [next((i for i, t in enumerate(s["targets"]) if t != IGNORE_INDEX), len(s["targets"]))
               for s in (chosen, rejected)]  # fmt: skip
     limit = min(firsts)
     cut = 0

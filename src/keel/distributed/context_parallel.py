@@ -86,19 +86,23 @@ def _part(batch: dict, prefix: str, rank: int, size: int, pad_id: int, whole_inp
         out[f"{prefix}seq_lens"] = (*batch[f"{prefix}seq_lens"], padding)
         if f"{prefix}prefix_groups" in batch:  # the pseudo-sample: a prefix of its own
             out[f"{prefix}prefix_groups"] = (*batch[f"{prefix}prefix_groups"], (padding, ()))
-    part = (tokens + padding) // size
+    start, end = _bounds(tokens + padding, rank, size)
     for key in keys:
         if not (whole_inputs and key.removeprefix(prefix) in _MODEL_INPUTS):
-            out[key] = out[key][..., rank * part : (rank + 1) * part]
+            out[key] = out[key][..., start:end]
     return out
 
 
 def part_bounds(tokens: int, group) -> tuple[int, int]:
     """[start, end) of this process's part of a padded row of `tokens` tokens."""
-    size = dist.get_world_size(group)
+    return _bounds(tokens, dist.get_rank(group), dist.get_world_size(group))
+
+
+def _bounds(tokens: int, rank: int, size: int) -> tuple[int, int]:
+    """[start, end) of part `rank` of `size` of a row of `tokens` tokens (a multiple of
+    `size`): consecutive equal parts in rank order."""
     part = tokens // size
-    start = dist.get_rank(group) * part
-    return start, start + part
+    return rank * part, (rank + 1) * part
 
 
 def group_sum(x: torch.Tensor, group) -> torch.Tensor:
