@@ -33,6 +33,8 @@ CASES = {
     "lora, fp32, cutoff 512": ("bundled", "lora", False, 512, "fp32", 1, "auto"),
     "lora, fp32, cutoff 1024": ("bundled", "lora", False, 1024, "fp32", 1, "auto"),
     "lora, fp32, cutoff 1024, checkpointing": ("bundled", "lora", True, 1024, "fp32", 1, "auto"),
+    "oft, fp32, cutoff 1024": ("bundled", "oft", False, 1024, "fp32", 1, "auto"),
+    "oft, fp32, cutoff 1024, checkpointing": ("bundled", "oft", True, 1024, "fp32", 1, "auto"),
     "fsdp x2, full, fp32, cutoff 512": ("bundled", "full", False, 512, "fp32", 2, "fsdp"),
     "ddp x2, lora, fp32, cutoff 512": ("bundled", "lora", False, 512, "fp32", 2, "ddp"),
 }

@@ -121,6 +121,13 @@ CASES = {
         "lora",
         ("method.lora.dora=true", *PACK_AND_CHECKPOINT, *MERGED),
     ),
+    # OFT: each process holds its rows of every layer's rotation blocks (and computes
+    # the blocks' index buffers, which no checkpoint holds)
+    "fsdp-oft-packed-ckpt-merged": (
+        "fsdp",
+        "oft",
+        ("method.oft.block_size=16", *PACK_AND_CHECKPOINT, *MERGED),
+    ),
     # NF4 base: each process quantises its rows to what one process quantises
     "ddp-qlora": ("ddp", "qlora", ()),
     "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),

@@ -75,7 +75,7 @@ output:
         "model.dtyp" in joined and "did you mean 'model.dtype'" in joined and "run.yaml:3" in joined
     )
     assert "data.cutof_len" in joined and "did you mean 'data.cutoff_len'" in joined
-    assert "'lorra' is not one of full, freeze, lora, qlora; did you mean 'lora'" in joined
+    assert "'lorra' is not one of full, freeze, lora, qlora, oft; did you mean 'lora'" in joined
     assert "train.micro_batch_size (" in joined and "must be an integer" in joined
     assert "train.seed (command line)" in joined
 

@@ -29,7 +29,7 @@ def _their_config(name: str, tmp_path: Path) -> tuple[dict, Path]:
 
 
 def test_fixtures_are_their_examples():
-    assert len(FIXTURE_FILES) == 7
+    assert len(FIXTURE_FILES) == 8
     assert (FIXTURES / "examples/deepspeed/ds_z3_config.json").is_file()
 
 
@@ -606,3 +606,35 @@ def test_streaming_reads_the_data_as_training_goes(tmp_path: Path):
     assert (
         fates["buffer_size"].fate == "ignored" and "shuffles the files" in fates["buffer_size"].why
     )
+
+
+def test_their_oft_is_keels_oft_as_their_code_reads_it(tmp_path: Path):
+    """finetuning_type oft: the block size maps, lora_target (not oft_target, which their
+    code never reads) names the adapted modules, additional_target trains in full beside,
+    and module_dropout, which PEFT's OFT builds but never applies, is ignored saying so."""
+    raw = {
+        "model_name_or_path": "m",
+        "do_train": True,
+        "finetuning_type": "oft",
+        "oft_block_size": 16,
+        "oft_target": "q_proj",
+        "lora_target": "q_proj,v_proj",
+        "module_dropout": 0.1,
+        "additional_target": "lm_head",
+    }
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.refused() == []
+    assert translation.config["method"] == {
+        "type": "oft",
+        "oft": {"block_size": 16, "targets": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
+    }
+    fates = {f.key: f for f in translation.fates}
+    assert fates["oft_target"].fate == "ignored" and "never reads" in fates["oft_target"].why
+    assert "never applies it" in fates["module_dropout"].why
+    rank = translate({**raw, "oft_rank": 4, "oft_block_size": 0}, tmp_path / "x.yaml")
+    assert {f.key for f in rank.refused()} == {"oft_rank", "oft_block_size"}
+    (quantized,) = translate({**raw, "quantization_bit": 4}, tmp_path / "x.yaml").refused()
+    assert quantized.key == "quantization_bit" and "under LoRA only" in quantized.why
+    lora = translate({**raw, "finetuning_type": "lora"}, tmp_path / "x.yaml")
+    assert lora.config["method"]["lora"]["targets"] == ["q_proj", "v_proj"]
+    assert {f.key: f.fate for f in lora.fates}["oft_block_size"] == "ignored"

@@ -245,8 +245,9 @@ def assert_same_weights(a, b):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_lora_run_exports_from_its_output_dir_and_checkpoints(tiny_model_dir, tmp_path):
-    run = train(tiny_model_dir, tmp_path, "lora")
+@pytest.mark.parametrize("method", ["lora", "oft"])
+def test_adapter_run_exports_from_its_output_dir_and_checkpoints(tiny_model_dir, tmp_path, method):
+    run = train(tiny_model_dir, tmp_path, method)
     step2 = run / "checkpoints" / "step-00000002"
     from_output = export(run, tmp_path / "from-output")  # its final adapter
     from_checkpoint = export(run / "checkpoints" / "step-00000002", tmp_path / "from-ckpt")

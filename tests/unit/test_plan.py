@@ -322,7 +322,7 @@ def test_dora_plans_its_magnitudes_activations_and_its_moment_in_forward(tmp_pat
     an identity matrix (down_proj reads 704 features: a 704^2 fp32 identity)."""
     import torch
 
-    from keel.plan.activations import dora_transient_bytes
+    from keel.plan.adapter_memory import dora_transient_bytes
     from keel.plan.architecture import build_meta_model, read_architecture
     from keel.plan.census import take_census
 

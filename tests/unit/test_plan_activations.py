@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, QatConfig
+from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig, OftConfig, QatConfig
 from keel.losses import IGNORE_INDEX, chunked_cross_entropy
 from keel.models import apply_method
 from keel.models.attention import SEQ_LENS, VARLEN_ATTENTION, register_varlen_attention
@@ -96,6 +96,16 @@ CASES = {
     "dora bf16 weights, dropout": dict(
         method="lora", dora=True, dtype=torch.bfloat16, autocast=True, dropout=0.1
     ),
+    # OFT: a reordered copy of each adapted layer's input, and per block the rotations'
+    # Cayley transforms (Neumann series: cast copies under autocast; exact: a solve)
+    "oft fp32": dict(method="oft"),
+    "oft blocks of 16, packed, padding-free": dict(
+        method="oft", block=16, packed=True, padding_free=True
+    ),
+    "oft bf16 autocast": dict(method="oft", autocast=True),
+    "oft bf16 weights": dict(method="oft", dtype=torch.bfloat16, autocast=True),
+    "oft exact fp32": dict(method="oft", exact=True),
+    "oft exact bf16 autocast": dict(method="oft", exact=True, autocast=True),
     # method.qat: torchao's rounding saves several times a plain linear's tensors
     "qat int8-int4 fp32": dict(method="full", qat="int8-int4"),
     "qat int8-int4 bf16 autocast, freeze": dict(method="freeze", qat="int8-int4", autocast=True),
@@ -115,6 +125,7 @@ def test_saved_tensors_match_the_formula(case):
         lora=LoraConfig(r=8, dropout=kw.get("dropout", 0.0), dora=kw.get("dora", False)),
         freeze=FreezeConfig(trainable_layers=2),
         qat=QatConfig(scheme=kw.get("qat", "none")),
+        oft=OftConfig(block_size=kw.get("block", 32), cayley_neumann=not kw.get("exact")),
     )
     from transformers import LlamaForCausalLM
 
@@ -135,7 +146,7 @@ def test_saved_tensors_match_the_formula(case):
     attn = "sdpa"
     if kw.get("padding_free"):  # the micro-batch's rows laid end to end
         register_varlen_attention()
-        (model.get_base_model() if "lora" in kw["method"] else model).set_attn_implementation(
+        (model.get_base_model() if method.uses_adapter else model).set_attn_implementation(
             VARLEN_ATTENTION
         )
         batch = {key: value.reshape(1, -1) for key, value in batch.items()}

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, OFTConfig, get_peft_model
 
 from keel.data import collate
 from keel.precision import Precision
@@ -98,13 +98,27 @@ def test_sequence_logps_negative_control(model):
 def lora(model, seed: int = 0, perturb: bool = False):
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     torch.manual_seed(seed)  # LoRA A is drawn at random
-    peft_model = get_peft_model(copy.deepcopy(model), config)
+    return _moved(get_peft_model(copy.deepcopy(model), config), "lora_B", 0.5, seed, perturb)
+
+
+def oft(model, seed: int = 0, perturb: bool = False):
+    config = OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(copy.deepcopy(model), config)  # zero: the identity rotation
+    return _moved(peft_model, ".oft_R.", 0.2, seed, perturb)
+
+
+def _moved(peft_model, part: str, scale: float, seed: int, perturb: bool):
+    """`peft_model` with the adapter weights named `part` (zero at the start: the adapter
+    changes nothing) drawn at random when `perturb`."""
     if perturb:
         generator = torch.Generator().manual_seed(seed)
         for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.data = torch.randn(p.shape, generator=generator) * 0.5
+            if part in name:
+                p.data = torch.randn(p.shape, generator=generator) * scale
     return peft_model
+
+
+ADAPTERS = {"lora": lora, "oft": oft}
 
 
 def parts(out: ObjectiveOutput) -> tuple:
@@ -120,9 +134,11 @@ def objective(policy, stage="dpo", **settings) -> PreferenceObjective:
     return built
 
 
-def test_dpo_with_lora_starts_at_ln2_with_zero_margins(model):
-    """At step 1 the LoRA policy (B = 0) is its own reference: every pair's loss is ln 2."""
-    built = objective(lora(model))
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_dpo_with_an_adapter_starts_at_ln2_with_zero_margins(model, adapter):
+    """At step 1 the LoRA policy (B = 0) or OFT policy (no rotation) is its own reference:
+    every pair's loss is ln 2."""
+    built = objective(ADAPTERS[adapter](model))
     loss_sum, pairs, stats = parts(built(collate(pair_rows(), 0)))
     assert pairs.item() == 3
     assert loss_sum.item() / 3 == pytest.approx(math.log(2), rel=1e-6)
@@ -133,8 +149,9 @@ def test_dpo_with_lora_starts_at_ln2_with_zero_margins(model):
     assert named["logps/chosen"] == pytest.approx(expected_chosen, rel=1e-5)
 
 
-def test_lora_reference_equals_a_separately_loaded_base(model):
-    policy = lora(model, perturb=True)
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_adapter_reference_equals_a_separately_loaded_base(model, adapter):
+    policy = ADAPTERS[adapter](model, perturb=True)
     built = objective(policy)
     batch = collate(pair_rows(), 0)
     reference, _ = built(batch, mode="reference")

@@ -138,9 +138,39 @@ def test_mixed_adapters_share_a_batch(model, tiny_tokenizer, tmp_path):
     assert singles[0].text == alone(plain, tiny_tokenizer, PROMPTS[0], max_tokens=16).text
 
 
-def test_a_dora_adapter_is_served_merged_and_alone(model, tiny_tokenizer, tmp_path):
-    """PEFT batches no DoRA rows with others: loading one beside the base is refused with
-    the fix, and a DoRA output folder as --model is served merged, answering as the DoRA
+def _random_oft(base, out_dir, *, seed: int):
+    """A PEFT OFT adapter for `base` with turned (not identity) rotations."""
+    import copy
+
+    from peft import OFTConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = OFTConfig(r=0, oft_block_size=8, target_modules=["q_proj", "v_proj"])
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".oft_R." in name:
+                param.normal_(0, 0.1)
+    peft_model.save_pretrained(out_dir)
+    return out_dir
+
+
+UNBATCHED = {  # adapters PEFT cannot batch per row: how made, what refuses one beside others
+    "dora": (
+        lambda base, out: random_lora(base, out, seed=3, dora=True),
+        "is a DoRA adapter, which PEFT cannot batch",
+    ),
+    "oft": (
+        lambda base, out: _random_oft(base, out, seed=3),
+        "says peft_type OFT; only LoRA adapters",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", UNBATCHED)
+def test_a_dora_or_oft_adapter_is_served_merged_and_alone(model, tiny_tokenizer, tmp_path, kind):
+    """PEFT batches no DoRA or OFT rows with others: loading one beside the base is refused
+    with the fix, and such an output folder as --model is served merged, answering as the
     adapter does on its own."""
     import copy
 
@@ -148,24 +178,25 @@ def test_a_dora_adapter_is_served_merged_and_alone(model, tiny_tokenizer, tmp_pa
 
     from keel.infer.serve.server import ServeOptions, build_state
 
-    dora = random_lora(model, tmp_path / "d", seed=3, dora=True)
-    with pytest.raises(ModelError, match="is a DoRA adapter, which PEFT cannot batch"):
-        AdapterSet(copy.deepcopy(model), BASE).load("dora", str(dora))
+    make, refusal = UNBATCHED[kind]
+    folder = make(model, tmp_path / "d")
+    with pytest.raises(ModelError, match=refusal):
+        AdapterSet(copy.deepcopy(model), BASE).load(kind, str(folder))
     base_dir = tmp_path / "base"
     model.save_pretrained(base_dir)
     tiny_tokenizer.save_pretrained(base_dir)
-    config = (dora / "adapter_config.json").read_text()
-    (dora / "adapter_config.json").write_text(config.replace('"base_model_name_or_path": null',
+    config = (folder / "adapter_config.json").read_text()
+    (folder / "adapter_config.json").write_text(config.replace('"base_model_name_or_path": null',
                                                              f'"base_model_name_or_path": "{base_dir}"'))  # fmt: skip
-    tiny_tokenizer.save_pretrained(dora)
+    tiny_tokenizer.save_pretrained(folder)
     logs = []
-    state = build_state(ServeOptions(model=str(dora)), log=logs.append)
-    assert state.engine.adapters.names() == [str(dora)]
+    state = build_state(ServeOptions(model=str(folder)), log=logs.append)
+    assert state.engine.adapters.names() == [str(folder)]
     assert any("served merged into its base" in line for line in logs)
     state.engine.eos_ids = set()
-    own = PeftModel.from_pretrained(copy.deepcopy(model), str(dora)).eval()
+    own = PeftModel.from_pretrained(copy.deepcopy(model), str(folder)).eval()
     for prompt in PROMPTS[:3]:
-        served = alone(state.engine, tiny_tokenizer, prompt, model=str(dora), max_tokens=12)
+        served = alone(state.engine, tiny_tokenizer, prompt, model=str(folder), max_tokens=12)
         ids = torch.tensor([tiny_tokenizer.encode(prompt)])  # [1, P]
         out = own.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert served.text == tiny_tokenizer.decode(

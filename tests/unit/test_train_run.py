@@ -54,6 +54,8 @@ METHOD_OVERRIDES = {
     # streamed rows (shuffled in blocks of 5 rows, BLOCK_ROWS patched below; 6 a step): the
     # step-4 checkpoint's cursor points at row 3 of the second block of the second epoch
     "lora-streaming": ("data.streaming=true", "data.val_size=0", "train.micro_batch_size=3"),
+    # OFT's rotations (blocks of 16: two per layer of 32 inputs) and their AdamW moments
+    "oft": ("method.oft.block_size=16",),
 }
 
 
@@ -90,6 +92,11 @@ def test_resumed_run_matches_uninterrupted(
         with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
             assert not torch.equal(trained, f.get_tensor("model.embed_tokens.weight"))
 
+    if method == "oft":  # the rotations trained away from the identity (zero) they start at
+        from safetensors.torch import load_file
+
+        saved = load_file(tmp_path / "a/adapter_model.safetensors")
+        assert saved and all(".oft_R." in k and t.abs().max() > 1e-4 for k, t in saved.items())
     if method == "full-qat":  # unrounded before step 6, rounded at it
         plain = run_training(
             config(tiny_model_dir, data_file, tmp_path / "p", method="full"), log=quiet

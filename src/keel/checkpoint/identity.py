@@ -61,7 +61,7 @@ def run_identity(
     method = {"type": cfg.method.type}
     if cfg.method.uses_lora:
         method["lora"] = dataclasses.asdict(cfg.method.lora)
-    if cfg.method.type in ("freeze", "qlora"):
+    if cfg.method.type in ("freeze", "qlora", "oft"):
         method[cfg.method.type] = dataclasses.asdict(getattr(cfg.method, cfg.method.type))
     if cfg.method.qat.scheme != "none":  # the rounding is what the weights trained under
         method["qat"] = dataclasses.asdict(cfg.method.qat)

@@ -29,6 +29,7 @@ from keel.config.schema import (
     LoraConfig,
     MethodConfig,
     ModelConfig,
+    OftConfig,
     QatConfig,
     QloraConfig,
     VisionConfig,
@@ -143,6 +144,8 @@ def _method_of(saved: dict, path: Path) -> MethodConfig:
             return MethodConfig(
                 type=kind, lora=LoraConfig(**saved["lora"]), qlora=QloraConfig(**saved["qlora"])
             )
+        if kind == "oft":
+            return MethodConfig(type=kind, oft=OftConfig(**saved["oft"]))
         qat = QatConfig(**saved.get("qat", {}))  # none in checkpoints from before QAT
         if kind == "freeze":
             return MethodConfig(type=kind, freeze=FreezeConfig(**saved["freeze"]), qat=qat)
@@ -161,7 +164,7 @@ def load_checkpoint_weights(
 ):
     """`model` (the base) with the checkpoint's method applied and its weights loaded in.
 
-    Returns the model to merge or save: a PeftModel for LoRA, `model` itself otherwise.
+    Returns the model to merge or save: a PeftModel for LoRA and OFT, `model` itself otherwise.
     Every trained weight must be in the checkpoint with the model's shape; anything else
     is a ModelError naming the base and the fix.
     """

@@ -58,7 +58,7 @@ def load_config(
     if not problems:
         from keel.config.start_adapter import with_start_adapter
 
-        given = ((raw.get("method") or {}).get("lora") or {}) if isinstance(raw, dict) else {}
+        given = (raw.get("method") or {}) if isinstance(raw, dict) else {}
         cfg, adapter_problems = with_start_adapter(cfg, given)
         problems.extend(adapter_problems)
     if problems:

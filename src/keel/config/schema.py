@@ -35,9 +35,10 @@ class ModelConfig:
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     cache_dir: str = "~/.cache/keel"  # where bundled models are converted to safetensors
     trust_remote_code: bool = False  # run the model repository's own Python code (transformers)
-    # a PEFT LoRA adapter folder of this model to keep training (method lora or qlora; e.g.
-    # an sft run's output for a dpo run): its adapter_config.json fixes method.lora's r,
-    # alpha, targets, rslora, dora and modules_to_save
+    # a PEFT LoRA or OFT adapter folder of this model to keep training (method lora or
+    # qlora, or oft; e.g. an sft run's output for a dpo run): its adapter_config.json fixes
+    # method.lora's r, alpha, targets, rslora, dora and modules_to_save (method.oft's
+    # block_size, targets, cayley_neumann and modules_to_save)
     adapter: str | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)  # vision-language models
     # tokens to add to the tokenizer, each then one token (e.g. [<think>, </think>]); a new
@@ -71,6 +72,23 @@ class LoraConfig:
     # per expert. The weight plus its LoRA is formed once per forward (a copy of the
     # layer's experts), dropout must be 0, and DoRA does not apply
     target_parameters: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class OftConfig:
+    # Orthogonal fine-tuning (PEFT's OFT; LLaMA-Factory's finetuning_type oft): each adapted
+    # linear layer's input is turned by a trained block-diagonal rotation before its frozen
+    # weight, so the weight's norms and the angles between its neurons are kept. A block of
+    # b inputs trains b(b-1)/2 numbers: a layer with d inputs trains d(b-1)/2. A layer whose
+    # inputs block_size does not divide gets the nearest size that does (PEFT's rule), which
+    # the run's log names
+    block_size: int = 32  # inputs per rotation block
+    targets: str | list[str] = "all-linear"  # "all-linear" or module names, e.g. [q_proj, v_proj]
+    # the rotation as the Cayley transform's Neumann series (5 terms; PEFT's default): no
+    # matrix inverse, slightly off orthogonal; false: the exact transform (a solve per step)
+    cayley_neumann: bool = True
+    # modules that train in full beside the rotations, as method.lora.modules_to_save
+    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -117,8 +135,9 @@ class QatConfig:
 
 @dataclass(kw_only=True)
 class MethodConfig:
-    type: Literal["full", "freeze", "lora", "qlora"] = "lora"  # which weights train, and how
+    type: Literal["full", "freeze", "lora", "qlora", "oft"] = "lora"  # which weights train, and how
     lora: LoraConfig = field(default_factory=LoraConfig)  # lora and qlora
+    oft: OftConfig = field(default_factory=OftConfig)
     freeze: FreezeConfig = field(default_factory=FreezeConfig)
     qlora: QloraConfig = field(default_factory=QloraConfig)
     qat: QatConfig = field(default_factory=QatConfig)  # full and freeze
@@ -127,6 +146,23 @@ class MethodConfig:
     def uses_lora(self) -> bool:
         """LoRA adapters on a frozen base (lora, or qlora on a quantised base)."""
         return self.type in ("lora", "qlora")
+
+    @property
+    def uses_adapter(self) -> bool:
+        """A PEFT adapter on a frozen base (LoRA, QLoRA or OFT): the output is an adapter
+        folder, a reference model is the base with the adapter switched off."""
+        return self.type in ("lora", "qlora", "oft")
+
+    @property
+    def adapter(self) -> LoraConfig | OftConfig:
+        """The adapter's section (method.lora or method.oft): its targets and
+        modules_to_save."""
+        return self.oft if self.type == "oft" else self.lora
+
+    @property
+    def adapter_key(self) -> str:
+        """The config key of that section, for messages: method.lora or method.oft."""
+        return "method.oft" if self.type == "oft" else "method.lora"
 
 
 # The message fields an answer's reasoning is read from, as chat templates read it: vLLM's
@@ -320,7 +356,7 @@ class OutputConfig:
         default_factory=lambda: ["jsonl"]
     )
     wandb: WandbConfig = field(default_factory=WandbConfig)  # with wandb in loggers
-    merge_lora: bool = False  # also write a merged HF model to <dir>/merged
+    merge_lora: bool = False  # also write a merged HF model to <dir>/merged (LoRA, QLoRA, OFT)
     # replace keel's own files in a non-empty dir; a finished run is replaced even with
     # train.resume=auto (an interrupted one is resumed): keel.train.resume
     overwrite: bool = False

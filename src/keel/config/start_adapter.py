@@ -1,9 +1,10 @@
-"""model.adapter: a saved PEFT LoRA adapter that a run keeps training.
+"""model.adapter: a saved PEFT adapter (LoRA or OFT) that a run keeps training.
 
-The adapter's shape is fixed by its weights, so its adapter_config.json decides
-method.lora's r, alpha, targets, rsLoRA scale, DoRA and modules trained in full; a config that
-sets one of them to something else is refused, naming both values. Dropout and the rest of
-training are the config's own.
+The adapter's shape is fixed by its weights, so its adapter_config.json decides the method
+section's shape: method.lora's r, alpha, targets, rsLoRA scale, DoRA and modules trained in
+full; method.oft's block size, targets, Cayley parameterisation and modules trained in full.
+A config that sets one of them to something else is refused, naming both values. Dropout and
+the rest of training are the config's own.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from keel.config.schema import LoraConfig, RunConfig
+from keel.config.schema import LoraConfig, OftConfig, RunConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -25,59 +26,108 @@ SHAPE = {
     "dora": "use_dora",
     "modules_to_save": "modules_to_save",
 }
+# the same for method.oft
+OFT_SHAPE = {
+    "block_size": "oft_block_size",
+    "targets": "target_modules",
+    "cayley_neumann": "use_cayley_neumann",
+    "modules_to_save": "modules_to_save",
+}
+# PEFT's peft_type -> the method types that keep training it, and their section
+_KINDS = {"LORA": (("lora", "qlora"), "lora"), "OFT": (("oft",), "oft")}
 
 
-def with_start_adapter(cfg: RunConfig, given: dict) -> tuple[RunConfig, list[str]]:
-    """`cfg` with method.lora's shape read from model.adapter's config (unchanged without
-    one), and the problems found. `given`: the method.lora keys the config sets itself."""
+def with_start_adapter(cfg: RunConfig, raw_method: dict) -> tuple[RunConfig, list[str]]:
+    """`cfg` with the method section's shape read from model.adapter's config (unchanged
+    without one), and the problems found. `raw_method`: the config's method section as
+    written (the keys it sets itself)."""
     folder = cfg.model.adapter
     if folder is None:
         return cfg, []
     where = f"model.adapter = {folder!r}"
-    if not cfg.method.uses_lora:
+    if not cfg.method.uses_adapter:
         return cfg, [
-            f"{where} keeps training a LoRA adapter, but method.type = {cfg.method.type}; "
-            f"set method.type lora (or qlora), or remove model.adapter"
+            f"{where} keeps training a LoRA or OFT adapter, but method.type = "
+            f"{cfg.method.type}; set method.type lora, qlora or oft (as the adapter), or "
+            f"remove model.adapter"
         ]
     path = Path(folder).expanduser()
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (path / name).is_file()]
     if missing:
         return cfg, [
-            f"{where}: no {' or '.join(missing)} there; give a PEFT LoRA adapter folder (a keel "
-            f"LoRA run's output.dir, or a checkpoint exported with keel export)"
+            f"{where}: no {' or '.join(missing)} there; give a PEFT LoRA or OFT adapter folder "
+            f"(a keel run's output.dir, or a checkpoint exported with keel export)"
         ]
     try:
         saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         return cfg, [f"{where}: cannot read {ADAPTER_CONFIG}: {e}"]
-    if not isinstance(saved, dict) or saved.get("peft_type") != "LORA":
-        kind = saved.get("peft_type") if isinstance(saved, dict) else None
-        return cfg, [f"{where}: {ADAPTER_CONFIG} is not a LoRA adapter's (peft_type {kind!r})"]
-    shape = _shape_of(saved)
-    problems = [
-        f"method.lora.{key} = {given[key]!r}, but {where} has {key} {shape[key]!r} (its "
-        f"{SHAPE[key]}); remove method.lora.{key}: the adapter's weights fix it"
+    kind = saved.get("peft_type") if isinstance(saved, dict) else None
+    if kind not in _KINDS:
+        return cfg, [
+            f"{where}: {ADAPTER_CONFIG} is not a LoRA or OFT adapter's (peft_type {kind!r})"
+        ]
+    types, section = _KINDS[kind]
+    if cfg.method.type not in types:
+        return cfg, [
+            f"{where} is a{'n' if kind == 'OFT' else ''} {kind} adapter, but method.type = "
+            f"{cfg.method.type}; set method.type {' or '.join(types)}"
+        ]
+    shape, problems = _oft_shape(saved, where) if kind == "OFT" else (_lora_shape(saved), [])
+    keys = OFT_SHAPE if kind == "OFT" else SHAPE
+    given = raw_method.get(section) or {} if isinstance(raw_method, dict) else {}
+    given = given if isinstance(given, dict) else {}
+    problems += [
+        f"method.{section}.{key} = {given[key]!r}, but {where} has {key} {shape[key]!r} (its "
+        f"{keys[key]}); remove method.{section}.{key}: the adapter's weights fix it"
         for key in shape
         if key in given and _normal(key, given[key]) != _normal(key, shape[key])
     ]
     if problems:
         return cfg, problems
-    lora = dataclasses.replace(cfg.method.lora, **shape)
-    return dataclasses.replace(cfg, method=dataclasses.replace(cfg.method, lora=lora)), []
+    settings = dataclasses.replace(getattr(cfg.method, section), **shape)
+    return dataclasses.replace(
+        cfg, method=dataclasses.replace(cfg.method, **{section: settings})
+    ), []
 
 
-def _shape_of(saved: dict) -> dict:
+def _lora_shape(saved: dict) -> dict:
     """method.lora's shape keys as the adapter saved them."""
-    targets = saved.get("target_modules") or []
     defaults = LoraConfig()
     return {
         "r": saved.get("r", 8),
         "alpha": float(saved.get("lora_alpha", 8)),
-        "targets": sorted(targets) if isinstance(targets, list | set) else targets,
+        "targets": _targets(saved),
         "rslora": bool(saved.get("use_rslora", defaults.rslora)),
         "dora": bool(saved.get("use_dora", defaults.dora)),
         "modules_to_save": _distinct(saved.get("modules_to_save") or []),
     }
+
+
+def _oft_shape(saved: dict, where: str) -> tuple[dict, list[str]]:
+    """method.oft's shape keys as the adapter saved them, and what keel cannot continue: a
+    rank-given adapter (r blocks per layer, no block size), COFT or shared blocks."""
+    problems = []
+    if not saved.get("oft_block_size"):
+        problems.append(
+            f"{where} fixes its blocks per layer (r {saved.get('r')!r}) instead of a block "
+            f"size; keel trains OFT by method.oft.block_size only"
+        )
+    for flag, what in (("coft", "constrained OFT (coft)"), ("block_share", "shared blocks")):
+        if saved.get(flag):
+            problems.append(f"{where} uses {what}, which keel's OFT does not train")
+    shape = {
+        "block_size": saved.get("oft_block_size") or 0,
+        "targets": _targets(saved),
+        "cayley_neumann": bool(saved.get("use_cayley_neumann", OftConfig().cayley_neumann)),
+        "modules_to_save": _distinct(saved.get("modules_to_save") or []),
+    }
+    return shape, problems
+
+
+def _targets(saved: dict):
+    targets = saved.get("target_modules") or []
+    return sorted(targets) if isinstance(targets, list | set) else targets
 
 
 def _distinct(names: list[str]) -> list[str]:

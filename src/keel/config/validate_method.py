@@ -1,4 +1,4 @@
-"""Rules of the method section (full, freeze, LoRA, QLoRA, QAT) beside its field types;
+"""Rules of the method section (full, freeze, LoRA, QLoRA, OFT, QAT) beside its field types;
 part of keel.config.validate. Returns problems, never raises."""
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def check_method(cfg: RunConfig) -> list[str]:
             "method.freeze.trainable_layers",
             allow_zero=bool(freeze.trainable_modules or freeze.trainable_params),
         )
-    if cfg.output.merge_lora and not cfg.method.uses_lora:
+    if cfg.method.type == "oft":
+        problems += positive(cfg.method.oft.block_size, "method.oft.block_size")
+    if cfg.output.merge_lora and not cfg.method.uses_adapter:
         problems.append(
-            f"output.merge_lora = true needs method.type = lora or qlora "
+            f"output.merge_lora = true needs method.type = lora, qlora or oft "
             f"(it is {cfg.method.type}); remove output.merge_lora"
         )
     if cfg.method.type == "qlora" and cfg.method.qlora.quant_backend == "bnb":
@@ -72,7 +74,7 @@ def _check_qat(cfg: RunConfig) -> list[str]:
         return []
     problems = positive(qat.group_size, "method.qat.group_size")
     problems += positive(qat.start_step, "method.qat.start_step", allow_zero=True)
-    if cfg.method.uses_lora:
+    if cfg.method.uses_adapter:
         problems.append(
             f"method.qat.scheme = {qat.scheme} with method.type = {cfg.method.type}: QAT "
             f"trains the weights the scheme rounds, and a merged adapter would change them "

@@ -33,7 +33,7 @@ class AdapterWeights:
             raise ModelError(
                 f"model.adapter {self.folder} {found} {key} (this model's is "
                 f"{tuple(tensor.shape)}); was the adapter trained on this model, with these "
-                f"targets? (method.lora follows its adapter_config.json)"
+                f"targets? (method.lora or method.oft follows its adapter_config.json)"
             )
         local(tensor).copy_(self.reader.get(key, region_of(tensor)))
         self.used.add(key)
@@ -42,11 +42,13 @@ class AdapterWeights:
     @staticmethod
     def key_of(name: str) -> str | None:
         """The adapter file's key of live parameter `name`; None for a base weight. PEFT
-        saves without the adapter's name: lora_A.default.weight -> lora_A.weight,
+        saves without the adapter's name: lora_A.default.weight -> lora_A.weight (OFT's
+        oft_R.default.weight -> oft_R.weight),
         lm_head.modules_to_save.default.weight -> lm_head.weight, and a DoRA magnitude
         without its parameter's name: lora_magnitude_vector.default.weight ->
         lora_magnitude_vector."""
-        if ".lora_" not in name and ".modules_to_save.default." not in name:
+        adapter = ".lora_" in name or ".oft_R." in name or ".modules_to_save.default." in name
+        if not adapter:
             return None
         name = name.replace(f"{DORA_MAGNITUDE}default.weight", DORA_MAGNITUDE.rstrip("."))
         return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")

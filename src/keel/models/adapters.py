@@ -1,4 +1,4 @@
-"""Choose what trains (full, freeze, LoRA), save the result, and load it back for inference.
+"""Choose what trains (full, freeze, LoRA, OFT), save the result, and load it back for inference.
 
 Saved directories are ones other tools read as they are: a PEFT adapter directory, or a
 full Hugging Face model directory in safetensors.
@@ -17,39 +17,36 @@ from keel.config.schema import (
     BUNDLED_PREFIX,
     LoraConfig,
     MethodConfig,
+    OftConfig,
     VisionConfig,
 )
 from keel.errors import ModelError
 from keel.models.bundled import resolve_model_path
 from keel.models.experts import (
-    check_no_wrapped_experts,
     expert_target_problems,
     fused_experts,
-    linear_targets,
     retargeted_names,
 )
 from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import copy_processor_files, load_model, load_tokenizer
+from keel.models.peft_wrap import adapter_targets, full_modules, wrap_lora, wrap_oft
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 from keel.models.trainable import (
     apply_freeze,
     freeze_problems,
-    matches,
     short_names,
     unknown_names,
 )
 from keel.models.vision_parts import (
     apply_vision_switches,
     describe_parts,
-    lora_exclusions,
-    modules_to_save,
     outside_vision,
     vision_family,
 )
 from keel.models.vocabulary import fit_vocabulary
 
 Log = Callable[[str], None]
-# Module types PEFT's LoRA can wrap; a target name must match at least one of them.
+# Module types PEFT's LoRA (and OFT) can wrap; a target name must match at least one of them.
 _LORA_TYPES: tuple[type, ...] = (
     torch.nn.Linear,
     torch.nn.Embedding,
@@ -75,10 +72,12 @@ def apply_method(
     """Mark what trains according to `method.type` and return the model to train.
 
     full: every parameter. freeze: the last `trainable_layers` decoder layers plus the
-    modules named in `trainable_modules` and the parameters `trainable_params` match. lora and qlora: a PEFT LoRA wrapper (a new
-    PeftModel around `model`; qlora's base is quantised later, by keel.quant). Anything `method_problems` finds raises one ModelError listing it all.
-    A vision-language model's tower and projector train as `vision` (model.vision; None:
-    its defaults) says, and LoRA adapts its language model only (keel.models.vision_parts).
+    modules named in `trainable_modules` and the parameters `trainable_params` match. lora
+    and qlora: a PEFT LoRA wrapper (a new PeftModel around `model`; qlora's base is
+    quantised later, by keel.quant); oft: a PEFT OFT wrapper. Anything `method_problems`
+    finds raises one ModelError listing it all. A vision-language model's tower and
+    projector train as `vision` (model.vision; None: its defaults) says, and an adapter
+    adapts its language model only (keel.models.vision_parts).
     """
     problems = method_problems(model, method)
     if problems:
@@ -95,8 +94,10 @@ def apply_method(
         model.requires_grad_(True)
     elif method.type == "freeze":
         apply_freeze(model, method.freeze, log)
+    elif method.type == "oft":
+        model = wrap_oft(model, method.oft, log, vision=vision)
     else:
-        model = _apply_lora(model, method.lora, log, vision=vision)
+        model = wrap_lora(model, method.lora, log, vision=vision)
     if family is not None:
         apply_vision_switches(model, family, vision, method.type)
     trainable, total = count_parameters(model)
@@ -116,13 +117,16 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
         return []
     if method.type == "freeze":
         return freeze_problems(model, method.freeze)
-    if method.uses_lora:
+    if method.uses_adapter:
+        key = method.adapter_key
         return [
-            *_lora_problems(model, method.lora),
-            *_full_module_problems(model, method.lora),
-            *expert_target_problems(model, method.lora.target_parameters),
+            *_target_problems(model, method.adapter, key),
+            *_full_module_problems(model, method.adapter, key),
+            *expert_target_problems(
+                model, method.lora.target_parameters if method.uses_lora else []
+            ),
         ]
-    return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora"]
+    return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora, oft"]
 
 
 def lora_target_names(model: torch.nn.Module) -> list[str]:
@@ -132,49 +136,43 @@ def lora_target_names(model: torch.nn.Module) -> list[str]:
     )
 
 
-def _lora_targets(lora: LoraConfig) -> str | list[str]:
-    # A single name is a list of one; PEFT would read a bare string as a regular expression.
-    targets = lora.targets
-    return [targets] if isinstance(targets, str) and targets != "all-linear" else targets
-
-
-def _lora_problems(model, lora: LoraConfig) -> list[str]:
-    targets = _lora_targets(lora)
+def _target_problems(model, settings: LoraConfig | OftConfig, key: str) -> list[str]:
+    """`key`: the section's config key (method.lora, method.oft), for the messages."""
+    targets = adapter_targets(settings)
     if targets == "all-linear":
         return []
     if not targets:
         return [
-            "method.lora.targets is empty; list module names (e.g. [q_proj, v_proj]) "
-            "or use all-linear"
+            f"{key}.targets is empty; list module names (e.g. [q_proj, v_proj]) or use all-linear"
         ]
     wrappable = [n for n, m in model.named_modules() if n and isinstance(m, _LORA_TYPES)]
     family = vision_family(model)
     where = ""
-    if family is not None:  # LoRA adapts a vision-language model's language model only
+    if family is not None:  # adapters adapt a vision-language model's language model only
         wrappable = outside_vision(family, wrappable)
         where = " outside the vision tower and projector"
     unknown = unknown_names(targets, wrappable)
     experts = sorted(set(targets) & retargeted_names(model))
     if experts:
         return [
-            f"method.lora.targets = {lora.targets}: on {type(model).__name__} PEFT reads "
+            f"{key}.targets = {settings.targets}: on {type(model).__name__} PEFT reads "
             f"{', '.join(experts)} as the routed experts or router ({', '.join(fused_experts(model))}), "
-            f"which keel's LoRA does not adapt yet; leave {'them' if len(experts) > 1 else 'it'} out (all-linear adapts "
+            f"which keel's adapters do not adapt; leave {'them' if len(experts) > 1 else 'it'} out (all-linear adapts "
             f"the rest), or train the experts with method.type full or freeze"
         ]
     if not unknown:
         return []
     names = sorted({n.rsplit(".", 1)[-1] for n in wrappable})
     return [
-        f"method.lora.targets = {lora.targets}: no linear module named {'; '.join(unknown)}"
+        f"{key}.targets = {settings.targets}: no linear module named {'; '.join(unknown)}"
         f"{where}; this model has: {', '.join(names)} (or use all-linear)"
     ]
 
 
-def _full_module_problems(model, lora: LoraConfig) -> list[str]:
-    """method.lora.modules_to_save names modules of the model (outside a vision-language
-    model's tower and projector, which model.vision trains), none of them adapted by LoRA."""
-    wanted = lora.modules_to_save
+def _full_module_problems(model, settings: LoraConfig | OftConfig, key: str) -> list[str]:
+    """<key>.modules_to_save names modules of the model (outside a vision-language model's
+    tower and projector, which model.vision trains), none of them adapted by the adapter."""
+    wanted = settings.modules_to_save
     if not wanted:
         return []
     names = [n for n, _ in model.named_modules() if n]
@@ -185,93 +183,25 @@ def _full_module_problems(model, lora: LoraConfig) -> list[str]:
     unknown = unknown_names(wanted, names)
     if unknown:
         problems.append(
-            f"method.lora.modules_to_save: no module named {'; '.join(unknown)} in "
+            f"{key}.modules_to_save: no module named {'; '.join(unknown)} in "
             f"{type(model).__name__}{' outside the vision parts' if family else ''}; this "
             f"model has: {short_names(names)}"
         )
-    targets = _lora_targets(lora)
+    if key == "method.oft" and full_modules(model, settings, lambda _m: None)[1]:
+        problems.append(
+            f"{key}.modules_to_save = {wanted} (or added tokens) trains embeddings tied to the "
+            f"output layer, which PEFT's OFT cannot keep tied (the two copies would train "
+            f"apart, and a merged model ties them back); use method.type lora, whose PEFT "
+            f"keeps them one matrix, or a model with an output layer of its own"
+        )
+    targets = adapter_targets(settings)
     both = [] if targets == "all-linear" else sorted(set(wanted) & set(targets))
     if both:
         problems.append(
-            f"method.lora.modules_to_save and method.lora.targets both name {', '.join(both)}; "
-            f"a module trains in full or through LoRA, not both: remove it from one"
+            f"{key}.modules_to_save and {key}.targets both name {', '.join(both)}; "
+            f"a module trains in full or through the adapter, not both: remove it from one"
         )
     return problems
-
-
-def _full_modules(model, lora: LoraConfig, log: Log) -> tuple[list[str], bool]:
-    """(PEFT modules_to_save entries, whether they tie the output layer to the embeddings)
-    for method.lora.modules_to_save. With tied input and output embeddings, naming either
-    trains the one shared matrix: both are listed and PEFT keeps their copies tied (else the
-    saved model would tie them back, dropping the output layer's training)."""
-    wanted = list(lora.modules_to_save)
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    if outputs is None or inputs.weight is not outputs.weight:
-        return wanted, False
-    tied = {name: m for name, m in model.named_modules() if m is inputs or m is outputs}
-    named = [n for n in tied if any(matches(n, entry) for entry in wanted)]
-    if not named:
-        return wanted, False
-    missing = [n.rsplit(".", 1)[-1] for n in tied if n not in named]
-    if missing:
-        log(
-            f"note: {', '.join(missing)} and {named[0].rsplit('.', 1)[-1]} share one weight "
-            f"here, so both train (method.lora.modules_to_save)"
-        )
-    short = [n.rsplit(".", 1)[-1] for n in tied]
-    return wanted + [name for name in short if name not in wanted], True
-
-
-def _apply_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import TaskType, get_peft_model
-
-    family = vision_family(model)
-    full, tied = _full_modules(model, lora, log)
-    targets = _lora_targets(lora)
-    if targets == "all-linear" and retargeted_names(model):
-        targets = linear_targets(model)
-        if not lora.target_parameters:
-            log(
-                f"note: {type(model).__name__} is a mixture of experts: LoRA adapts its linear "
-                f"modules, not its routed experts ({', '.join(fused_experts(model))}) or "
-                f"router; method.lora.target_parameters adapts the experts, method.type full "
-                f"or freeze trains them"
-            )
-    settings = {}
-    if family is not None:
-        settings["exclude_modules"] = lora_exclusions(family)
-        full = modules_to_save(model, family, vision) + full
-    peft_config = PeftLoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=targets,
-        use_rslora=lora.rslora,
-        use_dora=lora.dora,
-        modules_to_save=full or None,
-        ensure_weight_tying=tied,
-        task_type=TaskType.CAUSAL_LM,
-        target_parameters=lora.target_parameters or None,
-        **settings,
-    )
-    peft_model = get_peft_model(model, peft_config)
-    check_no_wrapped_experts(peft_model, lora.target_parameters)
-    # Short names of the wrapped modules keep the log one line (PEFT's expanded target list
-    # also names modules its exclude_modules then skipped: a vision tower's).
-    wrapped = {
-        n.rsplit(".", 1)[-1]
-        for n, m in peft_model.named_modules()
-        if hasattr(m, "lora_A") and not hasattr(m, "parameter_name")
-    } | set(lora.target_parameters)  # the fused experts' weights, as named
-    scale = (
-        f" (rsLoRA: scale alpha/sqrt(r) = {lora.alpha / lora.r**0.5:.3g})" if lora.rslora else ""
-    )
-    in_full = (
-        f"; trained in full: {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
-    )
-    log(f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}{in_full}")
-    return peft_model
 
 
 def _is_peft(model) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +150,7 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
 
     lora_A: kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
     lora_B: zeros (so training starts from the base model exactly); for embeddings the
-    roles swap (A zeros, B standard normal).
+    roles swap (A zeros, B standard normal). OFT's oft_R: zeros (the identity rotation).
     """
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
@@ -160,10 +161,10 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     if ".lora_A." in name:
         bound = 1 / math.sqrt(shape[1])
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
-    if ".lora_B." in name:
+    if ".lora_B." in name or ".oft_R." in name:  # OFT: a zero skew matrix, no rotation
         return torch.zeros(shape)
     raise ModelError(
-        f"parameter {name} is neither in the checkpoint nor a LoRA adapter "
+        f"parameter {name} is neither in the checkpoint nor a LoRA or OFT adapter "
         f"weight; keel does not know how to initialise it"
     )
 
@@ -237,6 +238,8 @@ def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> 
             initializers[name] = (
                 module._init_weights if inner else initializers[name.rpartition(".")[0]]
             )
+        if _refill_oft_indices(module):
+            continue
         if module._non_persistent_buffers_set:
             initializers[name](module)
     if device is None:
@@ -245,6 +248,21 @@ def init_computed_buffers(lm: nn.Module, device: torch.device | None = None) -> 
         for name, buf in module.named_buffers(recurse=False):
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def _refill_oft_indices(module: nn.Module) -> bool:
+    """PEFT's OFT rotation module keeps the indices of a block's upper triangle as
+    non-persistent buffers (rows, cols), which no Hugging Face initialiser knows: compute
+    them again. True when `module` is one."""
+    if "peft" not in sys.modules:  # no adapter was applied
+        return False
+    from peft.tuners.oft.layer import OFTRotationModule
+
+    if not isinstance(module, OFTRotationModule):
+        return False
+    rows, cols = torch.triu_indices(module.block_size, module.block_size, 1)
+    module._buffers["rows"], module._buffers["cols"] = rows, cols
+    return True
 
 
 def _fill_nf4(tensor, reader: CheckpointReader, key: str, region) -> None:

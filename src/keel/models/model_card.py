@@ -31,7 +31,7 @@ class ModelCard:
 
     def render(self, folder: Path) -> str:
         """The card's markdown; `folder` is where it will be read from (for the examples)."""
-        kind = "LoRA adapter" if self.adapter else "model"
+        kind = f"{'OFT' if self.method == 'oft' else 'LoRA'} adapter" if self.adapter else "model"
         tags = [t for t in ("keel", self.method, self.stage) if t]
         head = [
             "---",

@@ -125,10 +125,10 @@ def embedding_names(model: nn.Module) -> list[str]:
 
 def with_trained_embeddings(model: nn.Module, method: MethodConfig, log: Log) -> MethodConfig:
     """`method` with the input embeddings and the output layer trained in full, as added
-    tokens need (their rows start at the mean): LoRA's modules_to_save, freeze's
-    trainable_modules; full fine-tuning trains them already."""
-    if method.uses_lora:
-        section, field = "lora", "modules_to_save"
+    tokens need (their rows start at the mean): an adapter's modules_to_save (LoRA, OFT),
+    freeze's trainable_modules; full fine-tuning trains them already."""
+    if method.uses_adapter:
+        section, field = method.adapter_key.split(".")[1], "modules_to_save"
     elif method.type == "freeze":
         section, field = "freeze", "trainable_modules"
     else:

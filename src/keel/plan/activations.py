@@ -20,7 +20,9 @@ fp32 master weights even under bf16 autocast, r = c under FSDP2 mixed precision)
   the SwiGLU product (c i) for down_proj. LoRA adds its rank-r intermediate (c r); it
   reads its own copy (c) of the input when the input is not in the adapters' dtype
   (fp32 adapters on a bf16 base) or with dropout, plus the dropout mask (1 byte on CUDA,
-  a noise tensor in the adapters' dtype on CPU);
+  a noise tensor in the adapters' dtype on CPU); OFT keeps its input for the rotation's
+  gradient (its own copy, c, when cast to the compute dtype) and none for the frozen
+  weight it feeds;
 - rotary embeddings save only the shared cos/sin tables (2 x 4 x head_dim per token).
 
 Full fine-tuning in fp32 (c = r = 4), for example: 2 (4h + 4h) + (4q + 8kv + 4q + 4a) +
@@ -41,8 +43,10 @@ tests/unit/test_plan_activations.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from keel.models.attention import VARLEN_ATTENTION
+from keel.plan.adapter_memory import dora_weight_copies, expert_lora_weights, oft_rotations
 from keel.plan.census import Census, LayerInfo, LinearInfo
 from keel.plan.qat import qat_per_token, qat_weight_bytes
 from keel.precision import Precision
@@ -167,7 +171,13 @@ def block_bytes_per_token(
     )
     if not grad_in and layer.norm_trainable:
         norms -= 4 * h
-    mlp = 3 * c * shapes.intermediate if layer.experts is None else _moe(layer, shapes, regime)
+    # OFT returns its layer's output in its input's dtype: the residual's, not autocast's
+    mlp_dtype = r if _oft_reads(layer, "mlp_in") else c
+    mlp = (
+        3 * mlp_dtype * shapes.intermediate
+        if layer.experts is None
+        else _moe(layer, shapes, regime)
+    )
     return (
         norms
         + _attention(shapes, c, seq=seq, packed=packed, attn=attn)
@@ -229,6 +239,8 @@ def _linear_inputs(
         # A norm output is in the residual dtype (times an fp32 or gathered weight); the
         # attention output and the SwiGLU product are already in the compute dtype.
         x = regime.compute if group in ("attn_out", "mlp_out") else regime.residual
+        if group == "mlp_out" and _oft_reads(layer, "mlp_in"):
+            x = regime.residual  # the product of OFT outputs, in their input's dtype
         total += _group_bytes(
             members,
             members[0].in_features,
@@ -256,7 +268,14 @@ def _group_bytes(
     cast = regime.cast_inputs and x != c
     total, readers = 0, 0
     for m in members:
-        if m.lora_rank:
+        if m.oft_block:  # the input (blocks first: a view) for the rotation's gradient
+            # PEFT casts it to the rotation's dtype, autocast then to the compute dtype:
+            # a copy unless all three agree
+            rotation = regime.adapters or m.oft_itemsize
+            own = x != rotation or c != rotation
+            total += c * width if own else 0
+            readers += not own
+        elif m.lora_rank:
             # PEFT casts x to the adapters' dtype, then applies dropout, then lora_A.
             adapter = regime.adapters or m.lora_itemsize
             own = cast or m.lora_dropout or adapter != x
@@ -328,10 +347,11 @@ def activation_bytes(
         per_token += r * h  # the positions with a target, gathered for the loss
     per_token += 2 * 4 * shapes.head_dim + _BATCH_BYTES_PER_TOKEN
     copies = [
-        _dora_weight_copies(layer, regime)
+        dora_weight_copies(layer, regime)
         + qat_weight_bytes(layer, regime, census.qat)
-        + _expert_lora_weights(layer, regime)
-        for layer, flow in zip(census.layers, flows)
+        + expert_lora_weights(layer, regime)
+        + oft_rotations(layer, regime, partial(_input_needs_grad, grad_in=grad_in))
+        for layer, flow, grad_in in zip(census.layers, flows, into)
         if flow
     ]
     block = tokens * max(blocks, default=0) + max(copies, default=0)
@@ -343,22 +363,6 @@ def activation_bytes(
         kept -= tokens * len(blocks) * r * h
         block += one_input  # the recomputed block's input, back on the device
     return Saved(kept=kept, block=block, checkpointing=checkpointing, host=host)
-
-
-def dora_transient_bytes(census: Census) -> int:
-    """The most one DoRA layer's forward holds for a moment beyond what it saves: PEFT
-    builds LoRA's weight by running the adapters on an identity matrix (in x in), then the
-    weight plus it, scaled, to take its row norms (fp32, about three in x out tensors at
-    once). 0 without DoRA."""
-    return max(
-        (
-            4 * m.in_features * m.in_features + 3 * 4 * m.in_features * m.dora_features
-            for layer in census.layers
-            for m in layer.linears
-            if m.dora_features
-        ),
-        default=0,
-    )
 
 
 def experts_transient_bytes(census: Census) -> int:
@@ -374,27 +378,15 @@ def experts_transient_bytes(census: Census) -> int:
     )
 
 
-def _dora_weight_copies(layer: LayerInfo, regime: Regime) -> int:
-    """Bytes a block's DoRA layers save whatever the tokens: with LoRA dropout, DoRA runs the
-    base matmul again on the dropped-out input, and under autocast saves the weight's copy
-    in the compute dtype for it."""
-    if regime.compute == 4:
-        return 0
-    return sum(
-        regime.compute * m.dora_features * m.in_features
-        for m in layer.linears
-        if m.dora_features and m.lora_dropout
-    )
+def _input_needs_grad(linear: LinearInfo, *, grad_in: bool) -> bool:
+    """Whether a linear's input needs a gradient: every one's does when the block's input
+    does; otherwise the readers of the block's input (the attention projections) do not."""
+    return grad_in or _INPUT_GROUP.get(linear.name) != "attn_in"
 
 
-def _expert_lora_weights(layer: LayerInfo, regime: Regime) -> int:
-    """LoRA on the fused experts (PEFT's ParamWrapper): each forward forms W + BA, a copy of
-    the block's expert weights in their dtype, which the grouped matmuls keep for backward
-    (the frozen W alone would be kept as the parameter it is)."""
-    experts = layer.experts
-    if experts is None or not experts.lora_numel:
-        return 0
-    return regime.residual * experts.weight_numel
+def _oft_reads(layer: LayerInfo, group: str) -> bool:
+    """Whether OFT wraps a linear of `layer` that reads `group`'s input."""
+    return any(m.oft_block and _INPUT_GROUP.get(m.name) == group for m in layer.linears)
 
 
 def _pinned_bytes(nbytes: int) -> int:

@@ -31,6 +31,9 @@ REPLICATED = -2
 # LoRA's with the frozen linear weights of the decoder layers in NF4 (`TensorInfo.nf4`);
 # it comes last: the lightest, but it changes the numerics.
 METHODS = ("full", "lora", "freeze", "qlora")
+# Methods whose trained weights are a PEFT adapter on a frozen base (a reference model is
+# the base with the adapter off, not a copy)
+ADAPTER_METHODS = ("lora", "qlora", "oft")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,9 @@ class LinearInfo:
     lora_itemsize: int = 4  # the adapter weights' (PEFT keeps them in fp32)
     lora_numel: int = 0  # elements of lora_A and lora_B (and a DoRA magnitude)
     dora_features: int = 0  # > 0: DoRA, with this many output features (magnitudes)
+    oft_block: int = 0  # > 0: wrapped by OFT, with rotation blocks of this size
+    oft_itemsize: int = 4  # the rotations' parameters' (PEFT keeps them in fp32)
+    oft_exact: bool = False  # the exact Cayley transform (a solve), not its Neumann series
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,7 @@ def take_census(
     with torch.device("meta"):
         model = apply_method(model, method, log=log, vision=vision)
     census = _count(model, method.type)
-    if method.qat.scheme != "none" and not method.uses_lora:  # the parameters are the same
+    if method.qat.scheme != "none" and not method.uses_adapter:  # the parameters are the same
         census = replace(census, qat=(method.qat.scheme, method.qat.group_size))
     if method.type == "qlora":
         itemsize = qlora_compute_itemsize(method, precision)
@@ -388,25 +394,15 @@ def _layer_info(layer: nn.Module) -> LayerInfo:
         if _adapts_a_parameter(module):  # LoRA on fused experts: counted with them
             continue
         if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a PEFT LoRA layer
-            base = module.base_layer
-            dropout = module.lora_dropout["default"]
-            magnitudes = getattr(module, "lora_magnitude_vector", None) or {}
-            magnitude = magnitudes["default"] if "default" in magnitudes else None
-            linears.append(
-                LinearInfo(
-                    short,
-                    base.in_features,
-                    _numel(base),
-                    _trains(base),
-                    lora_rank=module.r["default"],
-                    lora_dropout=getattr(dropout, "p", 0.0),
-                    lora_itemsize=module.lora_A["default"].weight.element_size(),
-                    lora_numel=_numel(module.lora_A["default"])
-                    + _numel(module.lora_B["default"])
-                    + (_numel(magnitude) if magnitude is not None else 0),
-                    dora_features=_numel(magnitude) if magnitude is not None else 0,
-                )
-            )
+            linears.append(_adapted(short, module, **_lora_fields(module)))
+        elif hasattr(module, "base_layer") and hasattr(module, "oft_R"):  # a PEFT OFT layer
+            rotation = module.oft_R["default"]
+            oft = {
+                "oft_block": rotation.block_size,
+                "oft_itemsize": rotation.weight.element_size(),
+                "oft_exact": not rotation.use_cayley_neumann,
+            }
+            linears.append(_adapted(short, module, **oft))
         elif isinstance(module, nn.Linear) and not _inside_lora(name):
             linears.append(LinearInfo(short, module.in_features, _numel(module), _trains(module)))
         elif (
@@ -466,8 +462,29 @@ def _adapts_a_parameter(module: nn.Module) -> bool:
     return type(module).__name__ == "ParamWrapper"
 
 
+def _adapted(short: str, module: nn.Module, **adapter) -> LinearInfo:
+    """A PEFT-wrapped linear: its base layer's sizes, and the adapter's fields."""
+    base = module.base_layer
+    return LinearInfo(short, base.in_features, _numel(base), _trains(base), **adapter)
+
+
+def _lora_fields(module: nn.Module) -> dict:
+    dropout = module.lora_dropout["default"]
+    magnitudes = getattr(module, "lora_magnitude_vector", None) or {}
+    magnitude = magnitudes["default"] if "default" in magnitudes else None
+    return {
+        "lora_rank": module.r["default"],
+        "lora_dropout": getattr(dropout, "p", 0.0),
+        "lora_itemsize": module.lora_A["default"].weight.element_size(),
+        "lora_numel": _numel(module.lora_A["default"])
+        + _numel(module.lora_B["default"])
+        + (_numel(magnitude) if magnitude is not None else 0),
+        "dora_features": _numel(magnitude) if magnitude is not None else 0,
+    }
+
+
 def _inside_lora(name: str) -> bool:
-    return any(part in name.split(".") for part in ("base_layer", "lora_A", "lora_B"))
+    return any(part in name.split(".") for part in ("base_layer", "lora_A", "lora_B", "oft_R"))
 
 
 def _numel(module: nn.Module) -> int:

@@ -48,11 +48,11 @@ from keel.plan.activations import (
     Shapes,
     activation_bytes,
     autocast_copy_bytes,
-    dora_transient_bytes,
     experts_transient_bytes,
     loss_bytes,
 )
-from keel.plan.census import ROOT, Census
+from keel.plan.adapter_memory import dora_transient_bytes
+from keel.plan.census import ADAPTER_METHODS, ROOT, Census
 from keel.plan.devices import DeviceSpec
 from keel.plan.generation import GenerationBytes, GenerationWork, generation_bytes
 from keel.plan.vision import (
@@ -149,7 +149,7 @@ class Breakdown:
 @dataclass(frozen=True)
 class Option:
     strategy: Strategy
-    method: str  # full | freeze | lora | qlora
+    method: str  # full | freeze | lora | qlora | oft
     gradient_checkpointing: bool | str  # False | True | "offload"
     per_device: Breakdown
     host_bytes: int  # host RAM of one process: loading, plus offloaded state
@@ -351,12 +351,12 @@ def _state(
     are in no FSDP unit, so they stay on the device)."""
     shards = shard_degree(devices, work)
     params, grads, optimizer = state_bytes(census, strategy, shards, optimizer=work.optimizer)
-    if work.reference_copy and census.method not in ("lora", "qlora"):  # LoRA's: its base
+    if work.reference_copy and census.method not in ADAPTER_METHODS:  # an adapter's: its base
         params *= 2
     if strategy is Strategy.FSDP_OFFLOAD:
         kept = [t for t in census.tensors if t.replicated]
         on_device = state_bytes(census, strategy, shards, optimizer=work.optimizer, tensors=kept)
-        if work.reference_copy and census.method not in ("lora", "qlora"):
+        if work.reference_copy and census.method not in ADAPTER_METHODS:
             on_device = (2 * on_device[0], *on_device[1:])
         return (*on_device, params + grads + optimizer - sum(on_device))
     return params, grads, optimizer, 0

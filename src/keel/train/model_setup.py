@@ -395,7 +395,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
 def reference_source_of(cfg: RunConfig) -> ReferenceSource | None:
     """Where this run's reference log-probs come from (keel.stages.base.reference_source)."""
     stage = get_stage(cfg.train.stage)
-    return reference_source(stage, cfg.stage_settings, cfg.method.uses_lora)
+    return reference_source(stage, cfg.stage_settings, cfg.method.uses_adapter)
 
 
 def _resolve_strategy(

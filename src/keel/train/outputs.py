@@ -56,7 +56,7 @@ def write_final_outputs(
     """Write the final model atomically (file by file), the loss plot and keel_run.json."""
     full_state = None
     if built.strategy.shards:
-        full_state = gather_full_state(built.model, trainable_only=cfg.method.uses_lora)
+        full_state = gather_full_state(built.model, trainable_only=cfg.method.uses_adapter)
     score = _score_head(cfg, built)
     summary = {**_summary(steps, stats, precision, dist), "strategy": built.strategy.value}
     if dist.is_main:
@@ -97,7 +97,7 @@ def _write_cards(cfg: RunConfig, tmp: Path, out: Path, steps: int, loss: float |
     card = ModelCard(
         base_model=cfg.model.path,
         # a reward model's folder holds the merged model, whatever the method
-        adapter=cfg.method.uses_lora and get_stage(cfg.train.stage).head != "score",
+        adapter=cfg.method.uses_adapter and get_stage(cfg.train.stage).head != "score",
         method=cfg.method.type,
         stage=cfg.train.stage,
         datasets=tuple(d.path for d in cfg.data.datasets),
@@ -127,7 +127,7 @@ def _save_reward_model(
     causal_lm = tmp / "causal_lm"
     # only an adapter merges (as validation allows merge_lora only with one): a sharded full
     # model asked to merge would look for an adapter in its own folder
-    merging = replace(cfg, output=replace(cfg.output, merge_lora=cfg.method.uses_lora))
+    merging = replace(cfg, output=replace(cfg.output, merge_lora=cfg.method.uses_adapter))
     _save_model(merging, model, tokenizer, model_dir, causal_lm, full_state, log)
     merged = causal_lm / "merged"
     save_sequence_classifier(merged if merged.is_dir() else causal_lm, score, tokenizer, tmp)

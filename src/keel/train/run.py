@@ -213,7 +213,7 @@ def _check_inputs(run: _Run) -> Preflight:
     with env.phase("model download", cfg.distributed.preprocess_timeout_s):
         hub_dir = fetch_hub_model(cfg, dist, env.log)  # once per node; None: not a Hub id
     if dist.distributed:  # one process imports these where it first uses them
-        import_model_libraries(adapters=cfg.method.uses_lora)
+        import_model_libraries(adapters=cfg.method.uses_adapter)
     with env.phase("prepare", cfg.distributed.preprocess_timeout_s), main_rank_first(dist):
         with env.watchdog.progress.memory_watched("data preparation"):  # exit 3, not OOM-kill
             checked = preflight(

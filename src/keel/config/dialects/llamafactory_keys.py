@@ -185,8 +185,8 @@ def _pref_ftx(build: Build, key: str, value) -> None:
 
 
 def _finetuning_type(build: Build, key: str, value) -> None:
-    if value not in ("lora", "full", "freeze"):
-        build.refused(key, f"{value}: keel's methods are lora, qlora, full and freeze")
+    if value not in ("lora", "full", "freeze", "oft"):
+        build.refused(key, f"{value}: keel's methods are lora, qlora, oft, full and freeze")
     elif value == "lora" and build.raw.get("quantization_bit") == 4:
         build.put(key, "method.type", "qlora", "LoRA on a 4-bit base (quantization_bit: 4)")
     else:
@@ -233,10 +233,37 @@ def _lora_alpha(build: Build, key: str, value) -> None:
 
 def _lora_target(build: Build, key: str, value) -> None:
     names = [name.strip() for name in str(value).split(",") if name.strip()]
+    oft = build.raw.get("finetuning_type") == "oft"
+    target = "method.oft.targets" if oft else "method.lora.targets"
+    why = "; their OFT adapts lora_target's modules" if oft else ""
     if names == ["all"]:
-        build.put(key, "method.lora.targets", "all-linear", "all: every linear layer")
+        build.put(key, target, "all-linear", f"all: every linear layer{why}")
     else:
-        build.put(key, "method.lora.targets", names)
+        build.put(key, target, names, why.removeprefix("; "))
+
+
+def _oft(build: Build, key: str, value) -> None:
+    """oft_block_size, oft_rank, oft_target and module_dropout, as their OFT reads them."""
+    oft = build.raw.get("finetuning_type") == "oft"
+    if key == "module_dropout":
+        # PEFT's OFT layers build this dropout and never call it (peft 0.21)
+        why = "PEFT's OFT builds the dropout but never applies it, so their runs train without it"
+        build.ignored(key, f"{value}: {why}" if value else f"{value}: no dropout")
+    elif not oft:
+        build.ignored(key, "read by finetuning_type oft only")
+    elif key == "oft_target":
+        build.ignored(key, "their OFT adapts lora_target's modules and never reads oft_target")
+    elif key == "oft_rank" and not value:
+        build.ignored(key, f"{value}: the blocks per layer follow from oft_block_size")
+    elif key == "oft_rank" or not value:
+        build.refused(
+            key,
+            f"{value}: keel sizes OFT's blocks by oft_block_size only (a layer with d inputs "
+            f"gets d / oft_block_size blocks); set oft_block_size (their default 32) and "
+            f"remove oft_rank",
+        )
+    else:
+        build.put(key, "method.oft.block_size", value)
 
 
 def _freeze_modules(build: Build, key: str, value) -> None:
@@ -256,18 +283,20 @@ def _additional_target(build: Build, key: str, value) -> None:
     names = [n.strip() for n in value.split(",") if n.strip()] if isinstance(value, str) else value
     if not names:
         build.ignored(key, "empty")
-    elif build.raw.get("finetuning_type", "lora") != "lora":
-        build.ignored(key, "read by finetuning_type lora only")
+    elif build.raw.get("finetuning_type", "lora") not in ("lora", "oft"):
+        build.ignored(key, "read by finetuning_type lora and oft only")
     elif isinstance(names, list) and all(isinstance(n, str) for n in names):
-        build.put(key, "method.lora.modules_to_save", names, "trained in full beside LoRA")
+        oft = build.raw.get("finetuning_type") == "oft"
+        target = "method.oft.modules_to_save" if oft else "method.lora.modules_to_save"
+        build.put(key, target, names, f"trained in full beside {'OFT' if oft else 'LoRA'}")
     else:
         build.refused(key, f"{value!r}: module names, comma-separated")
 
 
 def _adapter_path(build: Build, key: str, value) -> None:
     paths = [p.strip() for p in value.split(",") if p.strip()] if isinstance(value, str) else []
-    if build.raw.get("finetuning_type", "lora") != "lora":
-        build.refused(key, "keel keeps training an adapter under finetuning_type lora only")
+    if build.raw.get("finetuning_type", "lora") not in ("lora", "oft"):
+        build.refused(key, "keel keeps training an adapter under finetuning_type lora or oft")
     elif len(paths) != 1 or build.raw.get("create_new_adapter"):
         build.refused(
             key,
@@ -388,6 +417,7 @@ KEY_RULES: dict[str, Rule] = {
     "lora_rank": _lora_rank,
     "lora_alpha": _lora_alpha,
     "lora_target": _lora_target,
+    **{key: _oft for key in ("oft_block_size", "oft_rank", "oft_target", "module_dropout")},
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,

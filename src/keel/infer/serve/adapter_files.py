@@ -151,8 +151,9 @@ def _check_config(config: dict, where: str, caps: AdapterCaps) -> None:
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
         raise ModelError(
-            f"{where}: {CONFIG_FILE} is a {peft_type} adapter; only LoRA adapters can share "
-            "a batch (merge it into the model and serve that instead)"
+            f"{where}: {CONFIG_FILE} says peft_type {peft_type}; only LoRA adapters can share "
+            "a batch (serve it alone: keel serve --model on its folder, or merge it into the "
+            "model and serve that)"
         )
     ranks = {"r": config.get("r")}
     pattern = config.get("rank_pattern") or {}

@@ -87,13 +87,13 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
     if torch.cuda.is_available():
         model = model.to("cuda")
     _check_cache_layout(model.config)
-    dora = hasattr(model, "peft_config") and model.peft_config["default"].use_dora
-    if dora:  # PEFT's mixed batches take no DoRA rows: serve it merged, alone
-        log(f"{options.model} is a DoRA adapter: served merged into its base, without the base")
+    unbatched = _unbatched_kind(model)
+    if unbatched:  # PEFT's mixed batches take no DoRA or OFT rows: serve it merged, alone
+        log(f"{options.model} is {unbatched}: served merged into its base, without the base")
         model = model.merge_and_unload()
         if adapters:
             raise ModelError(
-                f"--model {options.model} is a DoRA adapter, served merged into its base, so "
+                f"--model {options.model} is {unbatched}, served merged into its base, so "
                 f"adapters of that base cannot be served beside it; serve them from a server "
                 f"of the base model"
             )
@@ -122,6 +122,18 @@ def _build_keel_state(options: ServeOptions, adapters: list[tuple[str, str]], lo
         vision=vision_of(model, log),
         image_root=_resolved(options.image_root),
     )
+
+
+def _unbatched_kind(model) -> str:
+    """'a DoRA adapter' or 'an OFT adapter' when `model` is a PEFT model whose adapter PEFT
+    cannot run per row of a mixed batch; '' otherwise."""
+    config = getattr(model, "peft_config", {}).get("default")
+    if config is None:
+        return ""
+    if getattr(config, "use_dora", False):
+        return "a DoRA adapter"
+    kind = getattr(config.peft_type, "value", str(config.peft_type))
+    return "" if kind == "LORA" else f"an {kind} adapter"
 
 
 def adapter_root(options: ServeOptions) -> Path | None:
