@@ -238,6 +238,14 @@ CASES = {
         "train.global_batch_size=4",
         "distributed.strategy=ddp",
     ),
+    # KTO samples whose prompt holds an image: each process scores its part of a sample and
+    # of its KL sequence (the prompt's images, positions of its own), the KL estimate summed
+    "cp2-fsdp-kto": (
+        "train.stage=kto",
+        "data.datasets=[pairs/kto.json]",
+        "train.global_batch_size=4",
+        "distributed.strategy=fsdp",
+    ),
 }
 
 
@@ -254,7 +262,7 @@ def workspace(tmp_path_factory) -> Workspace:
 
 def _write_pairs(folder) -> None:
     """pairs.json in `folder`: six DPO pairs asking an image's colour (LLaMA-Factory's
-    prompt / chosen / rejected + images form)."""
+    prompt / chosen / rejected + images form), and kto.json: their answers as KTO samples."""
     rows = []
     answers = (("red", "blue"), ("green", "red"), ("blue", "green")) * 2
     for index, (name, wrong) in enumerate(answers):
@@ -269,6 +277,12 @@ def _write_pairs(folder) -> None:
             }
         )
     (folder / "pairs.json").write_text(json.dumps(rows))
+    samples = [  # the same prompts as KTO samples: each answer labelled on its own
+        {**{k: row[k] for k in ("prompt", "images")}, "completion": row[key], "label": good}
+        for row in rows
+        for key, good in (("chosen", True), ("rejected", False))
+    ]
+    (folder / "kto.json").write_text(json.dumps(samples))
 
 
 @pytest.fixture(scope="module")

@@ -350,10 +350,45 @@ def test_pairs_hold_the_prompt_images_in_both_sequences(tmp_path, qwen):
     got = data.train[0]
     assert len(got["image_blobs"]) == 2 and got["image_blobs"][0] == got["image_blobs"][1]
     assert len(got["rope_positions"]) == 3 * len(got["input_ids"])
-    kto = {"prompt": "<image> colour?", "completion": "red", "label": True, "images": [str(image)]}
-    kto_rows = [kto, {**kto, "prompt": "plain", "images": []}]
-    with pytest.raises(DataError, match="KTO samples with images"):
-        prepare(tmp_path / "k", qwen, [write_json(tmp_path / "k.json", kto_rows)], stage="kto")
+
+
+def _kto_rows(folder) -> list[dict]:
+    """Three KTO samples: one image, none, two (in messages); answers of unequal lengths."""
+    small = write_image(folder / "s.png", seed=1, size=(56, 56))
+    big = write_image(folder / "b.png", seed=2, size=(112, 84))
+    return [
+        {"prompt": "<image> colour?", "completion": "red", "label": True, "images": [str(small)]},
+        {"prompt": "plain question", "completion": "a much longer answer", "label": False},
+        {
+            "prompt": [{"role": "user", "content": "<image> and <image>?"}],
+            "completion": [{"role": "assistant", "content": "both"}],
+            "label": True,
+            "images": [str(big), str(small)],
+        },
+    ]
+
+
+def test_kto_mismatched_sequences_hold_their_prompts_images_and_positions(tmp_path, qwen):
+    """A KTO sample's KL sequence is its own prompt (its images) with the next sample's
+    answer: its 3-D rotary positions must be what the family computes for those tokens and
+    images, whatever the answers' lengths (the next answer here is longer or shorter)."""
+    _, _, vision = qwen
+    rows = _kto_rows(tmp_path)
+    small = rows[0]["images"][0]
+    data = prepare(tmp_path, qwen, [write_json(tmp_path / "k.json", rows)], stage="kto")
+    rows = sorted(data.train, key=lambda row: len(row["image_blobs"]))
+    assert [len(row["image_blobs"]) for row in rows] == [0, 1, 2]
+    for row in rows:
+        images = [unpack(blob) for blob in row["image_blobs"]]  # the sample's
+        for prefix in ("", "kl_"):
+            ids = row[f"{prefix}input_ids"]
+            want = vision.family.rope_positions(ids, images, vision.model_config)  # [3, T]
+            got = torch.tensor(row[f"{prefix}rope_positions"]).view(-1, 3).t()
+            assert torch.equal(got, want), prefix
+        assert row["kl_input_ids"] != row["input_ids"]  # another sample's answer
+    bad = [{"prompt": "colour?", "completion": "<image> red", "label": True, "images": [small]}]
+    with pytest.raises(DataError, match="the answer holds an image"):
+        prepare(tmp_path / "bad", qwen, [write_json(tmp_path / "bad.json", bad * 2)], stage="kto")
 
 
 # --- packing, collate, cache -----------------------------------------------------------------
@@ -434,3 +469,48 @@ def test_text_model_fingerprint_and_columns_are_unchanged(tmp_path, tiny_tokeniz
     vision = prepare(tmp_path / "v", qwen, [path])
     assert "rope_positions" in vision.train.column_names
     assert vision.fingerprint != prepare(tmp_path / "q", (None, qwen[1], None), [path]).fingerprint
+
+
+def test_kto_kl_statistic_scores_the_mismatched_sequences_with_their_images(tmp_path, qwen):
+    """KTO's KL estimate (the policy's log-ratio to the reference on the mismatched
+    sequences) with images: what transformers computes for each KL sequence alone, from its
+    ids and its prompt's images (positions by transformers' own M-RoPE), padded rows and
+    rows laid end to end alike."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+    from vlm_support import build_tiny_qwen2_vl
+
+    from keel.data import collate
+    from keel.stages.registry import get_stage
+    from keel.train.preference import PreferenceObjective
+
+    _, tokenizer, vision = qwen
+    data = prepare(
+        tmp_path, qwen, [write_json(tmp_path / "k.json", _kto_rows(tmp_path))], stage="kto"
+    )
+    rows = list(data.train)
+    torch.manual_seed(0)
+    base = build_tiny_qwen2_vl(tokenizer).eval()
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    policy = get_peft_model(copy.deepcopy(base), lora).eval()  # random B: not the base
+    stage = get_stage("kto")
+    objective = PreferenceObjective(
+        policy, stage=stage, settings=stage.settings(), vision=vision.family
+    )
+
+    def alone(model, row) -> float:
+        ids = torch.tensor([row["kl_input_ids"]])
+        inputs = vision.family.model_inputs([unpack(blob) for blob in row["image_blobs"]])
+        inputs |= vision.family.token_inputs(ids, vision.model_config)
+        with torch.no_grad():
+            logps = model(input_ids=ids, **inputs).logits[0].float().log_softmax(-1)
+        return sum(logps[i, t].item() for i, t in enumerate(row["kl_targets"]) if t != -100)
+
+    want = sum(alone(policy, row) - alone(base, row) for row in rows)
+    assert abs(want) > 1e-3  # the policy differs from its reference on these sequences
+    for padding_free in (False, True):
+        total, count = objective(collate(rows, 0, padding_free=padding_free), mode="statistic")
+        assert count.item() == 3
+        # the log-probs are ~100 in size, summed in other orders: 1e-6 of them
+        assert total.item() == pytest.approx(want, abs=1e-4), padding_free

@@ -146,6 +146,41 @@ def test_dpo_with_images_trains(workspace):
     assert values[-1] < values[0], values
 
 
+def _kto_samples(folder) -> str:
+    """A desirable and an undesirable answer per colour, one image in each prompt but the
+    last colour's, which shows two (the KL sequences pair prompts with other answers)."""
+    rows = []
+    for index, (name, rgb) in enumerate(COLOURS.items()):
+        images = [str(write_image(folder / f"kto{index}.png", seed=index, colour=rgb))]
+        if index == 2:
+            images.append(str(write_image(folder / "kto-extra.png", seed=9, size=(56, 56))))
+        prompt = "<image>" * len(images) + "What colour is this?"
+        wrong = "blue" if name != "blue" else "red"
+        for answer, label in ((f"It is {name}.", True), (f"It is {wrong}, surely.", False)):
+            rows.append({"prompt": prompt, "completion": answer, "label": label, "images": images})
+    path = folder / "kto.json"
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_kto_with_images_trains_alike_padded_padding_free_and_packed(workspace):
+    """KTO samples whose prompts hold images: each sample and its KL sequence (its prompt,
+    another sample's answer) are scored with the prompt's images, by the policy and the
+    reference (LoRA off); the same losses whether rows are padded, laid end to end or
+    packed."""
+    samples = _kto_samples(workspace["root"])
+    extra = ("train.stage=kto", f"data.datasets=[{samples}]")
+    _, padded = train(workspace, "qwen2_vl", "kto-padded", *extra, "train.padding_free=false")
+    values = list(padded.values())
+    assert len(values) == 4 and all(math.isfinite(v) for v in values)
+    assert abs(values[0] - 0.5) < 1e-6  # policy == reference, KL 0: every sample's loss 1/2
+    assert values[-1] < values[0], values
+    _, free = train(workspace, "qwen2_vl", "kto-free", *extra, "train.padding_free=true")
+    _assert_same(free, padded)
+    _, packed = train(workspace, "qwen2_vl", "kto-packed", *extra, "data.packing=true")
+    _assert_same(packed, padded)
+
+
 def test_resumed_run_matches_an_uninterrupted_one(workspace):
     """Stopped after 2 of 4 steps and resumed (images come back from the data cache): the
     same losses and adapter weights as one run of 4 steps."""

@@ -46,7 +46,8 @@ def collate(
 
     A vision-language run's rows also give `images` (each image's tensors, unpacked from
     `image_blobs`, in token order: row after row; absent when there are none) and, with
-    `rope_positions`, `rope_position_ids` [3, B, T] (M-RoPE; pads count up as position_ids).
+    `rope_positions`, `rope_position_ids` [3, B, T] (M-RoPE; pads count up as position_ids);
+    KTO rows' KL sequences `kl_rope_position_ids` (their images are the rows' `images`).
 
     Rollout rows (grpo: a prompt and one sampled completion, keel.train.rollouts) carry
     `advantages` (a list of one float) and give `advantages` [S] float32, `kept` [S] (1.0, or
@@ -81,6 +82,7 @@ def collate(
         batch["kl_sequence_index"] = _sequence_index(rows, "kl_", width)
         if padding_free:
             batch["kl_seq_lens"] = sample_lengths(rows[0]["kl_position_ids"])
+        batch |= _kl_vision(rows, batch)
     return batch | _per_sequence(rows)
 
 
@@ -167,12 +169,27 @@ def _vision(rows: list[dict], position_ids: torch.Tensor) -> dict:
 
         out["images"] = [unpack(blob) for blob in blobs]
     if "rope_positions" in rows[0]:
-        rope = position_ids.unsqueeze(0).repeat(3, 1, 1)  # [3, B, T]; pads as position_ids
-        for b, row in enumerate(rows):
-            positions = torch.as_tensor(row["rope_positions"], dtype=torch.long).view(-1, 3)
-            rope[:, b, : len(positions)] = positions.t()
-        out["rope_position_ids"] = rope
+        out["rope_position_ids"] = _rope(rows, "", position_ids)
     return out
+
+
+def _kl_vision(rows: list[dict], batch: dict) -> dict:
+    """KTO's KL sequences in a vision-language run: their 3-D rotary positions (their
+    images are the samples' `images`: each KL sequence starts with its sample's prompt,
+    rows in the same order)."""
+    if "kl_rope_positions" not in rows[0]:
+        return {}
+    return {"kl_rope_position_ids": _rope(rows, "kl_", batch["kl_position_ids"])}
+
+
+def _rope(rows: list[dict], prefix: str, position_ids: torch.Tensor) -> torch.Tensor:
+    """[3, B, T] rotary positions from the rows' `{prefix}rope_positions` (3 per token);
+    padding counts up as `position_ids` do."""
+    rope = position_ids.unsqueeze(0).repeat(3, 1, 1)
+    for b, row in enumerate(rows):
+        positions = torch.as_tensor(row[f"{prefix}rope_positions"], dtype=torch.long).view(-1, 3)
+        rope[:, b, : len(positions)] = positions.t()
+    return rope
 
 
 def _pad(rows: list[dict], prefix: str, pad_id: int) -> dict[str, torch.Tensor]:

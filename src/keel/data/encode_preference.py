@@ -13,7 +13,8 @@ one answer token rejects the row (a cut prompt would train on a question never a
 
 With a vision-language model a pair's images (its prompt's) are in both sequences: the row's
 `image_blobs` are the chosen sequence's, then the rejected one's (keel.data.vision). Since
-truncate never cuts a prompt, it never cuts an image.
+truncate never cuts a prompt, it never cuts an image. A KTO sample's images are its
+prompt's, which its mismatched sequence (keel.data.kto) starts with too.
 """
 
 from __future__ import annotations
@@ -163,17 +164,22 @@ class PairEncoder(_PreferenceEncoder):
 
 
 class KtoEncoder(_PreferenceEncoder):
-    """kto: a row → one sequence, `labels` [1] (desirable) or [0], and `prompt_len`."""
+    """kto: a row → one sequence, `labels` [1] (desirable) or [0], and `prompt_len`; with a
+    vision-language model its prompt's images (keel.data.kto gives its mismatched sequence
+    the same ones)."""
 
     def features(self):
         from datasets import List, Value
 
-        return output_features({"labels": List(Value("int32")), "prompt_len": Value("int64")})
+        sample = {"labels": List(Value("int32")), "prompt_len": Value("int64")}
+        return output_features(sample | vision_features(self.settings.vision))
 
     def _encode(self, row: dict) -> dict:
         sample = row_to_kto(row, self.settings.spec)
-        (seq,), length = self._sequences(sample.prompt, [sample.completion])
-        return {
+        if self.settings.vision is None:
+            refuse_images(Example(sample.prompt, sample.images))
+        (seq,), length = self._sequences(sample.prompt, [sample.completion], sample.images)
+        out = {
             "status": "truncated" if seq.truncated else "ok",
             "length": length,
             "input_ids": seq.ids,
@@ -181,6 +187,10 @@ class KtoEncoder(_PreferenceEncoder):
             "labels": [int(sample.desirable)],
             "prompt_len": seq.prompt_len,
         }
+        if self.settings.vision is not None:
+            out |= image_columns(self.settings.vision, [(seq.ids, seq.images)])
+            out["image_files"] = list(seq.images.files)
+        return out
 
 
 def encoder_for(tokenizer, settings: EncodeSettings) -> RowEncoder:

@@ -6,7 +6,9 @@ Sample i's KL sequence is its own prompt followed by the answer of sample j = i 
 token level: sample i's first `prompt_len` tokens, then sample j's tokens from its own
 `prompt_len` on. Only the answer part is trained, as in the sample itself; the answer is
 cut where the sequence would pass data.cutoff_len (the prompt always fits: a kept sample
-has at least one answer token within cutoff_len).
+has at least one answer token within cutoff_len). With a vision-language model the KL
+sequence holds sample i's images (they are its prompt's) and, for 3-D rotary families,
+gets its own positions (`kl_rope_positions`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from keel.errors import DataError
 
 
 def add_kl_sequences(samples: pa.Table, cutoff_len: int) -> pa.Table:
-    """`samples` (input_ids, targets, prompt_len, ...) with kl_input_ids and kl_targets."""
+    """`samples` (input_ids, targets, prompt_len, ...) with kl_input_ids and kl_targets (and
+    kl_rope_positions when the samples have rope_positions)."""
     n = samples.num_rows
     if n < 2:
         raise DataError(
@@ -55,4 +58,32 @@ def add_kl_sequences(samples: pa.Table, cutoff_len: int) -> pa.Table:
         return pa.ListArray.from_arrays(offsets, pa.array(values.astype(np.int32)))
 
     samples = samples.append_column("kl_input_ids", as_list(kl_ids))
-    return samples.append_column("kl_targets", as_list(kl_targets))
+    samples = samples.append_column("kl_targets", as_list(kl_targets))
+    if "rope_positions" in samples.column_names:
+        rope = _kl_rope_positions(samples.column("rope_positions"), starts, prompt, kl_lens)
+        rope_offsets = pa.array(np.concatenate([[0], np.cumsum(3 * kl_lens)]).astype(np.int32))
+        kl_rope = pa.ListArray.from_arrays(rope_offsets, pa.array(rope.astype(np.int32)))
+        samples = samples.append_column("kl_rope_positions", kl_rope)
+    return samples
+
+
+def _kl_rope_positions(
+    column: pa.ChunkedArray, starts: np.ndarray, prompt: np.ndarray, kl_lens: np.ndarray
+) -> np.ndarray:
+    """The 3-D rotary positions (M-RoPE: 3 per token, token after token) of the KL
+    sequences: sample i's own for its prompt (its images' included), then for the other
+    sample's answer text positions counting on from the prompt's largest, equal in all
+    three, as the family's positions for text after images are."""
+    rope = pc.list_flatten(column).to_numpy().astype(np.int64)
+    prompt_values = rope[gather_ranges(3 * starts, 3 * prompt)]
+    prompt_offsets = np.cumsum(3 * prompt) - 3 * prompt
+    following = np.maximum.reduceat(prompt_values, prompt_offsets) + 1  # per sequence
+    answer = kl_lens - prompt
+    within = np.arange(answer.sum()) - np.repeat(np.cumsum(answer) - answer, answer)
+    answer_values = np.repeat(np.repeat(following, answer) + within, 3)
+    # each KL sequence: its prompt's values, then its answer's
+    joined = np.concatenate([prompt_values, answer_values])
+    answer_offsets = len(prompt_values) + np.cumsum(3 * answer) - 3 * answer
+    range_starts = np.stack([prompt_offsets, answer_offsets], axis=1).ravel()
+    range_lens = np.stack([3 * prompt, 3 * answer], axis=1).ravel()
+    return joined[gather_ranges(range_starts, range_lens)]

@@ -144,9 +144,10 @@ def _vision_columns(units: pa.Table, order: np.ndarray, bounds: np.ndarray) -> d
     out = {}
     if "image_blobs" in units.column_names:
         out["image_blobs"] = _regroup_blobs(units.column("image_blobs"), order, bounds)
-    if "rope_positions" in units.column_names:
-        values, _, ends = _regroup(units.column("rope_positions"), order, bounds)
-        out["rope_positions"] = _as_list(ends, values)
+    for name in ("rope_positions", "kl_rope_positions"):  # KTO's KL sequences have their own
+        if name in units.column_names:
+            values, _, ends = _regroup(units.column(name), order, bounds)
+            out[name] = _as_list(ends, values)
     return out
 
 
@@ -158,7 +159,8 @@ def build_rows(units: pa.Table, order: np.ndarray, per_row: np.ndarray) -> pa.Ta
     input_ids, targets, position_ids (restarting at 0 with each sequence) and num_targets:
     the trained tokens, or with `labels` (preference units) the units in the row; then
     labels, and kl_input_ids/kl_targets/kl_position_ids when the units have KL sequences;
-    and image_blobs / rope_positions when the units have them.
+    and image_blobs / rope_positions (kl_rope_positions) when the units have them. A KL
+    sequence's images are its sample's: a row's image_blobs serve both.
     """
     names = units.column_names
     bounds = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int64)

@@ -20,8 +20,8 @@ Where messages are given, the prompt is every message before the last assistant 
 must be the same for chosen and rejected; earlier assistant turns are context, never trained.
 Images (a vision-language run) belong to the prompt: its `<image>` placeholders, TRL's
 `{"type": "image"}` and OpenAI `image_url` parts, with the `images` column, as in SFT
-(keel.data.formats); each sequence of a pair holds them. An answer with an image, and KTO
-samples with images, are refused.
+(keel.data.formats); each sequence of a pair holds them, and a KTO sample's mismatched
+sequence holds its own prompt's (keel.data.kto). An answer with an image is refused.
 
 Problems with a row raise `RowError`.
 """
@@ -34,7 +34,6 @@ from keel.data.formats import (
     FormatSpec,
     RowError,
     alpaca_prompt,
-    column_images,
     parse_message,
     parse_messages,
     refuse_unsupported,
@@ -59,6 +58,7 @@ class KtoExample:
     prompt: list[dict]
     completion: str
     desirable: bool
+    images: tuple = ()  # the prompt's image references, in placeholder order
 
 
 def row_to_pair(row: dict, spec: FormatSpec) -> PairExample:
@@ -110,29 +110,32 @@ def row_to_kto(row: dict, spec: FormatSpec) -> KtoExample:
         raise RowError(
             f"field '{c['kto_tag']}' must be true or false, got {type(label).__name__} {label!r}"
         )
+    inline: list = []  # the conversation's image placeholders: image_url references or None
     if spec.format == "alpaca":
         prompt = alpaca_prompt(row, c)
         completion = required_text(row, c["response"])
     elif spec.format in ("sharegpt", "messages"):
-        prompt, completion = _last_answer(_conversation(row, c, t), c["messages"])
+        prompt, completion = _last_answer(_conversation(row, c, t, inline), c["messages"])
     else:
         answer = row.get(c["response"])
         if answer is None:
             raise RowError(f"prompt-only row: missing field '{c['response']}'")
-        turns = _turns(answer, c["response"], "assistant", t)
-        prompt = _given_prompt(row, c, t, implicit=isinstance(answer, list))
+        prompt = _given_prompt(row, c, t, implicit=isinstance(answer, list), inline=inline)
+        turns = _turns(answer, c["response"], "assistant", t, inline)
         prompt, completion = _last_answer(prompt + turns, c["response"])
         prompt = with_system(prompt, row, c)
     _check_prompt(prompt)
     if not completion.strip():
         raise RowError("empty completion (the answer to label)")
-    texts = [completion, *(m["content"] for m in prompt)]
-    if column_images(row, c) or any(PLACEHOLDER in text for text in texts):
+    if PLACEHOLDER in completion:
+        # its KL sequence pairs this prompt with another sample's answer: an image there
+        # would belong to neither
         raise RowError(
-            "KTO samples with images are not supported (their KL sequences pair one sample's "
-            "prompt with another's answer); train the images with dpo, orpo or simpo pairs"
+            f"the answer holds an image ('{PLACEHOLDER}' or an image part); images belong to "
+            f"the prompt"
         )
-    return KtoExample(prompt, completion, label)
+    images = row_images(row, c, [m["content"] for m in prompt], inline)
+    return KtoExample(prompt, completion, label, images)
 
 
 def _trl_pair(row: dict, c: dict, t: dict, inline: list) -> tuple[list[dict], str, str]:

@@ -117,7 +117,9 @@ def vision_inputs(
     positions ([4, B, T]) when there are any, from which transformers tells packed samples
     apart."""
     extra = vision.token_inputs(batch[f"{prefix}input_ids"], config)
-    images = batch.get(f"{prefix}images")
+    # KTO's KL sequences (prefix kl_) start with their samples' prompts, in the same rows and
+    # order: the batch's images are theirs too
+    images = batch.get("images")
     if images:
         extra |= vision.model_inputs(images)
     rope = batch.get(f"{prefix}rope_position_ids")  # [3, B, T]
