@@ -24,8 +24,13 @@ Formats (the column names of keel.data.formats; a `columns:` override renames th
 
 data.cutoff_len bounds the prompt. Over it, data.overlength drop and error act as for every
 row; truncate rejects the row, since a cut prompt asks a question never asked (the
-preference encoders never cut a prompt either). Prompts with images are refused: keel's
-generation engine is text-only.
+preference encoders never cut a prompt either).
+
+With a vision-language model a prompt may hold images (placeholders, image_url parts, the
+`images` column, as in SFT): its ids hold each image's tokens, and the row carries
+`image_blobs` and, for M-RoPE families, the prompt's `rope_positions`, from which the
+rollouts are generated and trained (keel.train.rollouts). The images column is read, not
+passed to reward functions.
 """
 
 from __future__ import annotations
@@ -38,16 +43,28 @@ import pyarrow as pa
 
 from keel.data.encode import RowEncoder, output_features
 from keel.data.formats import (
+    Example,
     FormatSpec,
     RowError,
     alpaca_prompt,
-    column_images,
+    check_image_count,
     parse_messages,
     refuse_unsupported,
+    row_images,
     validate_conversation,
     with_system,
 )
 from keel.data.template import ChatTemplate, render
+from keel.data.vision import (
+    ImageTokens,
+    expand_placeholders,
+    image_columns,
+    image_file,
+    prepare_images,
+    refuse_images,
+    vision_features,
+)
+from keel.models.vision.family import PLACEHOLDER
 
 # The columns each format builds its prompt from (keys of FormatSpec.columns); the media and
 # tool columns are read too (refused when they hold anything), so neither is kept as a column
@@ -76,6 +93,7 @@ class PromptExample:
 
     prompt: str | list[dict]  # text, or messages ending with the user's turn
     read: frozenset[str]  # not kept in `columns`
+    images: tuple = ()  # the prompt's image references, in placeholder order
 
 
 def row_to_prompt(row: dict, spec: FormatSpec) -> PromptExample:
@@ -91,15 +109,12 @@ def row_to_prompt(row: dict, spec: FormatSpec) -> PromptExample:
         prompt = with_system(parse_messages(row[c["messages"]], c["messages"], t, inline), row, c)
     else:
         prompt = _trl_prompt(row, c["prompt"], t, inline)
-    if column_images(row, c) or any(ref is not None for ref in inline):
-        raise RowError(
-            "has images; grpo generates with keel's text-only engine, so prompts with images "
-            "are not supported yet"
-        )
     if not isinstance(prompt, str):
         check_prompt_turns(prompt)
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    images = row_images(row, c, texts, inline)
     keys = (*_PROMPT_KEYS.get(spec.format, ("prompt",)), *_READ_KEYS)
-    return PromptExample(prompt, frozenset(c[k] for k in keys if c.get(k)))
+    return PromptExample(prompt, frozenset(c[k] for k in keys if c.get(k)), images)
 
 
 def _trl_prompt(row: dict, col: str, t: dict, inline: list) -> str | list[dict]:
@@ -160,20 +175,51 @@ def prompt_ids(tokenizer, template: ChatTemplate, prompt: str | list[dict]) -> l
     return ids
 
 
+def prompt_with_images(tokenizer, settings, example: PromptExample) -> tuple[list[int], dict]:
+    """A vision-language run's prompt: its ids with each image's tokens, and its image
+    columns (image_blobs, rope_positions for M-RoPE families, image_files). RowError when
+    the placeholders and images do not pair up, or an image cannot be read."""
+    vision = settings.vision
+    texts = [example.prompt] if isinstance(example.prompt, str) else None
+    texts = texts or [m["content"] for m in example.prompt]
+    placeholders = sum(text.count(PLACEHOLDER) for text in texts)
+    column = settings.spec.columns.get("images") or "images"
+    check_image_count(placeholders, len(example.images), column)
+    prepared = prepare_images(vision, example.images, settings.media_dir)
+    ids = prompt_ids(tokenizer, settings.template, expand_placeholders(example.prompt, prepared))
+    image_id = tokenizer.convert_tokens_to_ids(vision.family.image_token)
+    count, want = sum(token == image_id for token in ids), sum(p.num_tokens for p in prepared)
+    if count != want:
+        raise RowError(
+            f"the prompt's images are {want} image features but its text tokenizes to {count} "
+            f"'{vision.family.image_token}' tokens: the tokenizer must have that token as a "
+            f"special token (the model folder's tokenizer)"
+        )
+    files = (image_file(ref, settings.media_dir) for ref in example.images)
+    images = ImageTokens(tuple(prepared), (), tuple(str(f) for f in files if f))
+    return ids, {**image_columns(vision, [(ids, images)]), "image_files": list(images.files)}
+
+
 class PromptEncoder(RowEncoder):
     """grpo: a row → its prompt's input_ids, `prompt` and `columns` (see the module)."""
 
     def features(self):
         from datasets import Value
 
-        return output_features({"prompt": Value("string"), "columns": Value("string")})
+        prompt = {"prompt": Value("string"), "columns": Value("string")}
+        return output_features(prompt | vision_features(self.settings.vision))
 
     def encode_row(self, row: dict) -> dict:
         s = self.settings
+        extra = {}
         try:
             example = row_to_prompt(row, s.spec)
             columns = kept_columns(row, example.read)
-            ids = prompt_ids(self.tokenizer, s.template, example.prompt)
+            if s.vision is None:
+                refuse_images(Example(example.prompt, example.images))
+                ids = prompt_ids(self.tokenizer, s.template, example.prompt)
+            else:
+                ids, extra = prompt_with_images(self.tokenizer, s, example)
         except RowError as e:
             return {"status": "rejected", "reason": str(e)}
         length = len(ids)
@@ -193,16 +239,20 @@ class PromptEncoder(RowEncoder):
             "input_ids": ids,
             "prompt": json.dumps(example.prompt, ensure_ascii=False),
             "columns": columns,
+            **extra,
         }
 
 
 def prompt_rows(units: pa.Table) -> pa.Table:
-    """One row per encoded prompt, in order: input_ids, num_targets (0), prompt, columns."""
+    """One row per encoded prompt, in order: input_ids, num_targets (0), prompt, columns
+    (and a vision-language run's image_blobs and rope_positions)."""
+    images = [name for name in ("image_blobs", "rope_positions") if name in units.column_names]
     return pa.table(
         {
             "input_ids": units.column("input_ids"),
             "num_targets": pa.array(np.zeros(units.num_rows, dtype=np.int64)),
             "prompt": units.column("prompt"),
             "columns": units.column("columns"),
+            **{name: units.column(name) for name in images},
         }
     )

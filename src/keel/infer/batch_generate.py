@@ -30,6 +30,8 @@ class GroupRequest:
     prompt_ids: list[int]
     n: int
     seed: int
+    # a prompt with images: its keel.infer.vision.ImagePrompt (prefilled alone); None: text
+    images: object | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,7 @@ class Sampling:
     max_tokens: int
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
+    banned: tuple[int, ...] = ()  # token ids never chosen (a vision model's image tokens)
 
 
 @dataclass
@@ -83,6 +86,7 @@ def generate_groups(
                 model=POLICY,
                 sink=_collector(slots, failures),
                 n=request.n,
+                images=request.images,
             )
         )
     busy = True
@@ -102,6 +106,7 @@ def _params(sampling: Sampling, seed: int) -> SamplingParams:
         temperature=sampling.temperature,
         top_p=sampling.top_p,
         seed=seed,
+        banned=sampling.banned,
     )
 
 

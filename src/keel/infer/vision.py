@@ -109,3 +109,20 @@ def encode_with_images(
     if family.rope == "mrope":
         positions = family.rope_positions(ids, tensors, vision.model_config)  # [3, T]
     return ImagePrompt(input_ids=ids, inputs=inputs, rope_positions=positions)
+
+
+def stored_image_prompt(row: dict, config) -> ImagePrompt:
+    """The ImagePrompt of a prepared data row (a grpo prompt: input_ids, image_blobs and,
+    for M-RoPE families, rope_positions, 3 per token), for a model of `config`."""
+    from keel.models.vision.blobs import unpack
+
+    family = family_of(config)
+    tensors = [unpack(blob) for blob in row["image_blobs"]]
+    ids = list(row["input_ids"])
+    inputs = {
+        **family.model_inputs(tensors),
+        **family.token_inputs(torch.tensor([ids]), config),  # [1, T]
+    }
+    rope = row.get("rope_positions")
+    positions = None if rope is None else torch.tensor(rope, dtype=torch.long).view(-1, 3).t()
+    return ImagePrompt(input_ids=ids, inputs=inputs, rope_positions=positions)

@@ -8,13 +8,12 @@ import torch
 
 from keel.config import RunConfig
 from keel.errors import ConfigError
-from keel.models.vision import VisionProcessing
 from keel.rewards import RewardFunction, load_rewards
 from keel.stages.registry import get_stage
 
 
 def online_rl_checks(
-    cfg: RunConfig, base_dir: Path, vision: VisionProcessing | None, device: torch.device
+    cfg: RunConfig, base_dir: Path, device: torch.device
 ) -> tuple[list[RewardFunction], list[str]]:
     """A stage trained on prompts answered online (grpo): its reward functions, loaded here
     (before any model or data), and the settings it cannot train with (data.packing is
@@ -22,11 +21,6 @@ def online_rl_checks(
     if get_stage(cfg.train.stage).unit != "prompt":
         return [], []
     stage, problems = cfg.train.stage, []
-    if vision is not None:
-        problems.append(
-            f"train.stage = {stage!r} with a vision-language model ({vision.family.name}): "
-            "keel generates rollouts from text prompts only; use a text model"
-        )
     if cfg.data.val_size or cfg.data.eval_datasets:
         setting = (
             f"data.val_size = {cfg.data.val_size!r}" if cfg.data.val_size else "data.eval_datasets"

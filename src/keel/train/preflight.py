@@ -164,7 +164,7 @@ def preflight(
         if checked is not None and not found:  # a model keel builds, with its tokenizer
             vision, found = _vision(cfg, model_dir, log)
             problems += found
-    rewards, found = online_rl_checks(cfg, base_dir, vision, device)
+    rewards, found = online_rl_checks(cfg, base_dir, device)
     problems += _data_settings(cfg, tokenizer, base_dir) + _output_problems(cfg) + found
     if problems:
         raise ConfigError(problems, source=source)

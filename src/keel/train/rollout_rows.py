@@ -82,7 +82,7 @@ def refuse_uneven_prompts(stage: str, global_batch: int, dp_size: int) -> None:
 
 
 def rollout_row(
-    prompt_ids: list[int], completion_ids: list[int], advantage: float, *, trained: bool
+    prompt: dict, completion_ids: list[int], advantage: float, *, trained: bool
 ) -> dict:
     """A ROLLOUT row: prompt + completion, targets pre-shifted onto the completion's tokens.
 
@@ -93,19 +93,35 @@ def rollout_row(
     graph to run backward through, and DDP would wait for gradients that never come).
     `num_targets` counts the trained target tokens (dapo's unit). `prompt_len` lets a
     padding-free micro-batch compute a prompt once for all its completions
-    (keel.data.shared_prompt)."""
+    (keel.data.shared_prompt).
+
+    `prompt` is the prompt row (input_ids; a vision-language run's image_blobs and, for
+    M-RoPE families, rope_positions): the row keeps the prompt's images, and its positions
+    go on from the prompt's largest for the completion's text tokens, as the family's do.
+    Such a row has no `prompt_len`: its sequences stay whole (the images are each one's)."""
+    prompt_ids = list(prompt["input_ids"])
     ids = [*prompt_ids, *completion_ids]
     targets = [NO_TARGET] * len(ids)
     targets[len(prompt_ids) - 1 : len(ids) - 1] = completion_ids
-    return {
+    row = {
         "input_ids": ids,
         "targets": targets,
         "position_ids": list(range(len(ids))),
-        PROMPT_LEN: len(prompt_ids),
         "num_targets": len(completion_ids) if trained else 0,
         "advantages": [float(advantage)],
         "kept": [1.0 if trained else 0.0],
     }
+    if "image_blobs" not in prompt:
+        return {**row, PROMPT_LEN: len(prompt_ids)}
+    row["image_blobs"] = list(prompt["image_blobs"])
+    rope = prompt.get("rope_positions")
+    if rope is not None:
+        following = max(rope) + 1
+        row["rope_positions"] = [
+            *rope,
+            *(p for k in range(len(completion_ids)) for p in (following + k,) * 3),
+        ]
+    return row
 
 
 def per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[list[float]]:

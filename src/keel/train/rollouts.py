@@ -26,13 +26,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from keel.distributed.context_parallel import gather_parts
+from keel.distributed.parallelize import unwrap
 from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
+from keel.infer.vision import stored_image_prompt
 from keel.losses.grpo import group_advantages, loss_unit
 from keel.rewards import RewardInputs, score_rewards, weighted_rewards
 from keel.train.batch_source import StepBatch, StepPlan
 from keel.train.completions_log import CompletionRecord
+from keel.train.objective import causal_lm_of
 from keel.train.rollout_generation import generation_ready
 from keel.train.rollout_metrics import RolloutTally, rollout_metrics
 from keel.train.rollout_rows import (
@@ -136,7 +139,7 @@ class RolloutBatchSource:
             scored.advantages = self._batch_scaled(scored.rewards, len(window))
         rows = [
             rollout_row(
-                self.prompts[scored.prompts[i // self.group]]["input_ids"],
+                self.prompts[scored.prompts[i // self.group]],
                 completion.token_ids,
                 scored.advantages[i].item(),
                 trained=self._trained(completion),
@@ -192,6 +195,7 @@ class RolloutBatchSource:
             max_tokens=settings.max_completion_length,
             temperature=settings.temperature,
             top_p=settings.top_p,
+            banned=self._image_tokens(),
         )
         unit = settings.generation_batch_prompts
         progress = trainer.progress
@@ -200,12 +204,14 @@ class RolloutBatchSource:
         with generation_ready(
             trainer.objective, dist=self.dist, progress=progress, gather_limit=self.ctx.hang_limit
         ) as model:
+            lm = causal_lm_of(model)  # a vision-language model's config: its image inputs
             for prompts in generation_units(block, unit):
                 requests = [
                     GroupRequest(
                         prompt_ids=list(self.prompts[row]["input_ids"]),
                         n=self.group,
                         seed=sample_seed(self.plan.seed, generation_step, row),
+                        images=self._image_prompt(row, lm.config),
                     )
                     for row in prompts
                 ]
@@ -219,6 +225,22 @@ class RolloutBatchSource:
                 )
                 completions += [c for group in groups for c in group]
         return completions, time.perf_counter() - began
+
+    def _image_tokens(self) -> tuple[int, ...]:
+        """A vision-language policy's image token, which a completion must not hold (its
+        forward would look for image features for it); () for a text model."""
+        vision = unwrap(self.ctx.trainer.objective).vision
+        if vision is None:
+            return ()
+        return (self.ctx.tokenizer.convert_tokens_to_ids(vision.image_token),)
+
+    def _image_prompt(self, row: int, config):
+        """Prompt row `row`'s images as the generation engine takes them (its forward
+        inputs and M-RoPE positions); None for a prompt without images."""
+        prompt = self.prompts[row]
+        if not prompt.get("image_blobs"):
+            return None
+        return stored_image_prompt(prompt, config)
 
     def _generation_round(self) -> None:
         """After each engine round: progress (slow generation is not a hang), then any
@@ -311,9 +333,10 @@ class RolloutBatchSource:
 
     def _filler_row(self, row: int) -> dict:
         """A real row for a rank without prompts in this window (weight zero in the step)."""
-        prompt = list(self.prompts[row]["input_ids"])
+        prompt = self.prompts[row]
         eos = self.ctx.tokenizer.eos_token_id
-        return rollout_row(prompt, [eos if eos is not None else prompt[-1]], 0.0, trained=True)
+        token = eos if eos is not None else prompt["input_ids"][-1]
+        return rollout_row(prompt, [token], 0.0, trained=True)
 
     def _add_old_logps(self, micro_batches: list[list[dict]], filler: dict) -> None:
         """Each row's per-token log-probs under the weights that sampled it (num_iterations >

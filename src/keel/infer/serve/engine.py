@@ -36,7 +36,12 @@ from transformers import DynamicCache
 from keel.infer.generate import stop_token_ids  # the same stop tokens as `keel chat`
 from keel.infer.serve.adapters import AdapterSet
 from keel.infer.serve.kv import PaddedBatch
-from keel.infer.serve.sampling import greedy_tokens, make_generator, sample_token
+from keel.infer.serve.sampling import (
+    greedy_tokens,
+    make_generator,
+    sample_token,
+    without_banned,
+)
 from keel.infer.serve.scheduler import Delta, Done, Failed, Job, SchedulerThread
 from keel.infer.serve.text import TextTracker
 
@@ -324,6 +329,7 @@ class Engine(SchedulerThread):
     def _advance(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
         """Sample each sequence's next token, send its text, and mark finished ones. A
         sequence whose sampling fails ends with its job; the others are not touched."""
+        logits = without_banned(logits, [s.job.params for s in sequences])
         greedy = greedy_tokens(logits)  # every row; sampled rows overwrite theirs
         failed: dict[int, tuple[Job, str, Exception]] = {}
         for row, s in enumerate(sequences):

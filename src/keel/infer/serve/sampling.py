@@ -18,6 +18,21 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # token ids never chosen (grpo on a vision-language model: its image tokens, which a
+    # completion must not hold: the model would look for image features for them)
+    banned: tuple[int, ...] = ()
+
+
+def without_banned(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` [B, V] with row b's banned tokens (params[b].banned) at -inf; the same
+    tensor when no row bans any."""
+    rows = [(row, p.banned) for row, p in enumerate(params) if p.banned]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for row, banned in rows:
+        logits[row, list(banned)] = float("-inf")
+    return logits
 
 
 def make_generator(params: SamplingParams, choice: int) -> torch.Generator | None:
