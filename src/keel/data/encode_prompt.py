@@ -179,14 +179,13 @@ def prompt_with_images(tokenizer, settings, example: PromptExample) -> tuple[lis
     """A vision-language run's prompt: its ids with each image's tokens, and its image
     columns (image_blobs, rope_positions for M-RoPE families, image_files). RowError when
     the placeholders and images do not pair up, or an image cannot be read."""
-    vision = settings.vision
-    texts = [example.prompt] if isinstance(example.prompt, str) else None
-    texts = texts or [m["content"] for m in example.prompt]
+    vision, prompt = settings.vision, example.prompt
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
     placeholders = sum(text.count(PLACEHOLDER) for text in texts)
     column = settings.spec.columns.get("images") or "images"
     check_image_count(placeholders, len(example.images), column)
     prepared = prepare_images(vision, example.images, settings.media_dir)
-    ids = prompt_ids(tokenizer, settings.template, expand_placeholders(example.prompt, prepared))
+    ids = prompt_ids(tokenizer, settings.template, expand_placeholders(prompt, prepared))
     image_id = tokenizer.convert_tokens_to_ids(vision.family.image_token)
     count, want = sum(token == image_id for token in ids), sum(p.num_tokens for p in prepared)
     if count != want:
