@@ -38,6 +38,8 @@ SYSTEMS = {
     "full-muon": ["method.type=full", "train.lr=2e-5", "train.optimizer=muon"],
     "lora": [],
     "qlora": ["method.type=qlora"],
+    # OFT: rotation blocks of 32 inputs on every linear layer (LLaMA-Factory's default)
+    "oft": ["method.type=oft"],
     "qlora-bnb": ["method.type=qlora", "method.qlora.quant_backend=bnb"],
     # field note 4's recipe: QLoRA, 8-bit AdamW, offloaded checkpointing (on a CPU the
     # offload is plain checkpointing: there is no separate device memory to spare)
