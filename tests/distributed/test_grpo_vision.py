@@ -79,11 +79,37 @@ def two_processes(workspace) -> dict[str, Path]:
     return workspace.train_together(case_runs(CASES))
 
 
+@pytest.fixture(scope="module")
+def one_process(workspace):
+    """The 1-process run of each case (by case), made once for the module's tests."""
+    runs: dict[str, Path] = {}
+
+    def run(case: str) -> Path:
+        if case not in runs:
+            overrides = (o for o in CASES[case][1] if not o.startswith("distributed."))
+            runs[case] = workspace.train(f"{case}-one", *overrides)
+        return runs[case]
+
+    return run
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_two_processes_sample_and_train_like_one(workspace, two_processes, case):
-    overrides = tuple(o for o in CASES[case][1] if not o.startswith("distributed."))
-    want = workspace.train(f"{case}-one", *overrides)
-    got = two_processes[case]
+def test_two_processes_sample_and_train_like_one(two_processes, one_process, case):
+    _assert_same_run(two_processes[case], one_process(case))
+
+
+def test_a_checkpoint_inside_a_rollout_with_images_resumes_it(workspace, one_process):
+    """Stopped after step 3, inside the second rollout's 2 steps: the checkpoint holds the
+    rollout's rows (their images found again from their prompts: prepared data is not
+    JSON), and the resumed step 4 trains on them as the unbroken run does."""
+    overrides = CASES["fsdp-full-reused"][1]
+    workspace.train("reused-resumed", *overrides, "train.max_steps=3")
+    resumed = workspace.train("reused-resumed", *overrides)
+    assert "resumed from" in workspace.last_output
+    _assert_same_run(resumed, one_process("fsdp-full-reused"))
+
+
+def _assert_same_run(got: Path, want: Path) -> None:
     mine, theirs = step_records(got), step_records(want)
     assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
     for step, line in theirs.items():

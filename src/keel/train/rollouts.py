@@ -60,6 +60,9 @@ if TYPE_CHECKING:
     from keel.train.loop import Trainer
 
 
+IMAGES = "image_blobs"  # a vision-language run's rows: their prompt's prepared images
+
+
 @dataclass(kw_only=True)
 class RolloutContext:
     """What the source generates, scores and logs with (one per process)."""
@@ -409,7 +412,12 @@ class RolloutBatchSource:
             "generation_step": rollout.generation_step,
             "dp_rank": self.dist.dp_rank,
             "dp_size": self.dist.dp_size,
-            "rows": [row for micro in rollout.micro_batches for row in micro],
+            # a row's images are its prompt's (prepared data, not JSON): found again on load
+            "rows": [
+                {k: v for k, v in row.items() if k != IMAGES}
+                for micro in rollout.micro_batches
+                for row in micro
+            ],
             "window_targets": rollout.window_targets,
             "window_tokens": rollout.window_tokens,
             "window_rows": rollout.rows,
@@ -442,6 +450,11 @@ class RolloutBatchSource:
                 f"train.resume=never to start over, or resume from another checkpoint"
             )
         groups = [rows[i * self.group : (i + 1) * self.group] for i in range(len(window))]
+        for prompt, group in zip(window, groups):  # the images each row's prompt holds
+            images = self.prompts[prompt].get(IMAGES)
+            if images is not None:
+                for row in group:
+                    row[IMAGES] = list(images)
         mine = [row for group in rank_block(groups, self.dist.dp_rank, self.dist.dp_size)
                 for row in group]  # fmt: skip
         filler = mine[0] if mine else self._filler_row(window[0])
