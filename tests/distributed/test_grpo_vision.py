@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from multiproc import Workspace, case_runs, step_records
+from multiproc import Workspace, case_runs
+from test_grpo_parity import _assert_steps_match
 from test_parity import assert_same_weights
 from vlm_support import write_image, write_tiny_qwen2_vl_dir
 
-EXACT = ("reward", "reward_std", "completions/mean_length", "completions/max_length")
-CLOSE = ("loss", "grad_norm")
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "grey": (90,) * 3}
 REWARD = """
 def names_the_colour(completions, colour, **kwargs):
@@ -110,11 +109,6 @@ def test_a_checkpoint_inside_a_rollout_with_images_resumes_it(workspace, one_pro
 
 
 def _assert_same_run(got: Path, want: Path) -> None:
-    mine, theirs = step_records(got), step_records(want)
-    assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
-    for step, line in theirs.items():
-        for name in EXACT:
-            assert mine[step][name] == line[name], (step, name)
-        for name in CLOSE:
-            assert mine[step][name] == pytest.approx(line[name], rel=1e-5, abs=1e-7), (step, name)
+    """Equal rewards and lengths, losses and grad norms to round-off, close weights."""
+    _assert_steps_match(got, want)
     assert_same_weights(got, want)
