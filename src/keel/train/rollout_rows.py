@@ -2,7 +2,8 @@
 each data-parallel rank's contiguous block of the window, the units of it each process of a
 context-parallel group samples (and their scored completions joined back in block order),
 and a completion as a trainable row (targets pre-shifted onto the completion's tokens) with
-its per-token values read back from a micro-batch. Pure functions of their arguments;
+its per-token values read back from a micro-batch; a vision-language run's prompt images, for
+the generation engine and through a checkpoint. Pure functions of their arguments;
 keel.train.rollouts uses them.
 """
 
@@ -17,12 +18,14 @@ import torch
 
 from keel.data.shared_prompt import PROMPT_LEN, can_share, unshare
 from keel.errors import ConfigError
+from keel.infer.vision import stored_image_prompt
 from keel.stages.registry import get_stage
 
 if TYPE_CHECKING:
     from keel.infer.batch_generate import Completion
 
 NO_TARGET = -100
+IMAGES = "image_blobs"  # a vision-language run's rows: their prompt's prepared images
 
 
 @dataclass(kw_only=True)
@@ -111,9 +114,9 @@ def rollout_row(
         "advantages": [float(advantage)],
         "kept": [1.0 if trained else 0.0],
     }
-    if "image_blobs" not in prompt:
+    if IMAGES not in prompt:
         return {**row, PROMPT_LEN: len(prompt_ids)}
-    row["image_blobs"] = list(prompt["image_blobs"])
+    row[IMAGES] = list(prompt[IMAGES])
     rope = prompt.get("rope_positions")
     if rope is not None:
         following = max(rope) + 1
@@ -122,6 +125,26 @@ def rollout_row(
             *(p for k in range(len(completion_ids)) for p in (following + k,) * 3),
         ]
     return row
+
+
+def image_prompt(prompt: dict, config):
+    """A prompt row's images as the generation engine takes them (keel.infer.vision's
+    ImagePrompt: forward inputs and M-RoPE positions); None for a prompt without images."""
+    return stored_image_prompt(prompt, config) if prompt.get(IMAGES) else None
+
+
+def without_images(row: dict) -> dict:
+    """A rollout row as a checkpoint saves it: its images are its prompt's (prepared data,
+    not JSON), found again by `with_prompt_images`."""
+    return {key: value for key, value in row.items() if key != IMAGES}
+
+
+def with_prompt_images(rows: list[dict], prompt: dict) -> None:
+    """Give saved rollout rows of `prompt` (a prompt row) its images back, in place."""
+    images = prompt.get(IMAGES)
+    if images is not None:
+        for row in rows:
+            row[IMAGES] = list(images)
 
 
 def per_row(logps: torch.Tensor, rows: list[dict], padding_free: bool) -> list[list[float]]:

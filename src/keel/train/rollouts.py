@@ -30,7 +30,6 @@ from keel.distributed.parallelize import unwrap
 from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
-from keel.infer.vision import stored_image_prompt
 from keel.losses.grpo import group_advantages, loss_unit
 from keel.rewards import RewardInputs, score_rewards, weighted_rewards
 from keel.train.batch_source import StepBatch, StepPlan
@@ -42,12 +41,15 @@ from keel.train.rollout_rows import (
     NO_TARGET,
     ScoredPrompts,
     generation_units,
+    image_prompt,
     join_parts,
     per_row,
     rank_block,
     rollout_row,
     sample_seed,
     units_of_part,
+    with_prompt_images,
+    without_images,
 )
 
 if TYPE_CHECKING:
@@ -58,9 +60,6 @@ if TYPE_CHECKING:
     from keel.stages.grpo import GrpoSettings
     from keel.train.completions_log import CompletionsLog
     from keel.train.loop import Trainer
-
-
-IMAGES = "image_blobs"  # a vision-language run's rows: their prompt's prepared images
 
 
 @dataclass(kw_only=True)
@@ -214,7 +213,7 @@ class RolloutBatchSource:
                         prompt_ids=list(self.prompts[row]["input_ids"]),
                         n=self.group,
                         seed=sample_seed(self.plan.seed, generation_step, row),
-                        images=self._image_prompt(row, lm.config),
+                        images=image_prompt(self.prompts[row], lm.config),
                     )
                     for row in prompts
                 ]
@@ -236,14 +235,6 @@ class RolloutBatchSource:
         if vision is None:
             return ()
         return (self.ctx.tokenizer.convert_tokens_to_ids(vision.image_token),)
-
-    def _image_prompt(self, row: int, config):
-        """Prompt row `row`'s images as the generation engine takes them (its forward
-        inputs and M-RoPE positions); None for a prompt without images."""
-        prompt = self.prompts[row]
-        if not prompt.get("image_blobs"):
-            return None
-        return stored_image_prompt(prompt, config)
 
     def _generation_round(self) -> None:
         """After each engine round: progress (slow generation is not a hang), then any
@@ -413,11 +404,7 @@ class RolloutBatchSource:
             "dp_rank": self.dist.dp_rank,
             "dp_size": self.dist.dp_size,
             # a row's images are its prompt's (prepared data, not JSON): found again on load
-            "rows": [
-                {k: v for k, v in row.items() if k != IMAGES}
-                for micro in rollout.micro_batches
-                for row in micro
-            ],
+            "rows": [without_images(row) for micro in rollout.micro_batches for row in micro],
             "window_targets": rollout.window_targets,
             "window_tokens": rollout.window_tokens,
             "window_rows": rollout.rows,
@@ -450,11 +437,8 @@ class RolloutBatchSource:
                 f"train.resume=never to start over, or resume from another checkpoint"
             )
         groups = [rows[i * self.group : (i + 1) * self.group] for i in range(len(window))]
-        for prompt, group in zip(window, groups):  # the images each row's prompt holds
-            images = self.prompts[prompt].get(IMAGES)
-            if images is not None:
-                for row in group:
-                    row[IMAGES] = list(images)
+        for prompt, group in zip(window, groups):
+            with_prompt_images(group, self.prompts[prompt])
         mine = [row for group in rank_block(groups, self.dist.dp_rank, self.dist.dp_size)
                 for row in group]  # fmt: skip
         filler = mine[0] if mine else self._filler_row(window[0])
