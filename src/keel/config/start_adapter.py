@@ -33,8 +33,8 @@ OFT_SHAPE = {
     "cayley_neumann": "use_cayley_neumann",
     "modules_to_save": "modules_to_save",
 }
-# PEFT's peft_type -> the method types that keep training it, and their section
-_KINDS = {"LORA": (("lora", "qlora"), "lora"), "OFT": (("oft",), "oft")}
+# PEFT's peft_type -> the method types that keep training it, their section, its shape keys
+_KINDS = {"LORA": (("lora", "qlora"), "lora", SHAPE), "OFT": (("oft",), "oft", OFT_SHAPE)}
 
 
 def with_start_adapter(cfg: RunConfig, raw_method: dict) -> tuple[RunConfig, list[str]]:
@@ -67,15 +67,14 @@ def with_start_adapter(cfg: RunConfig, raw_method: dict) -> tuple[RunConfig, lis
         return cfg, [
             f"{where}: {ADAPTER_CONFIG} is not a LoRA or OFT adapter's (peft_type {kind!r})"
         ]
-    types, section = _KINDS[kind]
+    types, section, keys = _KINDS[kind]
     if cfg.method.type not in types:
         return cfg, [
             f"{where} is a{'n' if kind == 'OFT' else ''} {kind} adapter, but method.type = "
             f"{cfg.method.type}; set method.type {' or '.join(types)}"
         ]
     shape, problems = _oft_shape(saved, where) if kind == "OFT" else (_lora_shape(saved), [])
-    keys = OFT_SHAPE if kind == "OFT" else SHAPE
-    given = raw_method.get(section) or {} if isinstance(raw_method, dict) else {}
+    given = raw_method.get(section) if isinstance(raw_method, dict) else None
     given = given if isinstance(given, dict) else {}
     problems += [
         f"method.{section}.{key} = {given[key]!r}, but {where} has {key} {shape[key]!r} (its "
