@@ -108,7 +108,9 @@ QA = [
 
 
 # Prompts of the tiny GRPO runs, and a reward in TRL's signature that scores their
-# completions: a dataset column (`letter`) arrives as a keyword argument
+# completions: a dataset column (`letter`) arrives as a keyword argument; and one that
+# scores nothing (None: it leaves the reward alone) and logs, as TRL's log_metric and
+# log_extra let it, each call's mean count of the letter and each completion's count
 GRPO_PROMPTS = [
     "Who are you?",
     "Name a color.",
@@ -123,6 +125,13 @@ SHARE_OF_LETTER = '''
 def share_of_letter(completions, letter, **kwargs):
     """The share of the completion's characters that are the row's letter."""
     return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
+
+def logs_letters(completions, letter, log_metric, log_extra, **kwargs):
+    counts = [text.count(x) for text, x in zip(completions, letter)]
+    if counts:
+        log_metric("logged/letters", sum(counts) / len(counts))
+    log_extra("letters", counts)
+    return [None] * len(completions)
 '''
 
 

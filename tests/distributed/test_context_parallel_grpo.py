@@ -95,7 +95,7 @@ def _counted_reward(workspace: GrpoWorkspace, name: str) -> tuple[str, Path]:
     calls = workspace.root / f"calls-{name}.jsonl"
     module = workspace.root / f"counted_{name.replace('-', '_')}.py"
     module.write_text(COUNTED_REWARD.format(calls=str(calls)))
-    return f"grpo.rewards=[{module.name}:share_of_letter]", calls
+    return f"grpo.rewards=[{module.name}:share_of_letter,rewards.py:logs_letters]", calls
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +175,11 @@ def _assert_steps_match(got: Path, want: Path, *, kl: bool) -> None:
             assert mine[step][name] == pytest.approx(line[name], rel=1e-4, abs=1e-6), (step, name)
 
 
-def _completions(out: Path) -> list[tuple[int, str, float]]:
+def _completions(out: Path) -> list[tuple[int, str, float, dict]]:
+    """Each logged sample: with what the reward functions logged for it (each process of a
+    group logs for its part: joined with the completions, in block order)."""
     records = map(json.loads, (out / "completions.jsonl").read_text().splitlines())
-    return [(r["step"], r["completion"], r["reward"]) for r in records]
+    return [(r["step"], r["completion"], r["reward"], r["extra"]) for r in records]
 
 
 # ---- a block sampled in parts, joined back --------------------------------------------

@@ -34,7 +34,7 @@ class GrpoWorkspace(Workspace):
         cfg["data"] = {"datasets": [str(root / "prompts.jsonl")], "cutoff_len": 64}
         cfg["train"] |= {"stage": "grpo", "global_batch_size": 4, "max_steps": 4}
         cfg["grpo"] = {
-            "rewards": ["rewards.py:share_of_letter"],
+            "rewards": ["rewards.py:share_of_letter", "rewards.py:logs_letters"],
             "num_generations": 4,
             "max_completion_length": 6,
             "log_completions_every": 1,
@@ -103,6 +103,38 @@ def test_two_processes_sample_and_train_like_one(two_processes, one_process, cas
         two = [r["completion"] for r in logged if r["step"] == step]
         one = [r["completion"] for r in alone if r["step"] == step]
         assert len(two) == 2 * 4 and two == one[: len(two)]
+    _assert_logged_like_one(got, want, logged, alone)
+
+
+def _assert_logged_like_one(got: Path, want: Path, logged: list, alone: list) -> None:
+    """What the reward function logged (logs_letters): each completion's count in its
+    sample record, and the mean of each call's mean count, averaged over both processes'
+    calls (one each, of 8 completions), in the step record, as one process's one call."""
+    halves_differ = False
+    for step, record in step_records(got).items():
+        counts = [r["extra"]["letters"] for r in alone if r["step"] == step]
+        assert [r["completion"].count("a") for r in alone if r["step"] == step] == counts
+        assert [r["extra"]["letters"] for r in logged if r["step"] == step] == counts[:8]
+        mean = sum(counts) / len(counts)
+        assert step_records(want)[step]["logged/letters"] == pytest.approx(mean, rel=1e-12)
+        assert record["logged/letters"] == pytest.approx(mean, rel=1e-12)
+        halves_differ |= sum(counts[:8]) != sum(counts[8:])
+    assert halves_differ  # rank 0's own calls alone would not give the mean
+
+
+def test_a_reward_function_may_not_log_a_metric_under_a_name_of_the_record(one_process):
+    """keel refuses log_metric names its step record uses (reserved_metrics); every name a
+    grpo record holds is among them, besides what the reward functions logged."""
+    from keel.stages.registry import get_stage
+    from keel.train.rollout_metrics import RolloutTally, rollout_metrics
+    from keel.train.rollout_rewards import reserved_metrics
+
+    names = ["rewards.py:share_of_letter", "rewards.py:logs_letters"]
+    shorts = [name.split(":")[1] for name in names]
+    own = rollout_metrics(RolloutTally.zero(2), shorts)
+    reserved = reserved_metrics(list(own), list(get_stage("grpo").metric_names))
+    for record in step_records(one_process("fsdp-full-grpo")).values():
+        assert set(record) - reserved == {"logged/letters"}
 
 
 @pytest.mark.parametrize("name", RESUMED)

@@ -8,7 +8,7 @@ EQUAL, the losses and grad norms equal to fp32 round-off, the final weights clos
 DDP with a KL term (the reference is the policy with its adapters off, scoring with the
 images), under FSDP2 with full training and a reused rollout (old log-probs with images),
 and split over a context-parallel group (each process embeds the whole row, images
-included, and keeps its part).
+included, and keeps its part). The reward function checks the images it is given.
 """
 
 from __future__ import annotations
@@ -24,8 +24,19 @@ from test_parity import assert_same_weights
 from vlm_support import write_image, write_tiny_qwen2_vl_dir
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220), "grey": (90,) * 3}
+# The prompt's images reach the reward (as TRL passes an image dataset's): each the colour
+# its row names (the nearest of COLOURS to its top-left pixel), [] for a text prompt; a
+# prompt of another row's images, or none, fails the run
 REWARD = """
-def names_the_colour(completions, colour, **kwargs):
+COLOURS = {colours!r}
+
+def names_the_colour(prompts, completions, colour, images, **kwargs):
+    for prompt, pictures, name in zip(prompts, images, colour):
+        assert len(pictures) == prompt.count("<image>"), (prompt, pictures)
+        if pictures:
+            pixel = pictures[0].getpixel((0, 0))
+            seen = min(COLOURS, key=lambda c: sum((a - b) ** 2 for a, b in zip(COLOURS[c], pixel)))
+            assert seen == name, (seen, name)
     return [float(c in text) + text.count("e") / 10 for text, c in zip(completions, colour)]
 """
 
@@ -42,7 +53,7 @@ class VisionGrpoWorkspace(Workspace):
             rows.append({"prompt": f"{marks}What colour is it?", "images": images, "colour": name})
             rows.append({"prompt": f"Name a colour like {name}.", "colour": name})
         (root / "prompts.json").write_text(json.dumps(rows))
-        (root / "rewards.py").write_text(REWARD)
+        (root / "rewards.py").write_text(REWARD.format(colours=COLOURS))
         cfg = yaml.safe_load(self.config.read_text())
         cfg["data"] = {"datasets": [str(root / "prompts.json")], "cutoff_len": 256}
         cfg["train"] |= {"stage": "grpo", "global_batch_size": 4, "max_steps": 4}

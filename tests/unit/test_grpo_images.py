@@ -8,11 +8,12 @@ import json
 
 import pytest
 import torch
-from vlm_support import write_image, write_tiny_qwen2_vl_dir
+from vlm_support import make_image, write_image, write_tiny_qwen2_vl_dir
 
 from keel.config.schema import DataConfig, DatasetConfig
 from keel.data import collate
 from keel.data.pipeline import prepare_data
+from keel.errors import ImageError
 from keel.models.vision import vision_processing
 from keel.models.vision.blobs import unpack
 
@@ -36,11 +37,21 @@ def qwen(tmp_path_factory):
          "images": [str(big), str(small)], "answer": "first"},
         {"prompt": [{"role": "user", "content": "No picture here."}], "answer": "none"},
     ]  # fmt: skip
-    (root / "prompts.json").write_text(json.dumps(rows))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vision = vision_processing(folder, None, lambda _m: None)
+    data = _prompt_rows(root, rows, tokenizer, vision)
+    model = load_model(folder, dtype=torch.float32).eval()
+    prompts = sorted(data, key=lambda row: -len(row.get("image_blobs") or []))
+    return model, tokenizer, vision, prompts
+
+
+def _prompt_rows(root, rows: list[dict], tokenizer, vision, **dataset) -> list[dict]:
+    """grpo's prompt rows of `rows` (root/prompts.json, images read relative to root)."""
+    (root / "prompts.json").write_text(json.dumps(rows))
     data = prepare_data(
-        DataConfig(datasets=[DatasetConfig(path=str(root / "prompts.json"))], cutoff_len=512),
+        DataConfig(
+            datasets=[DatasetConfig(path=str(root / "prompts.json"), **dataset)], cutoff_len=512
+        ),
         tokenizer,
         stage="grpo",
         cache_dir=root / "cache",
@@ -49,9 +60,7 @@ def qwen(tmp_path_factory):
         log=lambda _m: None,
         vision=vision,
     )
-    model = load_model(folder, dtype=torch.float32).eval()
-    prompts = sorted(data.train, key=lambda row: -len(row.get("image_blobs") or []))
-    return model, tokenizer, vision, prompts
+    return list(data.train)
 
 
 def _images(row) -> list[dict]:
@@ -169,3 +178,44 @@ def test_banned_tokens_are_never_chosen(qwen):
     common = tuple({token for tokens in drawn for token in tokens})  # every token it drew
     for tokens in completions(temperature=1.0, banned=common):
         assert not set(tokens) & set(common)
+
+
+def test_reward_functions_receive_each_prompts_images(qwen, tmp_path, monkeypatch):
+    """TRL passes an image dataset's column to the reward functions: each completion gets
+    its prompt's images, decoded (RGB PIL images, in placeholder order), under the images
+    column's name; [] for a prompt without. A file path is read again from any working
+    directory, an inline image (a data URL) from the prompt row itself."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from keel.train.rollout_rewards import reward_inputs
+
+    _, tokenizer, vision, _ = qwen
+    pictures = [make_image(seed=4, size=(56, 56)), make_image(seed=5, size=(84, 56))]
+    pictures[0].save(tmp_path / "relative.png")
+    encoded = io.BytesIO()
+    pictures[1].save(encoded, format="PNG")
+    inline = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    rows = [
+        {"prompt": "<image><image>Same?", "pictures": ["relative.png", inline], "answer": 1},
+        {"prompt": "No picture.", "answer": 0},
+    ]
+    prompts = _prompt_rows(tmp_path, rows, tokenizer, vision, columns={"images": "pictures"})
+    monkeypatch.chdir(tmp_path.parent)  # the relative path is the dataset folder's
+    completions = [([5, 6], "yes"), ([7], "no")] * 2  # two per prompt
+    inputs = reward_inputs(prompts, [0, 1], completions, step=3)
+    got = inputs.columns["pictures"]
+    assert [len(images) for images in got] == [2, 2, 0, 0]
+    for images in got[:2]:
+        for image, want in zip(images, pictures):
+            assert image.mode == "RGB" and image.size == want.size
+            assert np.array_equal(np.asarray(image), np.asarray(want))
+    assert inputs.columns["answer"] == [1, 1, 0, 0]
+    assert "images" not in inputs.columns
+    assert inputs.completions == ["yes", "no", "yes", "no"]
+    # an image file gone since the data was prepared: an error naming the prompt row
+    (tmp_path / "relative.png").unlink()
+    with pytest.raises(ImageError, match="prompt row 0's images, read again for the reward"):
+        reward_inputs(prompts, [0, 1], completions, step=3)

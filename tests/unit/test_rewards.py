@@ -13,6 +13,8 @@ from keel.rewards import (
     RewardError,
     RewardFunction,
     RewardInputs,
+    RewardLog,
+    RewardLogError,
     exact_match,
     format,
     load_rewards,
@@ -51,6 +53,36 @@ async def later(completions, **kwargs):
 
 def as_number(completions, **kwargs):
     return [float(c) for c in completions]
+
+def logs(completions, log_metric, log_extra, **kwargs):
+    log_metric("chars", sum(len(c) for c in completions) / len(completions))
+    log_metric("chars", float("nan"))  # left out of the mean
+    log_extra("chars", [len(c) for c in completions])
+    return [None for c in completions]
+
+def logs_through_kwargs(completions, **kwargs):
+    import numpy
+    kwargs["log_metric"]("calls", numpy.float32(1.0))
+    kwargs["log_extra"]("parsed", [{"n": numpy.int64(len(c)), "ok": c != "?"} for c in completions])
+    return [0.0 for c in completions]
+
+def logs_then_raises(completions, log_metric, **kwargs):
+    log_metric("before", 1.0)
+    if "boom" in completions:
+        raise ValueError("boom")
+    return [0.0 for c in completions]
+
+def logs_badly(completions, log_metric, log_extra, level, **kwargs):
+    kind = level[0]
+    if kind == "reserved":
+        log_metric("reward", 1.0)
+    elif kind == "text":
+        log_metric("chars", "many")
+    elif kind == "short":
+        log_extra("chars", [1])
+    elif kind == "object":
+        log_extra("chars", [object() for c in completions])
+    return [0.0 for c in completions]
 
 def one_at_a_time(completions, **kwargs):
     if len(completions) > 1:
@@ -358,3 +390,56 @@ def test_metric_names_are_the_functions_names_unless_two_share_one():
     specs = ["examples/rewards/sums.py:correct", "keel.rewards:format", "outputs/rm/"]
     assert short_names(specs) == ["correct", "format", "rm"]
     assert short_names(["a.py:f", "b.py:f", "c.py:g"]) == ["a.py:f", "b.py:f", "g"]
+
+
+# ---- what reward functions log (TRL's log_metric and log_extra) ---------------------
+
+
+def test_logged_metrics_and_columns_are_collected_per_scoring(user_file):
+    functions = _load(user_file, "logs", "logs_through_kwargs")
+    log = RewardLog(4, reserved=frozenset({"reward"}))
+    scores = score_rewards(functions, _inputs(["ab", "c", "?", "dddd"], [1, 2, 3, 4]), log=log)
+    assert torch.isnan(scores[:, 0]).all() and scores[:, 1].tolist() == [0.0] * 4
+    assert log.metrics == {"chars": (2.0, 1), "calls": (1.0, 1)}  # (sum, count); NaN left out
+    assert log.extras == {
+        "chars": [2, 1, 1, 4],
+        "parsed": [{"n": 2, "ok": True}, {"n": 1, "ok": True}, {"n": 1, "ok": False},
+                   {"n": 4, "ok": True}],
+    }  # fmt: skip
+    assert type(log.extras["parsed"][0]["n"]) is int  # NumPy scalars become JSON numbers
+    # without a log of its own, a scoring still offers the callbacks (a throwaway log)
+    assert score_rewards(functions, _inputs(["a", "b"], [1, 2])).shape == (2, 2)
+
+
+def test_the_search_for_a_raising_sample_logs_nothing(user_file):
+    (raising,) = _load(user_file, "logs_then_raises")
+    log = RewardLog(2)
+    with pytest.raises(RewardError, match="raised ValueError: boom"):
+        score_rewards([raising], _inputs(["fine", "boom"], [1, 2]), log=log)
+    assert log.metrics == {"before": (1.0, 1)}  # the batch's call, not the per-sample ones
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("reserved", "logged metric 'reward', a name keel's step record already uses"),
+        ("text", "logged metric 'chars' = 'many' \\(str\\); log_metric takes one real number"),
+        ("short", "logged 1 values in column 'chars' for 2 completions"),
+        ("object", "logged <object object at .*> \\(object\\) in column 'chars'"),
+    ],
+)
+def test_what_cannot_be_logged_is_an_error_naming_the_function(user_file, kind, said):
+    (bad,) = _load(user_file, "logs_badly")
+    inputs = _inputs(["a", "b"], [1, 2])
+    inputs.columns["level"] = [kind, kind]
+    with pytest.raises(RewardLogError, match="reward function rewards/my_rewards.py:logs_badly "
+                       + said) as caught:  # fmt: skip
+        score_rewards([bad], inputs, log=RewardLog(2, reserved=frozenset({"reward"})))
+    assert caught.value.exit_code == 2
+    assert "raised" not in str(caught.value)  # said as it is, not as the function's crash
+
+
+def test_a_column_logged_twice_in_one_scoring_is_an_error(user_file):
+    functions = _load(user_file, "logs", "logs")
+    with pytest.raises(RewardLogError, match="column 'chars' was logged twice in one batch"):
+        score_rewards(functions, _inputs(["a", "b"], [1, 2]), log=RewardLog(2))

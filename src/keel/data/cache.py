@@ -29,8 +29,9 @@ from keel.data.template import ChatTemplate
 
 # bump when the layout or meaning of prepared rows changes (4: tool-calling rows are read,
 # where 3 rejected them, so a cache of skipped rows must not be reused; 5: an answer's
-# reasoning_content / thinking / reasoning reaches the template, where 4 dropped it)
-DATA_FORMAT_VERSION = 5
+# reasoning_content / thinking / reasoning reaches the template, where 4 dropped it; 6: a
+# vision-language prompt row carries image_refs for the reward functions)
+DATA_FORMAT_VERSION = 6
 _HASH_CONTENT_BELOW = 16 << 20  # hash small files' bytes; size + mtime_ns for larger ones
 IMAGE_MANIFEST = "images.json"
 

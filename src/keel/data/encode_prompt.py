@@ -29,8 +29,9 @@ preference encoders never cut a prompt either).
 With a vision-language model a prompt may hold images (placeholders, image_url parts, the
 `images` column, as in SFT): its ids hold each image's tokens, and the row carries
 `image_blobs` and, for M-RoPE families, the prompt's `rope_positions`, from which the
-rollouts are generated and trained (keel.train.rollouts). The images column is read, not
-passed to reward functions.
+rollouts are generated and trained (keel.train.rollouts), and `image_refs`, JSON of
+{"column": the images column's name, "refs": each image's portable reference}: reward
+functions receive the images, decoded, under that name.
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ from keel.data.vision import (
     expand_placeholders,
     image_columns,
     image_file,
+    portable_image_ref,
     prepare_images,
     refuse_images,
     vision_features,
 )
+from keel.errors import ImageError
 from keel.models.vision.family import PLACEHOLDER
+
+IMAGE_REFS = "image_refs"  # a vision-language prompt row's images for the reward functions
 
 # The columns each format builds its prompt from (keys of FormatSpec.columns); the media and
 # tool columns are read too (refused when they hold anything), so neither is kept as a column
@@ -196,7 +201,15 @@ def prompt_with_images(tokenizer, settings, example: PromptExample) -> tuple[lis
         )
     files = (image_file(ref, settings.media_dir) for ref in example.images)
     images = ImageTokens(tuple(prepared), (), tuple(str(f) for f in files if f))
-    return ids, {**image_columns(vision, [(ids, images)]), "image_files": list(images.files)}
+    try:
+        refs = [portable_image_ref(ref, settings.media_dir) for ref in example.images]
+    except ImageError as e:
+        raise RowError(str(e)) from None
+    return ids, {
+        **image_columns(vision, [(ids, images)]),
+        "image_files": list(images.files),
+        IMAGE_REFS: json.dumps({"column": column, "refs": refs}),
+    }
 
 
 class PromptEncoder(RowEncoder):
@@ -206,6 +219,8 @@ class PromptEncoder(RowEncoder):
         from datasets import Value
 
         prompt = {"prompt": Value("string"), "columns": Value("string")}
+        if self.settings.vision is not None:
+            prompt[IMAGE_REFS] = Value("string")
         return output_features(prompt | vision_features(self.settings.vision))
 
     def encode_row(self, row: dict) -> dict:
@@ -244,8 +259,9 @@ class PromptEncoder(RowEncoder):
 
 def prompt_rows(units: pa.Table) -> pa.Table:
     """One row per encoded prompt, in order: input_ids, num_targets (0), prompt, columns
-    (and a vision-language run's image_blobs and rope_positions)."""
-    images = [name for name in ("image_blobs", "rope_positions") if name in units.column_names]
+    (and a vision-language run's image_blobs, rope_positions and image_refs)."""
+    kept = ("image_blobs", "rope_positions", IMAGE_REFS)
+    images = [name for name in kept if name in units.column_names]
     return pa.table(
         {
             "input_ids": units.column("input_ids"),

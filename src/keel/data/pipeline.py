@@ -39,7 +39,7 @@ from keel.data.encode import (
     resolve_overlength,
 )
 from keel.data.encode_preference import encoder_for
-from keel.data.encode_prompt import prompt_rows
+from keel.data.encode_prompt import IMAGE_REFS, prompt_rows
 from keel.data.formats import FormatSpec
 from keel.data.kto import add_kl_sequences
 from keel.data.mixing import source_loader
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 _UNIT_COLUMNS = (
     *("input_ids", "targets", "seq_lens", "labels", "prompt_len", "margin"),
-    *("prompt", "columns"),  # grpo's prompt rows (keel.data.encode_prompt)
+    *("prompt", "columns", IMAGE_REFS),  # grpo's prompt rows (keel.data.encode_prompt)
     *("image_blobs", "rope_positions"),  # a vision-language run's
 )
 

@@ -199,6 +199,25 @@ def _check_image_tokens(tokenizer, vision, ids, spans, prepared) -> None:
             )
 
 
+def portable_image_ref(ref, base_dir: Path | None) -> str:
+    """A reference to image `ref` that JSON holds and `load_image` reads again from any
+    working directory: a file's absolute path; an inline image (bytes, a dict of bytes, an
+    in-memory image) as a PNG data URL of its decoded pixels. ImageError when unreadable."""
+    import base64
+    import io
+
+    from keel.models.vision.images import load_image
+
+    path = image_file(ref, base_dir)
+    if path is not None:
+        return str(path)
+    if isinstance(ref, str):  # a data: URL already
+        return ref
+    encoded = io.BytesIO()
+    load_image(ref, base_dir).save(encoded, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode("ascii")
+
+
 def image_file(ref, base_dir: Path | None) -> Path | None:
     """The local file an image reference reads (None for inline data: a data: URL, bytes,
     an in-memory image), resolved as keel.models.vision.images reads it."""

@@ -6,6 +6,7 @@ docs/rewards.md is the manual. Nothing here imports keel.train, keel.data or kee
 """
 
 from keel.rewards.loading import RewardFunction, load_rewards
+from keel.rewards.reward_log import RewardLog, RewardLogError
 from keel.rewards.scoring import (
     RewardError,
     RewardInputs,
@@ -19,6 +20,8 @@ __all__ = [
     "RewardError",
     "RewardFunction",
     "RewardInputs",
+    "RewardLog",
+    "RewardLogError",
     "TrainerState",
     "exact_match",
     "format",

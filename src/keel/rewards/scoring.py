@@ -16,6 +16,7 @@ from torch import Tensor
 
 from keel.errors import KeelError
 from keel.rewards.loading import RewardFunction
+from keel.rewards.reward_log import RewardLog, RewardLogError, per_completion
 from keel.rewards.text import completion_text
 
 _SHOWN_CHARS = 200  # of a completion's text in an error message
@@ -50,12 +51,14 @@ def score_rewards(
     inputs: RewardInputs,
     *,
     watch: Callable[[str], AbstractContextManager] | None = None,
+    log: RewardLog | None = None,
 ) -> Tensor:
     """Scores [N, F] float32 of N completions by F reward functions; NaN where a function
     returned None (unscorable).
 
     Each function is called once for the whole batch, with TRL's keyword arguments:
-    prompts, completions, completion_ids, every dataset column as a list, trainer_state.
+    prompts, completions, completion_ids, every dataset column as a list, trainer_state,
+    and log_metric / log_extra, which record into `log` (a throwaway one when None).
     A function without **kwargs gets only the arguments it names. Each call runs inside
     watch(f"reward {name}") when given (the trainer's watchdog phase: a function that
     never returns is a hang). A function that raises, or returns the wrong number of
@@ -65,11 +68,13 @@ def score_rewards(
     lengths = {len(inputs.prompts), len(inputs.completion_ids), len(inputs.where)}
     lengths |= {len(values) for values in inputs.columns.values()}
     assert lengths <= {count}, f"reward inputs of unequal lengths {lengths} for {count}"
+    log = RewardLog(count) if log is None else log
+    assert log.count == count, f"a log of {log.count} completions for {count}"
     scores = torch.empty(count, len(functions), dtype=torch.float32)
     for index, function in enumerate(functions):
         phase = watch(f"reward {function.name}") if watch is not None else nullcontext()
         with phase:
-            returned = _call(function, inputs)
+            returned = _call(function, inputs, log)
         scores[:, index] = torch.tensor(_as_floats(function, returned, inputs))
     return scores
 
@@ -82,10 +87,12 @@ def weighted_rewards(scores: Tensor, weights: list[float] | None = None) -> Tens
     return torch.where(torch.isnan(scores).all(dim=1), float("nan"), total)
 
 
-def _call(function: RewardFunction, inputs: RewardInputs):
-    kwargs = _arguments(function, inputs)  # a missing column: a RewardError of its own
+def _call(function: RewardFunction, inputs: RewardInputs, log: RewardLog):
+    kwargs = _arguments(function, inputs, log)  # a missing column: a RewardError of its own
     try:
         return _invoke(function, kwargs)
+    except RewardLogError:  # says what was logged wrong; no sample caused it
+        raise
     except Exception as error:
         raise RewardError(_raised_message(function, inputs, error)) from error
 
@@ -101,7 +108,7 @@ async def _awaited(awaitable):
     return await awaitable
 
 
-def _arguments(function: RewardFunction, inputs: RewardInputs) -> dict:
+def _arguments(function: RewardFunction, inputs: RewardInputs, log: RewardLog) -> dict:
     """TRL's keyword arguments, or only those the function names when it takes no **kwargs."""
     offered = {
         **inputs.columns,
@@ -109,6 +116,7 @@ def _arguments(function: RewardFunction, inputs: RewardInputs) -> dict:
         "completions": inputs.completions,
         "completion_ids": inputs.completion_ids,
         "trainer_state": TrainerState(global_step=inputs.step),
+        **log.callbacks(function.name),
     }
     try:
         parameters = inspect.signature(function.call).parameters
@@ -152,8 +160,8 @@ def _raising_sample(function: RewardFunction, inputs: RewardInputs) -> int | Non
     caused it; calling it again one completion at a time does. This runs only on the way to
     the error, and inside the same watched phase (a call that never returns is a hang)."""
     for index in range(len(inputs.completions)):
-        try:
-            _invoke(function, _arguments(function, _one(inputs, index)))
+        try:  # what it logs on the way is thrown away
+            _invoke(function, _arguments(function, _one(inputs, index), RewardLog(1)))
         except Exception:
             return index
     return None
@@ -180,12 +188,11 @@ def _sample(inputs: RewardInputs, index: int) -> str:
 
 def _as_floats(function: RewardFunction, returned, inputs: RewardInputs) -> list[float]:
     """The returned values as floats (None -> NaN), or a RewardError saying what is wrong."""
-    count = len(inputs.completions)
-    if isinstance(returned, Tensor):
-        returned = returned.tolist()
-    if isinstance(returned, str | bytes | dict) or not hasattr(returned, "__len__"):
+    count, given = len(inputs.completions), returned
+    returned = per_completion(given)
+    if returned is None:
         raise RewardError(
-            f"reward function {function.name} returned {type(returned).__name__}, not a list; "
+            f"reward function {function.name} returned {type(given).__name__}, not a list; "
             f"return one float (or None) per completion ({count})"
         )
     if len(returned) != count:

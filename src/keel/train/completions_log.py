@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 COMPLETIONS_FILE = "completions.jsonl"
@@ -23,6 +23,7 @@ class CompletionRecord:
     rewards: dict[str, float | None]  # each function's score (None: unscorable)
     reward: float | None  # the weighted sum the advantage was computed from
     advantage: float
+    extra: dict[str, object] = field(default_factory=dict)  # the reward functions' log_extra
 
     def to_json(self) -> str:
         record = {
@@ -33,6 +34,8 @@ class CompletionRecord:
             "reward": _finite(self.reward),
             "advantage": self.advantage,
         }
+        if self.extra:  # its own object: a logged column never shadows the fields above
+            record["extra"] = self.extra
         return json.dumps(record, ensure_ascii=False, allow_nan=False)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +40,10 @@ class ScoredPrompts:
     advantages: torch.Tensor  # [N]
     texts: list[str]
     seconds: float  # generation time
+    # what the reward functions logged (keel.rewards.RewardLog): each sample column's
+    # values, one per completion, and each metric's (sum, count) over this process's calls
+    extras: dict[str, list] = field(default_factory=dict)
+    logged: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 def sample_seed(seed: int, generation_step: int, row: int) -> int:
@@ -175,11 +179,17 @@ def join_parts(units: list[list[int]], parts: list[ScoredPrompts], group: int) -
         name: torch.cat([getattr(p, name) for p in pieces]) if pieces else getattr(parts[0], name)
         for name in ("scores", "rewards", "advantages")
     }
+    columns = sorted({name for part in parts for name in part.extras})
     return ScoredPrompts(
         prompts=[row for piece in pieces for row in piece.prompts],
         completions=[c for piece in pieces for c in piece.completions],
         texts=[text for piece in pieces for text in piece.texts],
         seconds=max(part.seconds for part in parts),
+        # a column one process's reward calls logged and another's did not: None there
+        extras={
+            name: [v for p in pieces for v in p.extras.get(name, [None] * len(p.texts))]
+            for name in columns
+        },
         **tensors,
     )
 
@@ -195,4 +205,5 @@ def _prompts_of(part: ScoredPrompts, first: int, count: int, group: int) -> Scor
         advantages=part.advantages[lo:hi],
         texts=part.texts[lo:hi],
         seconds=part.seconds,
+        extras={name: values[lo:hi] for name, values in part.extras.items()},
     )

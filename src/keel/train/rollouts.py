@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,12 +31,13 @@ from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
 from keel.losses.grpo import group_advantages, loss_unit
-from keel.rewards import RewardInputs, score_rewards, weighted_rewards
+from keel.rewards import RewardLog, score_rewards, weighted_rewards
 from keel.train.batch_source import StepBatch, StepPlan
 from keel.train.completions_log import CompletionRecord
 from keel.train.objective import causal_lm_of
 from keel.train.rollout_generation import generation_ready
 from keel.train.rollout_metrics import RolloutTally, rollout_metrics
+from keel.train.rollout_rewards import logged_metrics, reserved_metrics, reward_inputs
 from keel.train.rollout_rows import (
     NO_TARGET,
     ScoredPrompts,
@@ -135,6 +136,7 @@ class RolloutBatchSource:
         units = generation_units(block, self.settings.generation_batch_prompts)
         mine = units_of_part(units, self.dist.cp_rank, self.dist.cp_size)
         scored = self._score(mine, self._sample(mine, generation_step), step)
+        logged = logged_metrics(self.dist, scored.logged)  # this process's calls, and others'
         if self.dist.cp_size > 1:  # the group trains on every completion of its block
             scored = self._joined(units, scored)
         if self.settings.scale_rewards == "batch":  # the std of the whole window's rewards
@@ -166,7 +168,7 @@ class RolloutBatchSource:
             window_targets=round(totals.target_tokens) if per_token else completions,
             window_tokens=round(totals.real_tokens),
             rows=completions,
-            metrics=rollout_metrics(totals, [f.short for f in self.ctx.rewards]),
+            metrics=rollout_metrics(totals, [f.short for f in self.ctx.rewards]) | logged,
             samples=self._samples(scored) if self.ctx.completions is not None else [],
         )
 
@@ -259,15 +261,25 @@ class RolloutBatchSource:
                 prompts=block, completions=[], scores=torch.zeros(0, count), rewards=empty,
                 advantages=empty, texts=[], seconds=seconds,
             )  # fmt: skip
-        scores = score_rewards(
-            self.ctx.rewards, self._inputs(block, completions, texts, step), watch=self._watch
+        inputs = reward_inputs(
+            self.prompts, block, [(c.token_ids, t) for c, t in zip(completions, texts)], step
         )
+        log = RewardLog(len(completions), reserved=self._reserved_metrics())
+        scores = score_rewards(self.ctx.rewards, inputs, watch=self._watch, log=log)
         rewards = weighted_rewards(scores, self.settings.reward_weights)  # [N]
         advantages = group_advantages(rewards, self.group, scale=self.settings.scale_rewards)
         return ScoredPrompts(
             prompts=block, completions=completions, scores=scores, rewards=rewards,
-            advantages=advantages, texts=texts, seconds=seconds,
+            advantages=advantages, texts=texts, seconds=seconds, extras=log.extras,
+            logged=log.metrics,
         )  # fmt: skip
+
+    def _reserved_metrics(self) -> frozenset[str]:
+        """The step record's names, which a reward function's log_metric may not take."""
+        names = [f.short for f in self.ctx.rewards]
+        own = rollout_metrics(RolloutTally.zero(len(names)), names)
+        stage = list(self.ctx.trainer.inner_objective.metric_names or ())
+        return reserved_metrics(list(own), stage)
 
     def _batch_scaled(self, rewards: torch.Tensor, window_prompts: int) -> torch.Tensor:
         """This rank's advantages under scale_rewards batch: the std is of every rank's
@@ -290,32 +302,6 @@ class RolloutBatchSource:
 
     def _watch(self, name: str):
         return self.ctx.trainer.progress.phase(name, self.ctx.hang_limit)
-
-    def _inputs(
-        self, block: list[int], completions: list[Completion], texts: list[str], step: int
-    ) -> RewardInputs:
-        """The reward functions' keyword arguments (TRL's): one entry per completion, each
-        prompt and dataset column repeated G times."""
-        prompts, columns, where = [], {}, []
-        for index, row in enumerate(block):
-            record = self.prompts[row]
-            prompt = json.loads(record["prompt"])
-            extra = json.loads(record["columns"])
-            for sample in range(self.group):
-                prompts.append(prompt)
-                where.append(f"prompt {index} (row {row}), sample {sample}")
-                for key, value in extra.items():
-                    columns.setdefault(key, []).append(value)
-        conversational = bool(prompts) and isinstance(prompts[0], list)
-        shown = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        return RewardInputs(
-            prompts=prompts,
-            completions=shown,
-            completion_ids=[list(c.token_ids) for c in completions],
-            columns=columns,
-            where=where,
-            step=step,
-        )
 
     def _micro_batches(self, rows: list[dict], window_prompts: int) -> list[list[dict]]:
         """micro_batch_size prompts (x G completions) each; the same count on every rank,
@@ -469,6 +455,7 @@ class RolloutBatchSource:
                     rewards={n: _value(scored.scores[i, f].item()) for f, n in enumerate(names)},
                     reward=_value(reward),
                     advantage=scored.advantages[i].item(),
+                    extra={name: values[i] for name, values in scored.extras.items()},
                 )
             )
         return records
@@ -479,11 +466,4 @@ def _value(number: float) -> float | None:
 
 
 def _at_step(record: CompletionRecord, step: int) -> CompletionRecord:
-    return CompletionRecord(
-        step=step,
-        prompt=record.prompt,
-        completion=record.completion,
-        rewards=record.rewards,
-        reward=record.reward,
-        advantage=record.advantage,
-    )
+    return replace(record, step=step)
