@@ -126,10 +126,11 @@ def share_of_letter(completions, letter, **kwargs):
     """The share of the completion's characters that are the row's letter."""
     return [text.count(x) / max(len(text), 1) for text, x in zip(completions, letter)]
 
-def logs_letters(completions, letter, log_metric, log_extra, **kwargs):
+def logs_letters(completions, letter, log_metric, log_extra, trainer_state, **kwargs):
     counts = [text.count(x) for text, x in zip(completions, letter)]
-    if counts:
-        log_metric("logged/letters", sum(counts) / len(counts))
+    log_metric("logged/letters", sum(counts) / len(counts))
+    log_metric("logged/progress", trainer_state.global_step / trainer_state.max_steps)
+    log_metric("logged/main", float(trainer_state.is_world_process_zero))
     log_extra("letters", counts)
     return [None] * len(completions)
 '''

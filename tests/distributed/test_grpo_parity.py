@@ -103,15 +103,21 @@ def test_two_processes_sample_and_train_like_one(two_processes, one_process, cas
         two = [r["completion"] for r in logged if r["step"] == step]
         one = [r["completion"] for r in alone if r["step"] == step]
         assert len(two) == 2 * 4 and two == one[: len(two)]
-    _assert_logged_like_one(got, want, logged, alone)
+    _assert_logged_like_one(got, want, logged, alone, reused="reused" in case)
 
 
-def _assert_logged_like_one(got: Path, want: Path, logged: list, alone: list) -> None:
+def _assert_logged_like_one(got: Path, want: Path, logged: list, alone: list, reused: bool):
     """What the reward function logged (logs_letters): each completion's count in its
     sample record, and the mean of each call's mean count, averaged over both processes'
-    calls (one each, of 8 completions), in the step record, as one process's one call."""
+    calls (one each, of 8 completions), in the step record, as one process's one call;
+    trainer_state's global_step of the rollout's step over max_steps, and whether it is
+    process 0 (one of the 2 processes is)."""
     halves_differ = False
     for step, record in step_records(got).items():
+        generated = (step - 1) - (step - 1) % (2 if reused else 1)  # a reused rollout's
+        assert record["logged/progress"] == step_records(want)[step]["logged/progress"]
+        assert record["logged/progress"] == generated / 4
+        assert (record["logged/main"], step_records(want)[step]["logged/main"]) == (0.5, 1.0)
         counts = [r["extra"]["letters"] for r in alone if r["step"] == step]
         assert [r["completion"].count("a") for r in alone if r["step"] == step] == counts
         assert [r["extra"]["letters"] for r in logged if r["step"] == step] == counts[:8]
@@ -134,7 +140,7 @@ def test_a_reward_function_may_not_log_a_metric_under_a_name_of_the_record(one_p
     own = rollout_metrics(RolloutTally.zero(2), shorts)
     reserved = reserved_metrics(list(own), list(get_stage("grpo").metric_names))
     for record in step_records(one_process("fsdp-full-grpo")).values():
-        assert set(record) - reserved == {"logged/letters"}
+        assert set(record) - reserved == {"logged/letters", "logged/progress", "logged/main"}
 
 
 @pytest.mark.parametrize("name", RESUMED)

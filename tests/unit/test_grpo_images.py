@@ -190,6 +190,7 @@ def test_reward_functions_receive_each_prompts_images(qwen, tmp_path, monkeypatc
 
     import numpy as np
 
+    from keel.rewards import TrainerState
     from keel.train.rollout_rewards import reward_inputs
 
     _, tokenizer, vision, _ = qwen
@@ -205,7 +206,7 @@ def test_reward_functions_receive_each_prompts_images(qwen, tmp_path, monkeypatc
     prompts = _prompt_rows(tmp_path, rows, tokenizer, vision, columns={"images": "pictures"})
     monkeypatch.chdir(tmp_path.parent)  # the relative path is the dataset folder's
     completions = [([5, 6], "yes"), ([7], "no")] * 2  # two per prompt
-    inputs = reward_inputs(prompts, [0, 1], completions, step=3)
+    inputs = reward_inputs(prompts, [0, 1], completions, TrainerState(global_step=3))
     got = inputs.columns["pictures"]
     assert [len(images) for images in got] == [2, 2, 0, 0]
     for images in got[:2]:
@@ -218,4 +219,4 @@ def test_reward_functions_receive_each_prompts_images(qwen, tmp_path, monkeypatc
     # an image file gone since the data was prepared: an error naming the prompt row
     (tmp_path / "relative.png").unlink()
     with pytest.raises(ImageError, match="prompt row 0's images, read again for the reward"):
-        reward_inputs(prompts, [0, 1], completions, step=3)
+        reward_inputs(prompts, [0, 1], completions, TrainerState(global_step=3))

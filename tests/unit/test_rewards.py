@@ -1,5 +1,6 @@
 """keel.rewards: resolving reward specs, calling them TRL's way, errors, built-ins, reward models."""
 
+import dataclasses
 import math
 import re
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from keel.rewards import (
     RewardInputs,
     RewardLog,
     RewardLogError,
+    TrainerState,
     exact_match,
     format,
     load_rewards,
@@ -128,6 +130,26 @@ def test_a_user_file_is_called_once_with_trls_arguments(user_file):
     assert seen["completion_ids"] == inputs.completion_ids
     assert seen["answer"] == ["4", "4", 3, 3] and seen["level"] == ["easy"] * 4
     assert seen["trainer_state"].global_step == 7
+
+
+def test_trainer_state_says_where_the_run_is_under_transformers_names(user_file):
+    """Reward files shape rewards over training with trainer_state (global_step/max_steps)
+    or act on one process (is_world_process_zero), as TRL hands them transformers'
+    TrainerState; the step is the scoring's."""
+    from transformers import TrainerState as Theirs
+
+    (correct,) = _load(user_file, "correct")
+    inputs = _inputs(["4", "5"], ["4", "4"], step=3)
+    inputs.state = TrainerState(global_step=0, max_steps=10, epoch=0.25, num_train_epochs=2.0,
+                                is_world_process_zero=False)  # fmt: skip
+    score_rewards([correct], inputs)
+    (seen,) = correct.call.__globals__["SEEN"]
+    state = seen["trainer_state"]
+    assert (state.global_step, state.max_steps, state.epoch) == (3, 10, 0.25)
+    assert state.num_train_epochs == 2.0 and not state.is_world_process_zero
+    assert state.is_local_process_zero and state.logging_steps == 1
+    theirs = {f.name for f in dataclasses.fields(Theirs)}
+    assert {f.name for f in dataclasses.fields(state)} <= theirs
 
 
 def test_a_function_without_kwargs_gets_only_what_it_names(user_file):

@@ -9,7 +9,7 @@ import numbers
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -29,9 +29,16 @@ class RewardError(KeelError):
 
 @dataclass(frozen=True)
 class TrainerState:
-    """What TRL reward files read from `trainer_state` (e.g. to shape rewards over time)."""
+    """What TRL reward files read from `trainer_state`, under transformers' TrainerState
+    names: where training is (to shape rewards over time), and which process this is."""
 
-    global_step: int
+    global_step: int  # optimizer steps done
+    max_steps: int = 0  # the run's optimizer steps
+    epoch: float = 0.0  # passes over the prompts done, fractional
+    num_train_epochs: float = 0.0
+    logging_steps: int = 1
+    is_world_process_zero: bool = True
+    is_local_process_zero: bool = True
 
 
 @dataclass(kw_only=True)
@@ -44,6 +51,7 @@ class RewardInputs:
     columns: dict[str, list]  # every other dataset column (answer, ...)
     where: list[str]  # for errors, e.g. "prompt 3 (row 17), sample 5"
     step: int  # passed as trainer_state.global_step
+    state: TrainerState | None = None  # the rest of trainer_state (its global_step is step)
 
 
 def score_rewards(
@@ -115,7 +123,9 @@ def _arguments(function: RewardFunction, inputs: RewardInputs, log: RewardLog) -
         "prompts": inputs.prompts,
         "completions": inputs.completions,
         "completion_ids": inputs.completion_ids,
-        "trainer_state": TrainerState(global_step=inputs.step),
+        "trainer_state": replace(
+            inputs.state or TrainerState(global_step=0), global_step=inputs.step
+        ),
         **log.callbacks(function.name),
     }
     try:
@@ -177,6 +187,7 @@ def _one(inputs: RewardInputs, index: int) -> RewardInputs:
         columns={name: values[part] for name, values in inputs.columns.items()},
         where=inputs.where[part],
         step=inputs.step,
+        state=inputs.state,
     )
 
 

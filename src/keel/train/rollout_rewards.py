@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 from keel.data.encode_prompt import IMAGE_REFS
 from keel.errors import ImageError
-from keel.rewards import RewardInputs
+from keel.rewards import RewardInputs, TrainerState
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
+    from keel.config import RunConfig
     from keel.distributed.process_group import DistContext
 
 # The keys of every logged step's record besides the stage's and the source's own
@@ -28,10 +29,25 @@ STEP_RECORD_KEYS = frozenset(
 )  # fmt: skip
 
 
-def reward_inputs(prompts: Dataset, block: list[int], completions: list, step: int) -> RewardInputs:
+def run_trainer_state(cfg: RunConfig, total_steps: int, dist: DistContext) -> TrainerState:
+    """trainer_state's fields that hold for the whole run on this process (the rollouts set
+    global_step and epoch at each step)."""
+    return TrainerState(
+        global_step=0,
+        max_steps=total_steps,
+        num_train_epochs=cfg.train.epochs,
+        logging_steps=cfg.output.log_every,
+        is_world_process_zero=dist.is_main,
+        is_local_process_zero=dist.local_rank == 0,
+    )
+
+
+def reward_inputs(
+    prompts: Dataset, block: list[int], completions: list, state: TrainerState
+) -> RewardInputs:
     """The reward functions' keyword arguments for `completions` ((token_ids, text) pairs,
     `group` = len(completions) / len(block) per prompt of `block`, in order): each prompt
-    and dataset column repeated for each of its completions."""
+    and dataset column repeated for each of its completions; `state`: trainer_state."""
     group = len(completions) // max(len(block), 1)
     listed, columns, where = [], {}, []
     for index, row in enumerate(block):
@@ -54,7 +70,8 @@ def reward_inputs(prompts: Dataset, block: list[int], completions: list, step: i
         completion_ids=[list(ids) for ids, _ in completions],
         columns=columns,
         where=where,
-        step=step,
+        step=state.global_step,
+        state=state,
     )
 
 

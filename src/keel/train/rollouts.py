@@ -31,7 +31,7 @@ from keel.errors import CheckpointError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
 from keel.losses.grpo import group_advantages, loss_unit
-from keel.rewards import RewardLog, score_rewards, weighted_rewards
+from keel.rewards import RewardLog, TrainerState, score_rewards, weighted_rewards
 from keel.train.batch_source import StepBatch, StepPlan
 from keel.train.completions_log import CompletionRecord
 from keel.train.objective import causal_lm_of
@@ -71,6 +71,9 @@ class RolloutContext:
     tokenizer: Any
     rewards: list[RewardFunction]
     hang_limit: float | None  # seconds without progress in a reward call or the weight gather
+    # what reward functions read from trainer_state besides the step (the run's length,
+    # which process this is); keel.rewards.TrainerState
+    trainer_state: TrainerState = field(default_factory=lambda: TrainerState(global_step=0))
     completions: CompletionsLog | None = None  # rank 0 only
     fault: Fault | None = None  # KEEL_FAULT's, for its generation kinds (keel.faults)
 
@@ -261,8 +264,9 @@ class RolloutBatchSource:
                 prompts=block, completions=[], scores=torch.zeros(0, count), rewards=empty,
                 advantages=empty, texts=[], seconds=seconds,
             )  # fmt: skip
+        state = replace(self.ctx.trainer_state, global_step=step, epoch=self.epoch_of(step))
         inputs = reward_inputs(
-            self.prompts, block, [(c.token_ids, t) for c, t in zip(completions, texts)], step
+            self.prompts, block, [(c.token_ids, t) for c, t in zip(completions, texts)], state
         )
         log = RewardLog(len(completions), reserved=self._reserved_metrics())
         scores = score_rewards(self.ctx.rewards, inputs, watch=self._watch, log=log)

@@ -62,6 +62,7 @@ from keel.train.outputs import prepare_output_dir, write_final_outputs
 from keel.train.preflight import Preflight, preflight
 from keel.train.reference import PrecomputeJob, ReferenceLogps, precompute_reference
 from keel.train.resume import ResumePoint, find_resume_point
+from keel.train.rollout_rewards import run_trainer_state
 from keel.train.rollout_rows import refuse_uneven_prompts
 from keel.train.rollouts import RolloutBatchSource, RolloutContext
 from keel.train.run_loop import RunEnv, TrainingLoop
@@ -352,6 +353,7 @@ def _batch_source(
         tokenizer=checked.tokenizer,
         rewards=checked.rewards,
         hang_limit=cfg.watchdog.hang_timeout_s,
+        trainer_state=run_trainer_state(cfg, schedule.total_steps, dist),
         completions=CompletionsLog.open(run.out, every, resume_step=resume.step if resume else 0),
         fault=run.env.fault,
     )
