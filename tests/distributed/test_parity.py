@@ -128,6 +128,10 @@ CASES = {
         "oft",
         ("method.oft.block_size=16", *PACK_AND_CHECKPOINT, *MERGED),
     ),
+    # PiSSA: each process decomposes the whole weight it reads (the singular pairs' signs
+    # fixed, so all agree) and keeps its rows of W_res, A and B; the saved adapter is the
+    # converted rank-2r LoRA, merged on the original base
+    "fsdp-lora-pissa-merged": ("fsdp", "lora", ("method.lora.init=pissa", *MERGED)),
     # NF4 base: each process quantises its rows to what one process quantises
     "ddp-qlora": ("ddp", "qlora", ()),
     "fsdp-qlora-packed-ckpt-merged": ("fsdp", "qlora", PACK_AND_CHECKPOINT + MERGED),

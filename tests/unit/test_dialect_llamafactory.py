@@ -29,7 +29,7 @@ def _their_config(name: str, tmp_path: Path) -> tuple[dict, Path]:
 
 
 def test_fixtures_are_their_examples():
-    assert len(FIXTURE_FILES) == 8
+    assert len(FIXTURE_FILES) == 9
     assert (FIXTURES / "examples/deepspeed/ds_z3_config.json").is_file()
 
 

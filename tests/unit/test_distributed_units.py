@@ -128,9 +128,9 @@ def test_meta_built_model_equals_from_pretrained(tiny_model_dir):
         )
 
 
-def fill_second_halves(model, model_dir) -> dict[str, torch.Tensor]:
+def fill_second_halves(model, model_dir, starts: Starts | None = None) -> dict[str, torch.Tensor]:
     """What rank 1 of 2 holds of each parameter of `model` (on meta): the second half of
-    its rows, filled by fill_weights as a shard is; {name: those rows}."""
+    its rows, filled by fill_weights (from `starts`, else seed 0) as a shard is."""
     halves = {
         name: torch.empty((p.shape[0] + 1) // 2, *p.shape[1:])
         for name, p in model.named_parameters()
@@ -142,7 +142,7 @@ def fill_second_halves(model, model_dir) -> dict[str, torch.Tensor]:
     fill_weights(
         model,
         model_dir,
-        Starts(seed=0),
+        starts or Starts(seed=0),
         region_of=lambda p: regions[id(p)],
         local=lambda p: by_id[id(p)],
     )

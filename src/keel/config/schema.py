@@ -72,6 +72,15 @@ class LoraConfig:
     # per expert. The weight plus its LoRA is formed once per forward (a copy of the
     # layer's experts), dropout must be 0, and DoRA does not apply
     target_parameters: list[str] = field(default_factory=list)
+    # how the adapters start. default: A random, B zero (training starts from the base);
+    # gaussian: A from N(0, 1/r); pissa: A and B from each weight's top-r singular vectors
+    # and values, the rest of the weight frozen (PiSSA: faster to converge). Under pissa the
+    # saved adapter is converted to a plain LoRA of rank 2r that applies to the unchanged
+    # base (PEFT's conversion), and a reference model is a frozen copy of the base
+    init: Literal["default", "gaussian", "pissa"] = "default"
+    # pissa: randomised SVD iterations (torch.svd_lowrank; LLaMA-Factory's pissa_iter
+    # default); 0: the exact SVD, slow for large weights
+    pissa_iters: int = 16
 
 
 @dataclass(kw_only=True)
@@ -152,6 +161,13 @@ class MethodConfig:
         """A PEFT adapter on a frozen base (LoRA, QLoRA or OFT): the output is an adapter
         folder, a reference model is the base with the adapter switched off."""
         return self.type in ("lora", "qlora", "oft")
+
+    @property
+    def reference_by_adapters_off(self) -> bool:
+        """A reference model is the policy with its adapters switched off: an adapter on a
+        base left as it is. PiSSA moves each weight's principal part into the adapter, so
+        its base with the adapter off is not the model the run starts from."""
+        return self.uses_adapter and not (self.uses_lora and self.lora.init == "pissa")
 
     @property
     def adapter(self) -> LoraConfig | OftConfig:

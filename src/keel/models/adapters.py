@@ -30,6 +30,7 @@ from keel.models.experts import (
 from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import copy_processor_files, load_model, load_tokenizer
 from keel.models.peft_wrap import adapter_targets, full_modules, wrap_lora, wrap_oft
+from keel.models.pissa import save_pissa_as_lora, uses_pissa
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 from keel.models.trainable import (
     apply_freeze,
@@ -216,7 +217,8 @@ def save_model_dir(
     """Write `model` and `tokenizer` (and a vision-language model's processor files) to
     `out_dir` in formats other tools load directly.
 
-    A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors);
+    A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors;
+    a PiSSA one converted to a LoRA on the original base: keel.models.pissa);
     with merged=True a copy is merged instead and written as a full HF model, leaving the live
     model untouched. A plain model is written as a full HF model in safetensors. Pass the
     underlying module, not a DDP/FSDP wrapper. `state_dict` replaces the module's own
@@ -244,6 +246,8 @@ def save_model_dir(
                     cfg.base_model_name_or_path = str(Path(base).resolve())
         extra = {"save_embedding_layers": saves_embedding_layers(model)} if _is_peft(model) else {}
         model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
+        if _is_peft(model) and uses_pissa(model):  # a plain LoRA on the original base
+            save_pissa_as_lora(model, out_dir)
         if _is_peft(model):
             _name_hub_base(out_dir)
     tokenizer.save_pretrained(str(out_dir))

@@ -29,6 +29,7 @@ from keel.models.checkpoint_names import stored_names
 from keel.models.checkpoint_reader import CheckpointReader
 from keel.models.loading import model_class
 from keel.models.mxfp4 import is_mxfp4, mxfp4_weights
+from keel.models.pissa import fill_pissa
 from keel.models.vocabulary import AddedTokens, embedding_names, mean_start
 from keel.quant.nf4 import is_nf4
 
@@ -145,10 +146,13 @@ def stored_key_lookup(model: nn.Module, reader: CheckpointReader) -> Callable[[s
     return key_of
 
 
-def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+def initial_value(
+    name: str, shape: torch.Size, seed: int, lora_init: str = "default"
+) -> torch.Tensor:
     """Deterministic fp32 initial value of a new (adapter) parameter, as PEFT initialises it.
 
-    lora_A: kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in));
+    lora_A: kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)), or
+    N(0, 1/r) under `lora_init` gaussian (pissa replaces A and B later: keel.models.pissa);
     lora_B: zeros (so training starts from the base model exactly); for embeddings the
     roles swap (A zeros, B standard normal). OFT's oft_R: zeros (the identity rotation).
     """
@@ -158,6 +162,8 @@ def initial_value(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
         return torch.zeros(shape)
     if ".lora_embedding_B." in name:
         return torch.randn(shape, generator=generator)
+    if ".lora_A." in name and lora_init == "gaussian":
+        return torch.empty(shape).normal_(0.0, 1 / shape[0], generator=generator)
     if ".lora_A." in name:
         bound = 1 / math.sqrt(shape[1])
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
@@ -289,6 +295,8 @@ class Starts:
     seed: int  # new adapter weights: `initial_value(name, shape, seed)`
     adapter_dir: Path | None = None  # model.adapter: its saved weights instead
     added: AddedTokens | None = None  # added tokens' embedding rows: the known rows' mean
+    lora_init: str = "default"  # method.lora.init (pissa: keel.models.pissa)
+    pissa_iters: int = 16
 
 
 def fill_weights(
@@ -335,7 +343,7 @@ def fill_weights(
                     value = mean_start(reader.get(key), tensor.shape[0], starts.added)
                     value = value if region is None else value[region]
                 elif stored is None:
-                    value = initial_value(name, tensor.shape, seed)
+                    value = initial_value(name, tensor.shape, seed, starts.lora_init)
                     value = value if region is None else value[region]
                     initialised.append(name)
                 elif is_nf4(tensor) and _holds(tensor, stored):  # QLoRA: quantise these rows
@@ -358,6 +366,15 @@ def fill_weights(
                 local(tensor).copy_(value)
             if adapter is None:
                 fill_dora_magnitudes(model, local)
+            if adapter is None and starts.lora_init == "pissa":
+                fill_pissa(
+                    model,
+                    lambda name: reader.get(key_of(name)),
+                    iters=starts.pissa_iters,
+                    seed=seed,
+                    region_of=region_of,
+                    local=local,
+                )
         if adapter is not None:
             adapter.check_all_used(model)
     finally:

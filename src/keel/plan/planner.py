@@ -127,7 +127,7 @@ def workload_of(
         # image tokens may attend both ways, which keeps it padded: planned as masked, the
         # larger). One sample per micro-batch runs plain sdpa either way.
         attn = VARLEN_ATTENTION
-    reference = reference_source(stage, cfg.stage_settings, cfg.method.uses_adapter)
+    reference = reference_source(stage, cfg.stage_settings, cfg.method.reference_by_adapters_off)
     return Workload(
         micro_batch_size=cfg.train.micro_batch_size,
         cutoff_len=min(cfg.data.cutoff_len, longest_prompt or cfg.data.cutoff_len),

@@ -162,14 +162,15 @@ class Stage:
         return {"pair": "pairs", "sample": "samples"}.get(self.unit, "target_tokens")
 
 
-def reference_source(stage: Stage, settings: Any, uses_adapter: bool) -> ReferenceSource | None:
+def reference_source(stage: Stage, settings: Any, by_adapters_off: bool) -> ReferenceSource | None:
     """Where a run's reference log-probs come from; None when the stage uses none, or
     these settings need none (`Stage.reference_needed`: grpo without a KL term).
 
     `settings` is the stage's section; a stage that uses a reference has a `reference`
     setting (auto | live | precompute). precompute: one pass with the policy before
-    training, cached. Otherwise live, each step: with an adapter (LoRA, OFT) the policy with it
-    switched off ("adapters"), else a frozen copy of the base ("copy").
+    training, cached. Otherwise live, each step: with an adapter on an unchanged base
+    (`by_adapters_off`: LoRA, OFT; not PiSSA) the policy with it switched off ("adapters"),
+    else a frozen copy of the base ("copy").
     """
     if not stage.uses_reference:
         return None
@@ -177,7 +178,7 @@ def reference_source(stage: Stage, settings: Any, uses_adapter: bool) -> Referen
         return None
     if settings.reference == "precompute":
         return "precompute"
-    return "adapters" if uses_adapter else "copy"
+    return "adapters" if by_adapters_off else "copy"
 
 
 def causal_lm_objective(kit: ObjectiveKit, _stage: Stage) -> Objective:

@@ -247,6 +247,8 @@ def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy
         seed=cfg.train.seed,
         adapter_dir=Path(cfg.model.adapter).expanduser() if cfg.model.adapter else None,
         added=build.added,
+        lora_init=cfg.method.lora.init if cfg.method.uses_lora else "default",
+        pissa_iters=cfg.method.lora.pissa_iters,
     )
     fill_weights(model, build.model_dir, starts, region_of=local_region, local=local_tensor)
     objective.init_new_weights(region_of=local_region, local=local_tensor)  # e.g. rm's head
@@ -395,7 +397,7 @@ def make_objective(cfg: RunConfig, model: nn.Module) -> Objective:
 def reference_source_of(cfg: RunConfig) -> ReferenceSource | None:
     """Where this run's reference log-probs come from (keel.stages.base.reference_source)."""
     stage = get_stage(cfg.train.stage)
-    return reference_source(stage, cfg.stage_settings, cfg.method.uses_adapter)
+    return reference_source(stage, cfg.stage_settings, cfg.method.reference_by_adapters_off)
 
 
 def _resolve_strategy(

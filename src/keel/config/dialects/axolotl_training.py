@@ -209,6 +209,30 @@ def _fan_in_fan_out(build: Build, key: str, value) -> None:
     )
 
 
+def _lora_init(build: Build, key: str, value) -> None:
+    """peft_init_lora_weights, which Axolotl hands PEFT's init_lora_weights as it is."""
+    if value is None or value is True:
+        build.ignored(key, f"{value}: LoRA's usual start (A random, B zero)")
+    elif value == "gaussian":
+        build.put(key, "method.lora.init", value)
+    elif value == "pissa":
+        build.set("method.lora.pissa_iters", 0)
+        build.put(key, "method.lora.init", value, "method.lora.pissa_iters 0: the exact SVD")
+    elif isinstance(value, str) and value.startswith("pissa_niter_"):
+        iters = value.removeprefix("pissa_niter_")
+        if not iters.isdigit():
+            build.refused(key, f"{value!r}: pissa_niter_ takes a number of iterations")
+            return
+        build.set("method.lora.pissa_iters", int(iters))
+        build.put(key, "method.lora.init", "pissa", f"method.lora.pissa_iters {iters}")
+    else:
+        build.refused(
+            key,
+            f"{value!r}: keel starts LoRA as PEFT's default (true), gaussian, pissa or "
+            "pissa_niter_<n> (method.lora.init)",
+        )
+
+
 _PER_EPOCH = {
     "saves_per_epoch": ("output.saves_per_epoch", "output.save_every", "saves"),
     "evals_per_epoch": ("train.evals_per_epoch", "train.eval_every", "evaluates"),
@@ -246,6 +270,7 @@ TRAINING_HANDLERS = {
     **{key: _per_epoch for key in _PER_EPOCH},
     "batch_size": _batch_size,
     "lora_fan_in_fan_out": _fan_in_fan_out,
+    "peft_init_lora_weights": _lora_init,
     "model_config": _model_config,
     "quantize_moe_experts": _moe_experts_only,
     "lora_target_parameters": _moe_experts_only,

@@ -90,7 +90,6 @@ _IGNORED = {
 
 # Feature switches keel has no counterpart for: off is keel's behaviour, on is refused.
 _SWITCHES = {
-    "pissa_init": "PiSSA initialisation is not available",
     "use_galore": "GaLore is not available",
     "use_badam": "BAdam is not available",
     "use_apollo": "APOLLO is not available",
@@ -240,6 +239,34 @@ def _lora_target(build: Build, key: str, value) -> None:
         build.put(key, target, "all-linear", f"all: every linear layer{why}")
     else:
         build.put(key, target, names, why.removeprefix("; "))
+
+
+def _pissa(build: Build, key: str, value) -> None:
+    """pissa_init, pissa_iter (-1: the exact SVD) and pissa_convert, as their LoRA reads them."""
+    on = bool(build.raw.get("pissa_init"))
+    if key == "pissa_init":
+        if value:
+            build.put(key, "method.lora.init", "pissa")
+        else:
+            build.ignored(key, "false: LoRA's usual start")
+    elif not on:
+        build.ignored(key, "read with pissa_init only")
+    elif key == "pissa_iter":
+        exact = value == -1
+        why = "-1: the exact SVD" if exact else "randomised SVD iterations"
+        build.put(key, "method.lora.pissa_iters", 0 if exact else value, why)
+    elif value:
+        why = (
+            "keel always saves the converted adapter (a LoRA of rank 2r on the original base) "
+            "as the output; their pissa_converted/ folder is that one"
+        )
+        build.ignored(key, f"true: {why}")
+    else:
+        why = (
+            "keel saves the converted adapter (a LoRA of rank 2r on the original base) anyway; "
+            "their output would be the PiSSA adapter, which only fits their residual base"
+        )
+        build.ignored(key, f"false: {why}")
 
 
 def _oft(build: Build, key: str, value) -> None:
@@ -418,6 +445,7 @@ KEY_RULES: dict[str, Rule] = {
     "lora_alpha": _lora_alpha,
     "lora_target": _lora_target,
     **{key: _oft for key in ("oft_block_size", "oft_rank", "oft_target", "module_dropout")},
+    **{key: _pissa for key in ("pissa_init", "pissa_iter", "pissa_convert")},
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
