@@ -40,6 +40,10 @@ SYSTEMS = {
     "qlora": ["method.type=qlora"],
     # OFT: rotation blocks of 32 inputs on every linear layer (LLaMA-Factory's default)
     "oft": ["method.type=oft"],
+    # PiSSA: LoRA started from each weight's top-16 singular part (16-iteration randomised SVD)
+    "pissa": ["method.lora.init=pissa"],
+    # OLoRA: LoRA started from each weight's QR decomposition (Q's first 16 columns)
+    "olora": ["method.lora.init=olora"],
     "qlora-bnb": ["method.type=qlora", "method.qlora.quant_backend=bnb"],
     # field note 4's recipe: QLoRA, 8-bit AdamW, offloaded checkpointing (on a CPU the
     # offload is plain checkpointing: there is no separate device memory to spare)

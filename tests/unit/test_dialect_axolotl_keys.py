@@ -378,6 +378,7 @@ def test_a_streamed_run_saves_once_an_epoch_at_its_end():
         ("pissa", "pissa", 0),  # PEFT's pissa: the exact SVD
         ("pissa_niter_4", "pissa", 4),
         ("gaussian", "gaussian", None),
+        ("olora", "olora", None),
         (True, None, None),
     ],
 )
@@ -389,7 +390,7 @@ def test_their_lora_init_is_method_lora_init(value, init, iters):
     assert (lora.get("init"), lora.get("pissa_iters")) == (init, iters)
 
 
-@pytest.mark.parametrize("value", ["olora", "eva", "pissa_niter_x", False])
+@pytest.mark.parametrize("value", ["corda", "eva", "pissa_niter_x", False])
 def test_lora_inits_keel_does_not_have_are_refused(value):
     _, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16, peft_init_lora_weights=value)
     assert fates["peft_init_lora_weights"].fate == "refused"

@@ -74,12 +74,11 @@ class LoraConfig:
     target_parameters: list[str] = field(default_factory=list)
     # how the adapters start. default: A random, B zero (training starts from the base);
     # gaussian: A from N(0, 1/r); pissa: A and B from each weight's top-r singular vectors
-    # and values, the rest of the weight frozen (PiSSA: faster to converge). Under pissa the
-    # saved adapter is converted to a plain LoRA of rank 2r that applies to the unchanged
-    # base (PEFT's conversion), and a reference model is a frozen copy of the base
-    init: Literal["default", "gaussian", "pissa"] = "default"
-    # pissa: randomised SVD iterations (torch.svd_lowrank; LLaMA-Factory's pissa_iter
-    # default); 0: the exact SVD, slow for large weights
+    # and values (PiSSA), olora: from its QR decomposition's first r columns of Q and rows
+    # of R (OLoRA); under both the frozen base keeps the rest of the weight (faster to
+    # converge), the saved adapter is converted to a plain LoRA of rank 2r that applies to
+    # the unchanged base (PEFT's conversion), and a reference model is a frozen copy of it
+    init: Literal["default", "gaussian", "pissa", "olora"] = "default"
     pissa_iters: int = 16
 
 
@@ -165,9 +164,9 @@ class MethodConfig:
     @property
     def reference_by_adapters_off(self) -> bool:
         """A reference model is the policy with its adapters switched off: an adapter on a
-        base left as it is. PiSSA moves each weight's principal part into the adapter, so
-        its base with the adapter off is not the model the run starts from."""
-        return self.uses_adapter and not (self.uses_lora and self.lora.init == "pissa")
+        base left as it is. PiSSA and OLoRA move part of each weight into the adapter, so
+        the base with the adapter off is not the model the run starts from."""
+        return self.uses_adapter and not (self.uses_lora and self.lora.init in ("pissa", "olora"))
 
     @property
     def adapter(self) -> LoraConfig | OftConfig:

@@ -44,27 +44,27 @@ def check_method(cfg: RunConfig) -> list[str]:
             )
     elif cfg.method.type == "qlora" and lora.dora:
         problems.append(DORA_ON_NF4)
-    return problems + _check_expert_lora(cfg) + _check_pissa(cfg) + _check_qat(cfg)
+    return problems + _check_expert_lora(cfg) + _check_split(cfg) + _check_qat(cfg)
 
 
-def _check_pissa(cfg: RunConfig) -> list[str]:
-    """PiSSA rewrites each adapted weight as (weight - its principal part) + the adapter's
+def _check_split(cfg: RunConfig) -> list[str]:
+    """PiSSA and OLoRA rewrite each adapted weight as (weight - a part of it) + the adapter's
     start: what would not hold that, refused."""
     lora = cfg.method.lora
-    if lora.init != "pissa" or not cfg.method.uses_lora:
+    if lora.init not in ("pissa", "olora") or not cfg.method.uses_lora:
         return []
-    key = "method.lora.init = pissa"
+    key = f"method.lora.init = {lora.init}"
     problems = positive(lora.pissa_iters, "method.lora.pissa_iters", allow_zero=True)
     if cfg.method.type == "qlora":
         problems.append(
-            f"{key} with method.type = qlora: the weight minus its principal part would be "
+            f"{key} with method.type = qlora: the weight minus the adapter's part would be "
             "quantised again, and the saved adapter would not fit the 4-bit base; use "
             "method.type = lora, or method.lora.init = default"
         )
     if lora.dora:
         problems.append(
             f"{key} with method.lora.dora: DoRA's magnitudes are the base rows' norms, which "
-            "PiSSA changes; use one of them"
+            f"{lora.init} changes; use one of them"
         )
     if lora.target_parameters:
         problems.append(

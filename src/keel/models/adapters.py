@@ -30,7 +30,6 @@ from keel.models.experts import (
 from keel.models.hub import hub_source, is_hub_id
 from keel.models.loading import copy_processor_files, load_model, load_tokenizer
 from keel.models.peft_wrap import adapter_targets, full_modules, wrap_lora, wrap_oft
-from keel.models.pissa import save_pissa_as_lora, uses_pissa
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 from keel.models.trainable import (
     apply_freeze,
@@ -45,6 +44,7 @@ from keel.models.vision_parts import (
     vision_family,
 )
 from keel.models.vocabulary import fit_vocabulary
+from keel.models.weight_split import save_split_as_lora, splits_base
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA (and OFT) can wrap; a target name must match at least one of them.
@@ -218,7 +218,7 @@ def save_model_dir(
     `out_dir` in formats other tools load directly.
 
     A PeftModel is written as a PEFT adapter (adapter_config.json + adapter_model.safetensors;
-    a PiSSA one converted to a LoRA on the original base: keel.models.pissa);
+    a PiSSA or OLoRA one converted to a LoRA on the original base: keel.models.weight_split);
     with merged=True a copy is merged instead and written as a full HF model, leaving the live
     model untouched. A plain model is written as a full HF model in safetensors. Pass the
     underlying module, not a DDP/FSDP wrapper. `state_dict` replaces the module's own
@@ -246,8 +246,8 @@ def save_model_dir(
                     cfg.base_model_name_or_path = str(Path(base).resolve())
         extra = {"save_embedding_layers": saves_embedding_layers(model)} if _is_peft(model) else {}
         model.save_pretrained(str(out_dir), state_dict=state_dict, **extra)
-        if _is_peft(model) and uses_pissa(model):  # a plain LoRA on the original base
-            save_pissa_as_lora(model, out_dir)
+        if _is_peft(model) and splits_base(model):  # a plain LoRA on the original base
+            save_split_as_lora(model, out_dir)
         if _is_peft(model):
             _name_hub_base(out_dir)
     tokenizer.save_pretrained(str(out_dir))

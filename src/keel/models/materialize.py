@@ -29,8 +29,8 @@ from keel.models.checkpoint_names import stored_names
 from keel.models.checkpoint_reader import CheckpointReader
 from keel.models.loading import model_class
 from keel.models.mxfp4 import is_mxfp4, mxfp4_weights
-from keel.models.pissa import fill_pissa
 from keel.models.vocabulary import AddedTokens, embedding_names, mean_start
+from keel.models.weight_split import SPLITS, SplitStart, fill_split
 from keel.quant.nf4 import is_nf4
 
 _PEFT_PREFIX = "base_model.model."
@@ -152,7 +152,8 @@ def initial_value(
     """Deterministic fp32 initial value of a new (adapter) parameter, as PEFT initialises it.
 
     lora_A: kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)), or
-    N(0, 1/r) under `lora_init` gaussian (pissa replaces A and B later: keel.models.pissa);
+    N(0, 1/r) under `lora_init` gaussian (pissa and olora replace A and B later:
+    keel.models.weight_split);
     lora_B: zeros (so training starts from the base model exactly); for embeddings the
     roles swap (A zeros, B standard normal). OFT's oft_R: zeros (the identity rotation).
     """
@@ -295,7 +296,7 @@ class Starts:
     seed: int  # new adapter weights: `initial_value(name, shape, seed)`
     adapter_dir: Path | None = None  # model.adapter: its saved weights instead
     added: AddedTokens | None = None  # added tokens' embedding rows: the known rows' mean
-    lora_init: str = "default"  # method.lora.init (pissa: keel.models.pissa)
+    lora_init: str = "default"  # method.lora.init (pissa, olora: keel.models.weight_split)
     pissa_iters: int = 16
 
 
@@ -366,12 +367,12 @@ def fill_weights(
                 local(tensor).copy_(value)
             if adapter is None:
                 fill_dora_magnitudes(model, local)
-            if adapter is None and starts.lora_init == "pissa":
-                fill_pissa(
+            if adapter is None and starts.lora_init in SPLITS:
+                split = SplitStart(starts.lora_init, starts.pissa_iters, seed)
+                fill_split(
                     model,
-                    lambda name: reader.get(key_of(name)),
-                    iters=starts.pissa_iters,
-                    seed=seed,
+                    lambda name: reader.get(key_of(name)),  # a base weight, whole
+                    split,
                     region_of=region_of,
                     local=local,
                 )

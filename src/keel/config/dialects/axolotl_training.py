@@ -213,7 +213,7 @@ def _lora_init(build: Build, key: str, value) -> None:
     """peft_init_lora_weights, which Axolotl hands PEFT's init_lora_weights as it is."""
     if value is None or value is True:
         build.ignored(key, f"{value}: LoRA's usual start (A random, B zero)")
-    elif value == "gaussian":
+    elif value in ("gaussian", "olora"):
         build.put(key, "method.lora.init", value)
     elif value == "pissa":
         build.set("method.lora.pissa_iters", 0)
@@ -228,8 +228,8 @@ def _lora_init(build: Build, key: str, value) -> None:
     else:
         build.refused(
             key,
-            f"{value!r}: keel starts LoRA as PEFT's default (true), gaussian, pissa or "
-            "pissa_niter_<n> (method.lora.init)",
+            f"{value!r}: keel starts LoRA as PEFT's default (true), gaussian, pissa, "
+            "pissa_niter_<n> or olora (method.lora.init)",
         )
 
 

@@ -1,5 +1,5 @@
-"""method.lora.init: pissa (and gaussian): adapters that start as each weight's principal
-part, as PEFT starts them; a run's saved adapter is a plain LoRA on the original base."""
+"""method.lora.init: pissa and olora (and gaussian): adapters that start as a part of each
+weight, as PEFT starts them; a run's saved adapter is a plain LoRA on the original base."""
 
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ def _on_meta(model_dir, **lora):
         return apply_method(model, method, log=lambda _m: None)
 
 
-def _filled(model_dir, iters: int):
-    model = _on_meta(model_dir, init="pissa", pissa_iters=iters)
+def _filled(model_dir, init: str, iters: int = 0):
+    model = _on_meta(model_dir, init=init, pissa_iters=iters)
     allocate(model, torch.device("cpu"))
     init_computed_buffers(model.get_base_model())
-    starts = Starts(seed=0, lora_init="pissa", pissa_iters=iters)
+    starts = Starts(seed=0, lora_init=init, pissa_iters=iters)
     fill_weights(model, model_dir, starts, region_of=lambda p: None, local=lambda p: p)
     return model
 
@@ -47,17 +47,18 @@ def _loras(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if hasattr(m, "lora_A") and m.lora_A}
 
 
-@pytest.mark.parametrize("iters", [0, 4])
-def test_pissa_starts_from_the_base_model(tiny_model_dir, iters):
+@pytest.mark.parametrize(("init", "iters"), [("pissa", 0), ("pissa", 4), ("olora", 0)])
+def test_a_split_start_is_the_base_model(tiny_model_dir, init, iters):
     """W_res + s B A is the base weight, so the logits are the base's; with the exact SVD
-    (iters 0), B A and W_res are PEFT's own init_lora_weights="pissa" ones."""
+    (pissa, iters 0) and with QR (olora), B A and W_res are PEFT's own
+    init_lora_weights="pissa" / "olora" ones."""
     from peft import LoraConfig as PeftLora
     from peft import get_peft_model
 
     from keel.models import load_model
 
     base = load_model(tiny_model_dir, dtype=torch.float32)
-    model = _filled(tiny_model_dir, iters)
+    model = _filled(tiny_model_dir, init, iters)
     with torch.no_grad():
         torch.testing.assert_close(
             model(input_ids=IDS).logits, base(input_ids=IDS).logits, rtol=1e-4, atol=1e-5
@@ -70,7 +71,7 @@ def test_pissa_starts_from_the_base_model(tiny_model_dir, iters):
         return
     peft = get_peft_model(
         load_model(tiny_model_dir, dtype=torch.float32),
-        PeftLora(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="pissa"),
+        PeftLora(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=init),
     )
     theirs = _loras(peft)
     assert theirs.keys() == ours.keys()
@@ -84,14 +85,15 @@ def test_pissa_starts_from_the_base_model(tiny_model_dir, iters):
         )
 
 
-def test_a_shard_holds_its_rows_of_the_whole_decomposition(tiny_model_dir):
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_shard_holds_its_rows_of_the_whole_decomposition(tiny_model_dir, init):
     """FSDP2: each process decomposes the whole weight it reads and keeps its rows of W_res,
-    A and B; the second half of each equals one process's (the signs of the singular
-    pairs fixed, so both agree)."""
-    whole = dict(_filled(tiny_model_dir, 0).named_parameters())
-    model = _on_meta(tiny_model_dir, init="pissa", pissa_iters=0)
-    halves = fill_second_halves(model, tiny_model_dir, Starts(seed=0, lora_init="pissa",
-                                                              pissa_iters=0))  # fmt: skip
+    A and B; the second half of each equals one process's (the factors' signs fixed, so
+    both agree)."""
+    whole = dict(_filled(tiny_model_dir, init).named_parameters())
+    model = _on_meta(tiny_model_dir, init=init, pissa_iters=0)
+    starts = Starts(seed=0, lora_init=init, pissa_iters=0)
+    halves = fill_second_halves(model, tiny_model_dir, starts)
     checked = 0
     for name, half in halves.items():
         if ".lora_" in name or ".base_layer." in name:
@@ -111,8 +113,9 @@ def test_gaussian_draws_a_from_a_normal_of_std_one_over_r(tiny_model_dir):
     assert all(m.lora_B["default"].weight.abs().max() == 0 for m in _loras(model).values())
 
 
-def test_a_pissa_run_saves_a_lora_that_applies_to_the_original_base(
-    tiny_model_dir, data_file, tmp_path
+@pytest.mark.parametrize("init", ["pissa", "olora"])
+def test_a_split_run_saves_a_lora_that_applies_to_the_original_base(
+    tiny_model_dir, data_file, tmp_path, init
 ):
     """After training, the saved adapter (rank 2r: [A; A0], [B, -B0]) on the unchanged
     base gives the merged model's logits. Negative control: the trained A and B alone, as
@@ -123,8 +126,8 @@ def test_a_pissa_run_saves_a_lora_that_applies_to_the_original_base(
     from keel.models import load_model
     from keel.train.run import run_training
 
-    out = tmp_path / "pissa"
-    overrides = ("method.lora.init=pissa", "method.lora.dropout=0", "output.merge_lora=true")
+    out = tmp_path / init
+    overrides = (f"method.lora.init={init}", "method.lora.dropout=0", "output.merge_lora=true")
     run_training(config(tiny_model_dir, data_file, out, *overrides), log=quiet)
     adapter = out  # the output folder is the adapter; merged/ beside it
     saved = json.loads((adapter / "adapter_config.json").read_text())
@@ -170,7 +173,7 @@ def test_a_resumed_pissa_run_trains_as_the_uninterrupted_one(tiny_model_dir, dat
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def test_a_reference_model_under_pissa_is_a_frozen_copy_of_the_base(
+def test_a_reference_model_under_a_split_start_is_a_frozen_copy_of_the_base(
     tiny_model_dir, data_file, tmp_path
 ):
     """The base with the adapter off is W_res, not the model the run started from."""
@@ -178,8 +181,11 @@ def test_a_reference_model_under_pissa_is_a_frozen_copy_of_the_base(
 
     dpo = ("train.stage=dpo",)
     assert reference_source_of(config(tiny_model_dir, data_file, tmp_path, *dpo)) == "adapters"
-    cfg = config(tiny_model_dir, data_file, tmp_path, *dpo, "method.lora.init=pissa")
-    assert reference_source_of(cfg) == "copy"
+    for init in ("pissa", "olora"):
+        cfg = config(tiny_model_dir, data_file, tmp_path, *dpo, f"method.lora.init={init}")
+        assert reference_source_of(cfg) == "copy"
+    cfg = config(tiny_model_dir, data_file, tmp_path, *dpo, "method.lora.init=gaussian")
+    assert reference_source_of(cfg) == "adapters"
 
 
 @pytest.mark.parametrize(
@@ -187,6 +193,7 @@ def test_a_reference_model_under_pissa_is_a_frozen_copy_of_the_base(
     [
         ((), "qlora", "method.lora.init = pissa with method.type = qlora"),
         (("method.lora.dora=true",), "lora", "with method.lora.dora: DoRA's magnitudes"),
+        (("method.lora.init=olora",), "qlora", "method.lora.init = olora with method.type"),
         (("method.lora.pissa_iters=-1",), "lora", "method.lora.pissa_iters = -1 must be >= 0"),
     ],
 )
