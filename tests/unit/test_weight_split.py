@@ -230,3 +230,18 @@ def test_dpo_under_pissa_starts_at_log_2(tiny_model_dir, tmp_path):
     (first,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+
+
+def test_a_split_start_on_an_output_layer_tied_to_the_embeddings_is_refused(tiny_model_dir):
+    """Splitting the tiny Llama's lm_head (tied) would change its input embeddings too."""
+    from keel.models.adapters import method_problems
+
+    model = build_empty_model(tiny_model_dir, dtype=torch.float32)
+    for init, refused in (("pissa", True), ("olora", True), ("default", False)):
+        lora = LoraConfig(init=init, targets=["q_proj", "lm_head"])
+        problems = method_problems(model, MethodConfig(type="lora", lora=lora))
+        assert bool(problems) == refused, problems
+        if refused:
+            assert "lm_head in method.lora.targets: its weight is the input" in problems[0]
+    untargeted = LoraConfig(init="pissa", targets=["q_proj"])
+    assert method_problems(model, MethodConfig(type="lora", lora=untargeted)) == []

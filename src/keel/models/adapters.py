@@ -44,7 +44,7 @@ from keel.models.vision_parts import (
     vision_family,
 )
 from keel.models.vocabulary import fit_vocabulary
-from keel.models.weight_split import save_split_as_lora, splits_base
+from keel.models.weight_split import SPLITS, save_split_as_lora, splits_base
 
 Log = Callable[[str], None]
 # Module types PEFT's LoRA (and OFT) can wrap; a target name must match at least one of them.
@@ -126,8 +126,26 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
             *expert_target_problems(
                 model, method.lora.target_parameters if method.uses_lora else []
             ),
+            *(_tied_split_problems(model, method.lora) if method.uses_lora else []),
         ]
     return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora, oft"]
+
+
+def _tied_split_problems(model, lora: LoraConfig) -> list[str]:
+    """A start that splits the base weight (pissa, olora) on an output layer tied to the
+    input embeddings would change the embeddings too: the model would not start as it was."""
+    targets = adapter_targets(lora)
+    outputs, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if lora.init not in SPLITS or targets == "all-linear" or outputs is None or inputs is None:
+        return []  # PEFT's all-linear leaves the output layer out
+    name = next((n for n, m in model.named_modules() if m is outputs), "")
+    if outputs.weight is not inputs.weight or name.rsplit(".", 1)[-1] not in targets:
+        return []
+    return [
+        f"method.lora.init = {lora.init} with {name} in method.lora.targets: its weight is the "
+        f"input embeddings' too (tied), and splitting it would change them; leave it out of "
+        f"the targets, or use method.lora.init default"
+    ]
 
 
 def lora_target_names(model: torch.nn.Module) -> list[str]:
