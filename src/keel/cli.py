@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_doctor(sub)
     _add_export(sub)
+    _add_expand(sub)
     add_serve(sub)
     add_convert(sub)
     return parser
@@ -194,15 +195,7 @@ def _add_export(sub) -> None:
         metavar="DTYPE",
         help="bfloat16, float16 or float32 (default: the base model's)",
     )
-    export.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        metavar="SIZE",
-        help="largest safetensors file, e.g. 5GB or 2GiB (default 5GB)",
-    )
-    export.add_argument(
-        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
-    )
+    _add_folder_flags(export)
     export.add_argument(
         "--quantize",
         nargs="?",
@@ -210,6 +203,37 @@ def _add_export(sub) -> None:
         metavar="SCHEME",
         help="write the decoder's linear weights as torchao's quantized tensors: alone, with "
         "the scheme a QAT run (method.qat) trained for; or int8-int4, int4 or fp8",
+    )
+
+
+def _add_expand(sub) -> None:
+    expand = sub.add_parser(
+        "expand",
+        help="LLaMA Pro's block expansion: write the model with new, zero-output decoder blocks",
+    )
+    expand.add_argument(
+        "--model", required=True, help="HF model dir, Hugging Face Hub id, or bundled:NAME"
+    )
+    expand.add_argument(
+        "--blocks",
+        type=int,
+        required=True,
+        help="new blocks: one after each of this many equal groups of decoder layers",
+    )
+    expand.add_argument("--out", required=True, help="folder to write; must not exist or be empty")
+    _add_folder_flags(expand)
+
+
+def _add_folder_flags(parser) -> None:
+    """The flags of a command that writes a model folder (keel export, keel expand)."""
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB or 2GiB (default 5GB)",
+    )
+    parser.add_argument(
+        "--cache-dir", default="~/.cache/keel", help="where bundled models are converted"
     )
 
 
@@ -327,6 +351,21 @@ def _export(args) -> int:
     return 0
 
 
+def _expand(args) -> int:
+    from keel.export.expand import ExpandRequest, expand_model
+    from keel.export.write import DEFAULT_MAX_SHARD_SIZE
+
+    request = ExpandRequest(
+        model=args.model,
+        blocks=args.blocks,
+        out=Path(args.out),
+        max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+        cache_dir=args.cache_dir,
+    )
+    expand_model(request)
+    return 0
+
+
 COMMANDS = {
     "train": _train,
     "validate": _validate,
@@ -334,6 +373,7 @@ COMMANDS = {
     "plan": _plan,
     "doctor": _doctor,
     "export": _export,
+    "expand": _expand,
     "serve": run_serve,
     "convert": run_convert,
 }

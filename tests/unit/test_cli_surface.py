@@ -43,6 +43,7 @@ EXPECTED = {
         "--cache-dir",
         "--quantize",  # torchao-quantized decoder weights (method.qat's scheme, or one named)
     },
+    "expand": {"--model", "--blocks", "--out", "--max-shard-size", "--cache-dir"},
     "serve": {
         "config",
         "overrides",

@@ -394,26 +394,3 @@ def test_their_lora_init_is_method_lora_init(value, init, iters):
 def test_lora_inits_keel_does_not_have_are_refused(value):
     _, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16, peft_init_lora_weights=value)
     assert fates["peft_init_lora_weights"].fate == "refused"
-
-
-@pytest.mark.parametrize(
-    ("keys", "iters", "convert"),
-    [
-        ({"pissa_iter": -1, "pissa_convert": True}, 0, "their pissa_converted/ folder"),
-        ({"pissa_iter": 16}, 16, None),
-        ({"pissa_convert": False}, None, "only fits their residual base"),
-    ],
-)
-def test_llamafactory_pissa_is_method_lora_init_pissa(keys, iters, convert):
-    from keel.config.dialects.llamafactory import translate_llamafactory
-
-    their = {"model_name_or_path": "m", "do_train": True, "finetuning_type": "lora"}
-    translation = translate_llamafactory({**their, "pissa_init": True, **keys}, Path("x.yaml"))
-    assert translation.refused() == []
-    lora = translation.config["method"]["lora"]
-    assert (lora["init"], lora.get("pissa_iters")) == ("pissa", iters)
-    if convert:
-        (fate,) = [f for f in translation.fates if f.key == "pissa_convert"]
-        assert fate.fate == "ignored" and convert in fate.why
-    off = translate_llamafactory({**their, "pissa_iter": 4}, Path("x.yaml"))
-    assert "init" not in off.config["method"].get("lora", {})  # read with pissa_init only

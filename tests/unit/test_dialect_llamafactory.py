@@ -11,6 +11,7 @@ from config_support import model_type_folder
 
 from keel.config import load_config
 from keel.config.dialects import KeyFate, detect_dialect, refusal_problems, translate
+from keel.config.dialects.llamafactory import translate_llamafactory
 from keel.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -638,3 +639,41 @@ def test_their_oft_is_keels_oft_as_their_code_reads_it(tmp_path: Path):
     lora = translate({**raw, "finetuning_type": "lora"}, tmp_path / "x.yaml")
     assert lora.config["method"]["lora"]["targets"] == ["q_proj", "v_proj"]
     assert {f.key: f.fate for f in lora.fates}["oft_block_size"] == "ignored"
+
+
+@pytest.mark.parametrize(
+    ("keys", "iters", "convert"),
+    [
+        ({"pissa_iter": -1, "pissa_convert": True}, 0, "their pissa_converted/ folder"),
+        ({"pissa_iter": 16}, 16, None),
+        ({"pissa_convert": False}, None, "only fits their residual base"),
+    ],
+)
+def test_llamafactory_pissa_is_method_lora_init_pissa(keys, iters, convert):
+    their = {"model_name_or_path": "m", "do_train": True, "finetuning_type": "lora"}
+    translation = translate_llamafactory({**their, "pissa_init": True, **keys}, Path("x.yaml"))
+    assert translation.refused() == []
+    lora = translation.config["method"]["lora"]
+    assert (lora["init"], lora.get("pissa_iters")) == ("pissa", iters)
+    if convert:
+        (fate,) = [f for f in translation.fates if f.key == "pissa_convert"]
+        assert fate.fate == "ignored" and convert in fate.why
+    off = translate_llamafactory({**their, "pissa_iter": 4}, Path("x.yaml"))
+    assert "init" not in off.config["method"].get("lora", {})  # read with pissa_init only
+
+
+@pytest.mark.parametrize(
+    ("method", "value", "fate"),
+    [("freeze", True, "mapped"), ("lora", True, "refused"), ("freeze", False, "ignored")],
+)
+def test_llama_pro_is_freezes_expanded_blocks(method, value, fate):
+    """Their examples/extras/llama_pro: freeze tuning of the blocks their script inserted."""
+    their = {"model_name_or_path": "m", "do_train": True, "finetuning_type": method}
+    keys = {"use_llama_pro": value, "freeze_trainable_layers": 8}
+    translation = translate_llamafactory({**their, **keys}, Path("x.yaml"))
+    (got,) = [f for f in translation.fates if f.key == "use_llama_pro"]
+    assert got.fate == fate, got
+    if fate == "mapped":
+        assert translation.config["method"]["freeze"] == {
+            "trainable_layers": 8, "expanded_blocks": True
+        }  # fmt: skip

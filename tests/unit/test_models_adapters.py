@@ -79,6 +79,22 @@ def test_freeze_negative_layers_train_the_first_ones():
     assert trained and all(n.startswith("model.layers.0.") for n in trained)
 
 
+def test_freeze_expanded_blocks_train_the_last_layer_of_each_group():
+    """LLaMA Pro: a 6-layer model expanded by 2 blocks (one after each 3-layer group) trains
+    layers 2 and 5, the inserted ones; 4 groups do not divide 6 layers."""
+    model = build_tiny_model(320, layers=6)
+    freeze = FreezeConfig(trainable_layers=2, expanded_blocks=True)
+    logs = []
+    model = apply_method(model, MethodConfig(type="freeze", freeze=freeze), log=logs.append)
+    trained = {n.split(".")[2] for n, p in model.named_parameters() if p.requires_grad}
+    assert trained == {"2", "5"}
+    assert "decoder layers 2, 5 of 6" in "\n".join(logs)
+    uneven = FreezeConfig(trainable_layers=4, expanded_blocks=True)
+    (problem,) = method_problems(build_tiny_model(320, layers=6), MethodConfig(type="freeze",
+                                                                              freeze=uneven))  # fmt: skip
+    assert "decoder layers do not split into 4 groups" in problem
+
+
 def test_freeze_bad_names_suggest_close_ones():
     method = MethodConfig(
         type="freeze",

@@ -108,6 +108,10 @@ class FreezeConfig:
     # name's start (Python's re.match), e.g. ['lm_head', 'model\.layers\.1[0-5]\.mlp\.'];
     # these train beside the last trainable_layers (set it to 0 to train only what they match)
     trainable_params: list[str] = field(default_factory=list)
+    # LLaMA Pro (LLaMA-Factory's use_llama_pro): trainable_layers N trains the last layer of
+    # each of N equal groups of layers, the blocks a block expansion inserted, not the last
+    # N; the model's layer count must divide by N
+    expanded_blocks: bool = False
 
 
 @dataclass(kw_only=True)

@@ -20,7 +20,8 @@ when the result is cast to the output dtype; this needs 4 bytes of memory per pa
 
 Modules: sources.py (what --model and --adapter name), merge.py (load, attach, merge and
 check), write.py (the request, the output folder), partial_folder.py (write it all at once),
-hf_compat.py (keys older transformers readers need).
+hf_compat.py (keys older transformers readers need). expand.py is `keel expand`, LLaMA Pro's
+block expansion, which writes its folder the same way.
 """
 
 from keel.export.write import ExportRequest, export_model

@@ -27,7 +27,7 @@ def build_merged_model(sources: Sources, tokenizer, log: Log):
     """(the fp32 model with any adapter merged in, the base's stored dtype, the probe's max
     |logit diff| between merged and unmerged, or None when nothing was merged).
     `tokenizer` spells a vision-language probe's image tokens (keel.export.probe)."""
-    model, base_dtype = _load_base(sources.base_dir)
+    model, base_dtype = load_base(sources.base_dir)
     fit_vocabulary(model, tokenizer, log)  # the rows a run that added tokens trained
     if sources.adapter_dir is not None:
         log(f"loading adapter {sources.adapter_dir} on {sources.base_dir}")
@@ -47,7 +47,7 @@ def build_merged_model(sources: Sources, tokenizer, log: Log):
     return model, base_dtype, merge_diff
 
 
-def _load_base(base_dir: Path):
+def load_base(base_dir: Path):
     """The base model in fp32 and the dtype it is stored in (the default output dtype)."""
     model = load_model(base_dir, dtype=None)  # as stored, so its dtype can be read
     stored = next(p.dtype for p in model.parameters() if p.is_floating_point())

@@ -49,7 +49,7 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     folder beside `out` and renamed at the end. A non-empty `out` is refused, untouched.
     """
     target_dtype = _parse_dtype(request.dtype)
-    out = _check_out(Path(request.out).expanduser())
+    out = check_out(Path(request.out).expanduser())
     sources = resolve_sources(request.model, request.adapter, request.cache_dir, log)
     qat = (
         None
@@ -77,12 +77,7 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     }
 
     def write(folder: Path) -> None:
-        model.save_pretrained(str(folder), max_shard_size=request.max_shard_size)
-        # The template goes into tokenizer_config.json, which every transformers version
-        # (and llama.cpp's converter) reads; only newer ones read chat_template.jinja.
-        tokenizer.save_pretrained(str(folder), save_jinja_files=False)
-        copy_processor_files(model, folder)  # a vision-language model's image processor
-        add_legacy_keys(folder)  # so that transformers 4.x readers load it too
+        write_model_folder(folder, model, tokenizer, request.max_shard_size)
         (folder / MARKER_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         card = export_card(request.model, request.adapter, provenance["dtype"])
         write_model_card(folder, card, shown_as=out)
@@ -91,6 +86,17 @@ def export_model(request: ExportRequest, log: Log = print) -> Path:
     what = f"{qat.scheme}-quantized " if qat is not None else ""
     log(f"exported {what}{provenance['dtype']} model -> {out}")
     return out
+
+
+def write_model_folder(folder: Path, model, tokenizer, max_shard_size: int | str) -> None:
+    """A plain Hugging Face model folder: the model's safetensors shards and config, the
+    tokenizer, a vision-language model's processor files."""
+    model.save_pretrained(str(folder), max_shard_size=max_shard_size)
+    # The template goes into tokenizer_config.json, which every transformers version (and
+    # llama.cpp's converter) reads; only newer ones read chat_template.jinja.
+    tokenizer.save_pretrained(str(folder), save_jinja_files=False)
+    copy_processor_files(model, folder)  # a vision-language model's image processor
+    add_legacy_keys(folder)  # so that transformers 4.x readers load it too
 
 
 def _parse_dtype(name: str | None) -> torch.dtype | None:
@@ -104,12 +110,12 @@ def _parse_dtype(name: str | None) -> torch.dtype | None:
     return DTYPES[name]
 
 
-def _check_out(out: Path) -> Path:
+def check_out(out: Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ModelError(f"--out {out} is a file; give a new folder")
     if out.is_dir() and any(out.iterdir()):
         raise ModelError(
-            f"--out {out} is not empty; keel export never overwrites: give a new folder, "
+            f"--out {out} is not empty; keel never overwrites it: give a new folder, "
             f"or delete {out} first"
         )
     return out

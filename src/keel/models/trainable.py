@@ -68,6 +68,15 @@ def freeze_problems(model: torch.nn.Module, freeze: FreezeConfig) -> list[str]:
             f"method.type = freeze trains the last decoder layers, but keel cannot find those "
             f"of {type(model).__name__} ({_WHERE_LAYERS}); use method.type full or lora"
         )
+    elif freeze.expanded_blocks and (
+        freeze.trainable_layers <= 0 or len(layers) % freeze.trainable_layers
+    ):
+        problems.append(
+            f"method.freeze.expanded_blocks trains the last layer of each of trainable_layers "
+            f"= {freeze.trainable_layers} equal groups, but the model's {len(layers)} decoder "
+            f"layers do not split into {freeze.trainable_layers} groups; set trainable_layers "
+            f"to the number of blocks the expansion added"
+        )
     elif not abs(freeze.trainable_layers) <= len(layers):
         problems.append(
             f"method.freeze.trainable_layers = {freeze.trainable_layers} is outside "
@@ -121,7 +130,10 @@ def _freeze_trainable(model: torch.nn.Module, freeze: FreezeConfig) -> list[torc
     """The parameters that train under `freeze` (checked by `freeze_problems` first), each
     once: a tied weight trains when any of its names is chosen."""
     layers, count = list(decoder_layers(model)), freeze.trainable_layers
-    chosen = layers[:-count] if count < 0 else layers[len(layers) - count :]
+    if freeze.expanded_blocks:  # LLaMA Pro: each group's last layer, the inserted block
+        chosen = layers[len(layers) // count - 1 :: len(layers) // count]
+    else:
+        chosen = layers[:-count] if count < 0 else layers[len(layers) - count :]
     modules = chosen + [
         m
         for name, m in model.named_modules()
@@ -140,6 +152,11 @@ def apply_freeze(model: torch.nn.Module, freeze: FreezeConfig, log: Log) -> None
     model.requires_grad_(False)
     for param in _freeze_trainable(model, freeze):
         param.requires_grad_(True)
+    if freeze.expanded_blocks:
+        count = len(decoder_layers(model))
+        stride = count // freeze.trainable_layers
+        shown = ", ".join(str(i) for i in range(stride - 1, count, stride))
+        log(f"freeze: the expanded blocks train (LLaMA Pro): decoder layers {shown} of {count}")
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and inputs is not None and outputs.weight is inputs.weight
     if tied and inputs.weight.requires_grad:

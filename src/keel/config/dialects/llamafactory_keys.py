@@ -95,7 +95,6 @@ _SWITCHES = {
     "use_apollo": "APOLLO is not available",
     "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw, adamw_8bit, "
     "adamw_4bit or muon",
-    "use_llama_pro": "LLaMA Pro block expansion is not available",
     "freeze_language_model": "keel trains the language model",
     "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
     "use_asft_loss": "ASFT (DFT plus a KL term to a reference model's next-token "
@@ -239,6 +238,23 @@ def _lora_target(build: Build, key: str, value) -> None:
         build.put(key, target, "all-linear", f"all: every linear layer{why}")
     else:
         build.put(key, target, names, why.removeprefix("; "))
+
+
+def _llama_pro(build: Build, key: str, value) -> None:
+    """use_llama_pro: their freeze tuning trains the last layer of each of
+    freeze_trainable_layers groups, the blocks their scripts/llama_pro.py inserted."""
+    method = build.raw.get("finetuning_type", "lora")
+    if not value:
+        build.ignored(key, "false: freeze trains the last freeze_trainable_layers layers")
+    elif method == "freeze":
+        why = "the last layer of each of freeze_trainable_layers groups trains"
+        build.put(key, "method.freeze.expanded_blocks", True, why)
+    else:
+        build.refused(
+            key,
+            f"true with finetuning_type {method}: keel trains LLaMA Pro's expanded blocks in "
+            "full (finetuning_type freeze); their LoRA on those blocks alone is not available",
+        )
 
 
 def _pissa(build: Build, key: str, value) -> None:
@@ -446,6 +462,7 @@ KEY_RULES: dict[str, Rule] = {
     "lora_target": _lora_target,
     **{key: _oft for key in ("oft_block_size", "oft_rank", "oft_target", "module_dropout")},
     **{key: _pissa for key in ("pissa_init", "pissa_iter", "pissa_convert")},
+    "use_llama_pro": _llama_pro,
     "freeze_trainable_modules": _freeze_modules,
     "freeze_extra_modules": _freeze_modules,
     "additional_target": _additional_target,
