@@ -97,6 +97,7 @@ def test_per_layer_settings_follow_their_layers(tmp_path):
                        log=lambda _m: None)  # fmt: skip
     saved = json.loads((out / "config.json").read_text())
     assert saved["layer_types"] == [types[0], types[1], types[1], types[2], types[3], types[3]]
+    assert saved["max_window_layers"] == 6  # every layer before, every layer after
     torch.testing.assert_close(_logits(out), _logits(original), rtol=0, atol=1e-6)
 
 

@@ -157,6 +157,8 @@ def _expand_config(text_config, count: int, sources: list[int]) -> None:
     """num_hidden_layers, and each setting of one value per layer with the copied layer's
     value at every new index."""
     text_config.num_hidden_layers = count + len(sources)
+    if getattr(text_config, "max_window_layers", None) == count:  # every layer, still
+        text_config.max_window_layers = count + len(sources)
     for key, value in list(vars(text_config).items()):
         if isinstance(value, list) and len(value) == count:
             expanded = []
