@@ -79,6 +79,8 @@ class LoraConfig:
     # converge), the saved adapter is converted to a plain LoRA of rank 2r that applies to
     # the unchanged base (PEFT's conversion), and a reference model is a frozen copy of it
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"
+    # pissa: randomised SVD iterations (torch.svd_lowrank; LLaMA-Factory's pissa_iter
+    # default); 0: the exact SVD, slow for large weights
     pissa_iters: int = 16
 
 
