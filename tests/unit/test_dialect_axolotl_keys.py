@@ -394,3 +394,13 @@ def test_their_lora_init_is_method_lora_init(value, init, iters):
 def test_lora_inits_keel_does_not_have_are_refused(value):
     _, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16, peft_init_lora_weights=value)
     assert fates["peft_init_lora_weights"].fate == "refused"
+
+
+def test_their_lora_layers_are_method_lora_layers():
+    axolotl, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16,
+                                peft_layers_to_transform=[3, 7], peft_layers_pattern=["layers"])  # fmt: skip
+    assert axolotl.refused() == [] and axolotl.config["method"]["lora"]["layers"] == [3, 7]
+    assert fates["peft_layers_pattern"].fate == "ignored"
+    _, fates = _translate(adapter="lora", lora_r=8, lora_alpha=16,
+                          peft_layers_to_transform=[1], peft_layers_pattern=["h"])  # fmt: skip
+    assert fates["peft_layers_pattern"].fate == "refused"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from conftest import build_tiny_model, build_tiny_tokenizer
 
 from keel.config.schema import FreezeConfig, LoraConfig, MethodConfig
 from keel.errors import ModelError
@@ -373,3 +373,34 @@ def test_modules_to_save_problems_name_the_key():
     )
     (problem,) = method_problems(build_tiny_model(320), both)
     assert "both name q_proj" in problem
+
+
+def test_lora_layers_adapt_only_those_decoder_layers(tmp_path):
+    """method.lora.layers (PEFT's layers_to_transform): the targets of layer 1 alone; the
+    saved adapter says so, and a run that keeps training it reads them from there."""
+    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from keel.config.start_adapter import with_start_adapter
+
+    model = build_tiny_model(320, layers=3)
+    method = MethodConfig(type="lora", lora=LoraConfig(r=4, dropout=0.0, layers=[1]))
+    logs = []
+    peft = apply_method(model, method, log=logs.append)
+    adapted = {n.split(".")[4] for n, _ in peft.named_parameters() if "lora_A" in n}
+    assert adapted == {"1"}
+    assert "of decoder layers 1" in "\n".join(logs)
+    save_model_dir(peft, build_tiny_tokenizer(), tmp_path / "adapter")
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["layers_to_transform"] == [1]
+    cfg = RunConfig(
+        model=ModelConfig(path="m", adapter=str(tmp_path / "adapter")),
+        data=DataConfig(datasets=[]),
+        output=OutputConfig(dir=str(tmp_path / "out")),
+    )
+    continued, problems = with_start_adapter(cfg, {})
+    assert problems == [] and continued.method.lora.layers == [1]
+    _, problems = with_start_adapter(cfg, {"lora": {"layers": [0, 1]}})
+    assert "method.lora.layers = [0, 1], but model.adapter" in problems[0]
+    for layers, said in (([3], "3 is not a decoder layer index of this model (0..2)"),
+                         ([1, 1], "names a layer twice")):  # fmt: skip
+        wrong = MethodConfig(type="lora", lora=LoraConfig(layers=layers))
+        assert said in "\n".join(method_problems(build_tiny_model(320, layers=3), wrong))

@@ -72,6 +72,9 @@ class LoraConfig:
     # per expert. The weight plus its LoRA is formed once per forward (a copy of the
     # layer's experts), dropout must be 0, and DoRA does not apply
     target_parameters: list[str] = field(default_factory=list)
+    # decoder layer indices whose modules the targets adapt (PEFT's layers_to_transform),
+    # e.g. LLaMA Pro's expanded blocks (keel expand names them); []: every layer
+    layers: list[int] = field(default_factory=list)
     # how the adapters start. default: A random, B zero (training starts from the base);
     # gaussian: A from N(0, 1/r); pissa: A and B from each weight's top-r singular vectors
     # and values (PiSSA), olora: from its QR decomposition's first r columns of Q and rows

@@ -1,8 +1,8 @@
 """model.adapter: a saved PEFT adapter (LoRA or OFT) that a run keeps training.
 
 The adapter's shape is fixed by its weights, so its adapter_config.json decides the method
-section's shape: method.lora's r, alpha, targets, rsLoRA scale, DoRA and modules trained in
-full; method.oft's block size, targets, Cayley parameterisation and modules trained in full.
+section's shape: method.lora's r, alpha, targets, layers, rsLoRA scale, DoRA and modules
+trained in full; method.oft's block size, targets, Cayley parameterisation and modules trained in full.
 A config that sets one of them to something else is refused, naming both values. Dropout and
 the rest of training are the config's own.
 """
@@ -25,6 +25,7 @@ SHAPE = {
     "rslora": "use_rslora",
     "dora": "use_dora",
     "modules_to_save": "modules_to_save",
+    "layers": "layers_to_transform",
 }
 # the same for method.oft
 OFT_SHAPE = {
@@ -100,7 +101,15 @@ def _lora_shape(saved: dict) -> dict:
         "rslora": bool(saved.get("use_rslora", defaults.rslora)),
         "dora": bool(saved.get("use_dora", defaults.dora)),
         "modules_to_save": _distinct(saved.get("modules_to_save") or []),
+        "layers": _layers(saved.get("layers_to_transform")),
     }
+
+
+def _layers(saved) -> list[int]:
+    """layers_to_transform as PEFT saves it (null, one index, or a list) as a sorted list."""
+    if saved is None:
+        return []
+    return sorted(saved) if isinstance(saved, list) else [int(saved)]
 
 
 def _oft_shape(saved: dict, where: str) -> tuple[dict, list[str]]:

@@ -92,6 +92,11 @@ def _check_expert_lora(cfg: RunConfig) -> list[str]:
         )
     if lora.dora:
         problems.append(f"{key} with method.lora.dora: PEFT's DoRA adapts linear modules only")
+    if lora.layers:
+        problems.append(
+            f"{key} with method.lora.layers: keel does not limit the experts' LoRA to some layers; "
+            "remove one of them"
+        )
     if cfg.method.type == "qlora" and cfg.method.qlora.quantize_experts:
         problems.append(
             f"{key} with method.qlora.quantize_experts: the experts would be NF4 and adapted at "

@@ -33,6 +33,7 @@ from keel.models.peft_wrap import adapter_targets, full_modules, wrap_lora, wrap
 from keel.models.safetensors_files import ADAPTER_WEIGHTS, read_checked
 from keel.models.trainable import (
     apply_freeze,
+    find_decoder_layers,
     freeze_problems,
     short_names,
     unknown_names,
@@ -127,8 +128,32 @@ def method_problems(model: torch.nn.Module, method: MethodConfig) -> list[str]:
                 model, method.lora.target_parameters if method.uses_lora else []
             ),
             *(_tied_split_problems(model, method.lora) if method.uses_lora else []),
+            *(_layer_problems(model, method.lora) if method.uses_lora else []),
         ]
     return [f"method.type = {method.type!r} is not one of full, freeze, lora, qlora, oft"]
+
+
+def _layer_problems(model, lora: LoraConfig) -> list[str]:
+    """method.lora.layers: indices of the model's decoder layers, each once."""
+    if not lora.layers:
+        return []
+    layers = find_decoder_layers(model)
+    count = len(layers) if layers is not None else 0
+    wrong = sorted({i for i in lora.layers if not 0 <= i < count})
+    problems = []
+    if layers is None:
+        problems.append(
+            f"method.lora.layers = {lora.layers}: keel cannot find the decoder layers of "
+            f"{type(model).__name__}; leave method.lora.layers empty (every layer)"
+        )
+    elif wrong:
+        problems.append(
+            f"method.lora.layers = {lora.layers}: {', '.join(map(str, wrong))} is not a decoder "
+            f"layer index of this model (0..{count - 1})"
+        )
+    if len(set(lora.layers)) != len(lora.layers):
+        problems.append(f"method.lora.layers = {lora.layers} names a layer twice")
+    return problems
 
 
 def _tied_split_problems(model, lora: LoraConfig) -> list[str]:

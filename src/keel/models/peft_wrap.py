@@ -61,14 +61,16 @@ class _Wrapping:
 
 
 def _wrapping(model, settings, log: Log, *, vision: VisionConfig, moe_note) -> _Wrapping:
-    """The target modules (all-linear spelled out as the linear modules on a mixture of
-    experts, whose expert and router names PEFT would read as targets; `moe_note`: (the
-    adapter's name, what trains the experts instead) to log that, or None), the modules
-    trained in full and a vision-language model's exclusions."""
+    """The target modules (all-linear spelled out as the linear modules with LoRA's layers,
+    and on a mixture of experts, whose expert and router names PEFT would read as targets;
+    `moe_note`: (the adapter's name, what trains the experts instead) to log that, or
+    None), the modules trained in full and a vision-language model's exclusions."""
     family = vision_family(model)
     full, tied = full_modules(model, settings, log)
     targets = adapter_targets(settings)
-    if targets == "all-linear" and retargeted_names(model):
+    if targets == "all-linear" and getattr(settings, "layers", None):
+        targets = linear_targets(model)  # PEFT takes layers_to_transform with a list only
+    elif targets == "all-linear" and retargeted_names(model):
         targets = linear_targets(model)
         if moe_note is not None:
             name, instead = moe_note
@@ -108,6 +110,7 @@ def wrap_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
         ensure_weight_tying=tied,
         task_type=TaskType.CAUSAL_LM,
         target_parameters=lora.target_parameters or None,
+        layers_to_transform=lora.layers or None,
         **settings,
     )
     peft_model = get_peft_model(model, peft_config)
@@ -125,7 +128,11 @@ def wrap_lora(model, lora: LoraConfig, log: Log, *, vision: VisionConfig):
     in_full = (
         f"; trained in full: {', '.join(lora.modules_to_save)}" if lora.modules_to_save else ""
     )
-    log(f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}{in_full}")
+    where = f" of decoder layers {', '.join(map(str, lora.layers))}" if lora.layers else ""
+    log(
+        f"LoRA r={lora.r} alpha={lora.alpha}{scale} on: {', '.join(sorted(wrapped))}{where}"
+        f"{in_full}"
+    )
     return peft_model
 
 

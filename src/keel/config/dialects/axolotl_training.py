@@ -233,6 +233,20 @@ def _lora_init(build: Build, key: str, value) -> None:
         )
 
 
+def _lora_layers(build: Build, key: str, value) -> None:
+    """peft_layers_to_transform (the decoder layers LoRA adapts) and peft_layers_pattern (the
+    name of their module list, which PEFT finds itself when it is `layers`)."""
+    if value is None or value == []:
+        build.ignored(key, "empty: every layer")
+    elif key == "peft_layers_to_transform":
+        layers = [value] if isinstance(value, int) else value
+        build.put(key, "method.lora.layers", layers)
+    elif value in ("layers", ["layers"]):
+        build.ignored(key, f"{value!r}: PEFT finds the decoder layers under `layers` itself")
+    else:
+        build.refused(key, f"{value!r}: keel adapts the layers of the model's `layers` list")
+
+
 _PER_EPOCH = {
     "saves_per_epoch": ("output.saves_per_epoch", "output.save_every", "saves"),
     "evals_per_epoch": ("train.evals_per_epoch", "train.eval_every", "evaluates"),
@@ -271,6 +285,8 @@ TRAINING_HANDLERS = {
     "batch_size": _batch_size,
     "lora_fan_in_fan_out": _fan_in_fan_out,
     "peft_init_lora_weights": _lora_init,
+    "peft_layers_to_transform": _lora_layers,
+    "peft_layers_pattern": _lora_layers,
     "model_config": _model_config,
     "quantize_moe_experts": _moe_experts_only,
     "lora_target_parameters": _moe_experts_only,

@@ -252,8 +252,9 @@ def _llama_pro(build: Build, key: str, value) -> None:
     else:
         build.refused(
             key,
-            f"true with finetuning_type {method}: keel trains LLaMA Pro's expanded blocks in "
-            "full (finetuning_type freeze); their LoRA on those blocks alone is not available",
+            f"true with finetuning_type {method}: keel's LoRA on the expanded blocks alone is "
+            "method.lora.layers with their indices (keel expand names them), which this "
+            "translation cannot know without the model; set it, or use finetuning_type freeze",
         )
 
 
