@@ -33,7 +33,7 @@ from keel.export.probe import probe_inputs
 from keel.export.write import DEFAULT_MAX_SHARD_SIZE, check_out, write_model_folder
 from keel.models.bundled import resolve_model_path
 from keel.models.loading import load_tokenizer
-from keel.models.trainable import decoder_layers
+from keel.models.trainable import decoder_layers, expanded_block_indices
 
 Log = Callable[[str], None]
 EXPAND_FILE = "keel_expand.json"
@@ -121,7 +121,7 @@ def expand_blocks(model: torch.nn.Module, blocks: int) -> list[int]:
             if hasattr(module, "layer_idx"):
                 module.layer_idx = index
     _expand_config(model.config.get_text_config(), count, sources)
-    return [source + offset + 1 for offset, source in enumerate(sources)]
+    return list(expanded_block_indices(len(layers), blocks))  # what expanded_blocks trains
 
 
 def _check_groups(count: int, blocks: int) -> None:

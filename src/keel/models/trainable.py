@@ -59,6 +59,13 @@ def short_names(names: list[str]) -> str:
     return ", ".join(sorted(s for s in short if not s.isdigit()))
 
 
+def expanded_block_indices(layers: int, blocks: int) -> range:
+    """The last layer of each of `blocks` equal groups of `layers` decoder layers: where a
+    block expansion (keel expand, LLaMA Pro) put its new blocks."""
+    stride = layers // blocks
+    return range(stride - 1, layers, stride)
+
+
 def freeze_problems(model: torch.nn.Module, freeze: FreezeConfig) -> list[str]:
     """Every reason method freeze cannot apply to `model`, each naming its key; []: it can."""
     problems = []
@@ -131,7 +138,7 @@ def _freeze_trainable(model: torch.nn.Module, freeze: FreezeConfig) -> list[torc
     once: a tied weight trains when any of its names is chosen."""
     layers, count = list(decoder_layers(model)), freeze.trainable_layers
     if freeze.expanded_blocks:  # LLaMA Pro: each group's last layer, the inserted block
-        chosen = layers[len(layers) // count - 1 :: len(layers) // count]
+        chosen = [layers[i] for i in expanded_block_indices(len(layers), count)]
     else:
         chosen = layers[:-count] if count < 0 else layers[len(layers) - count :]
     modules = chosen + [
@@ -154,8 +161,7 @@ def apply_freeze(model: torch.nn.Module, freeze: FreezeConfig, log: Log) -> None
         param.requires_grad_(True)
     if freeze.expanded_blocks:
         count = len(decoder_layers(model))
-        stride = count // freeze.trainable_layers
-        shown = ", ".join(str(i) for i in range(stride - 1, count, stride))
+        shown = ", ".join(map(str, expanded_block_indices(count, freeze.trainable_layers)))
         log(f"freeze: the expanded blocks train (LLaMA Pro): decoder layers {shown} of {count}")
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
     tied = outputs is not None and inputs is not None and outputs.weight is inputs.weight

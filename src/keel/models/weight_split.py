@@ -65,7 +65,8 @@ def fill_split(
         lora_a, lora_b = module.lora_A[_ADAPTER].weight, module.lora_B[_ADAPTER].weight
         device = local(lora_a).device
         weight = read_full(names[id(base.weight)]).to(device=device, dtype=torch.float32)
-        if getattr(module, "fan_in_fan_out", False):
+        transposed = getattr(module, "fan_in_fan_out", False)  # GPT-2's Conv1D: [in, out]
+        if transposed:
             weight = weight.t()
         rank, scale = module.r[_ADAPTER], module.scaling[_ADAPTER]
         if starts.kind == "olora":
@@ -73,7 +74,7 @@ def fill_split(
         else:
             a, b = pissa_factors(weight, rank, scale, starts.iters, _seed(starts.seed, module_name))
         residual = weight - scale * (b @ a)
-        if getattr(module, "fan_in_fan_out", False):
+        if transposed:
             residual = residual.t()
         for param, full in ((base.weight, residual), (lora_a, a), (lora_b, b)):
             region = region_of(param)

@@ -102,6 +102,7 @@ class RolloutBatchSource:
         self.dist = context.trainer.dist
         self._rollout: _Rollout | None = None
         self._next_step = 0  # the step after the last one served (a save's step)
+        self._reserved = self._reserved_metrics()  # names log_metric may not take
 
     @property
     def group(self) -> int:
@@ -268,7 +269,7 @@ class RolloutBatchSource:
         inputs = reward_inputs(
             self.prompts, block, [(c.token_ids, t) for c, t in zip(completions, texts)], state
         )
-        log = RewardLog(len(completions), reserved=self._reserved_metrics())
+        log = RewardLog(len(completions), reserved=self._reserved)
         scores = score_rewards(self.ctx.rewards, inputs, watch=self._watch, log=log)
         rewards = weighted_rewards(scores, self.settings.reward_weights)  # [N]
         advantages = group_advantages(rewards, self.group, scale=self.settings.scale_rewards)
