@@ -58,7 +58,7 @@ class RewardLog:
                 f"reward function {function} logged metric '{name}', a name keel's step record "
                 f"already uses; log it under another name (e.g. 'rewards/{name}')"
             )
-        number = _number(value)
+        number = real_number(value)
         if number is None:
             raise RewardLogError(
                 f"reward function {function} logged metric '{name}' = {value!r} "
@@ -119,7 +119,7 @@ def _scalar_item(value):
     raise TypeError(type(value).__name__)
 
 
-def _number(value) -> float | None:
+def real_number(value) -> float | None:
     """A real number (a Python, NumPy or one-element tensor scalar) as a float, else None."""
     if isinstance(value, Tensor):
         return float(value.item()) if value.numel() == 1 else None
@@ -134,7 +134,7 @@ def _json_value(function: str, column: str, value):
         value = value.item()  # a NumPy or one-element tensor scalar: its Python number
     if value is None or isinstance(value, str | bool):
         return value
-    number = _number(value)
+    number = real_number(value)
     if number is not None:
         if isinstance(value, numbers.Integral):
             return int(value)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-import numbers
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -16,7 +15,7 @@ from torch import Tensor
 
 from keel.errors import KeelError
 from keel.rewards.loading import RewardFunction
-from keel.rewards.reward_log import RewardLog, RewardLogError, per_completion
+from keel.rewards.reward_log import RewardLog, RewardLogError, per_completion, real_number
 from keel.rewards.text import completion_text
 
 _SHOWN_CHARS = 200  # of a completion's text in an error message
@@ -215,10 +214,8 @@ def _as_floats(function: RewardFunction, returned, inputs: RewardInputs) -> list
     for index, value in enumerate(returned):
         if value is None:
             values.append(math.nan)
-        elif (isinstance(value, numbers.Real) or _is_scalar_tensor(value)) and not (
-            math.isinf(float(value))  # one infinite reward would make its group's advantages NaN
-        ):
-            values.append(float(value))
+        elif (number := real_number(value)) is not None and not math.isinf(number):
+            values.append(number)  # (an infinite reward would make its group's advantages NaN)
         else:
             raise RewardError(
                 f"reward function {function.name} returned {value!r} "
@@ -226,7 +223,3 @@ def _as_floats(function: RewardFunction, returned, inputs: RewardInputs) -> list
                 "float or None (unscorable)"
             )
     return values
-
-
-def _is_scalar_tensor(value) -> bool:
-    return isinstance(value, Tensor) and value.numel() == 1
