@@ -1,4 +1,5 @@
-"""What context parallelism saves: one long row per step, on one process or split over two.
+"""What context and tensor parallelism save: one long row per step, on one process or split
+over two.
 
 A random 4-layer Llama (hidden 256, 8 heads, the bundled SmolLM2 tokenizer's vocabulary)
 pretrains on rows of `--tokens` tokens (one document cut into pieces of cutoff_len, packed:
@@ -6,7 +7,10 @@ each step is one whole row), without gradient checkpointing, so that the saved a
 are the memory that grows with the row. Systems, each a whole `keel train` run, alternating
 within each round:
 - one: 1 process holds the whole row;
-- cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it.
+- cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it;
+- tp2: 2 processes (`--nproc 2`, distributed.tensor_parallel 2, FSDP2 over the one group)
+  each hold the whole row but half of every layer's heads and MLP columns, and of their
+  weights (pt and dpo: tensor parallelism splits neither generation nor a vision model).
 With `--stage dpo` each step is one preference pair instead, LoRA (the reference is the
 base with the adapters off): its chosen and rejected sequences, each about half of
 `--tokens` (a long prompt and answers of about 100 words), laid end to end in one row.
@@ -59,7 +63,15 @@ class Data:
 SYSTEMS = {
     "one": [],
     "cp2": ["--nproc", "2", "distributed.context_parallel=2", "distributed.strategy=ddp"],
+    "tp2": ["--nproc", "2", "distributed.tensor_parallel=2", "distributed.strategy=fsdp"],
 }
+STRATEGY = {"one": "single", "cp2": "ddp", "tp2": "fsdp"}
+
+
+def systems_for(stage: str) -> list[str]:
+    """The systems that run `stage`: tensor parallelism does not split grpo's generation,
+    nor a vision-language model (sft here)."""
+    return [s for s in SYSTEMS if s != "tp2" or stage in ("pt", "dpo")]
 
 
 def doc_words() -> list[str]:
@@ -243,12 +255,12 @@ def job(work: Path, data: Data, model: Path, steps: int) -> Path:
 
 def planned_activations_mb(config: Path, system: str) -> float:
     overrides = [a for a in SYSTEMS[system] if "=" in a]
-    gpus = "2" if system == "cp2" else "1"
+    gpus = "1" if system == "one" else "2"
     command = [sys.executable, "-m", "keel", "plan", str(config), *overrides, "--json"]
     command += ["--gpus", gpus, "--gpu-memory", "80GiB"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     plan = json.loads(done.stdout)
-    strategy = "ddp" if system == "cp2" else "single"
+    strategy = STRATEGY[system]
     option = next(
         o for o in plan["options"] if o["strategy"] == strategy and not o["gradient_checkpointing"]
     )
@@ -312,9 +324,10 @@ def main() -> None:
         else:
             write_corpus(data.path, args.tokens, args.steps)
         print(f"{args.stage}: rows of about {args.tokens} tokens, {args.steps} steps of one each")
-        results: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+        systems = systems_for(args.stage)
+        results: dict[str, list[dict]] = {name: [] for name in systems}
         for round_ in range(args.rounds):
-            order = list(SYSTEMS) if round_ % 2 == 0 else list(reversed(SYSTEMS))
+            order = systems if round_ % 2 == 0 else list(reversed(systems))
             for system in order:
                 result = run_once(system, data, model, args)
                 results[system].append(result)

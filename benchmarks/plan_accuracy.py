@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-# name: (model, method, checkpointing, cutoff_len, precision, processes, strategy)
+# name: (model, method, checkpointing, cutoff_len, precision, processes, strategy); a
+# strategy "fsdp+tpN" is fsdp with distributed.tensor_parallel N
 CASES = {
     "process baseline (20k-param model)": ("tiny", "full", False, 128, "fp32", 1, "auto"),
     "full, fp32, cutoff 512": ("bundled", "full", False, 512, "fp32", 1, "auto"),
@@ -37,6 +38,9 @@ CASES = {
     "oft, fp32, cutoff 1024, checkpointing": ("bundled", "oft", True, 1024, "fp32", 1, "auto"),
     "fsdp x2, full, fp32, cutoff 512": ("bundled", "full", False, 512, "fp32", 2, "fsdp"),
     "ddp x2, lora, fp32, cutoff 512": ("bundled", "lora", False, 512, "fp32", 2, "ddp"),
+    # SmolLM2's 9 heads and 3 key-value heads split 3 ways: one group of 3 (fsdp over 1)
+    "fsdp x3, full, fp32, cutoff 1024": ("bundled", "full", False, 1024, "fp32", 3, "fsdp"),
+    "tp x3, full, fp32, cutoff 1024": ("bundled", "full", False, 1024, "fp32", 3, "fsdp+tp3"),
 }
 MICRO_BATCH = 2
 STEPS = 2
@@ -99,11 +103,19 @@ def write_config(work: Path, name: str, case: tuple) -> Path:
             "resume": "never",
         },
         "output": {"dir": str(work / "out" / _slug(name)), "overwrite": True},
-        "distributed": {"strategy": strategy},
+        "distributed": {"strategy": _strategy(strategy), "tensor_parallel": _tp(strategy)},
     }
     out = work / f"{_slug(name)}.yaml"
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
+
+
+def _strategy(strategy: str) -> str:
+    return strategy.partition("+tp")[0]
+
+
+def _tp(strategy: str) -> int:
+    return int(strategy.partition("+tp")[2] or 1)
 
 
 def _slug(name: str) -> str:
@@ -141,7 +153,7 @@ def predict(config: Path, case: tuple):
     cfg = load_config(config)
     devices = devices_for_run("cpu", world_size=processes, local_world_size=processes)
     plan = plan_run(cfg, devices=devices, precision=Precision(precision, "set by train.precision"))
-    return plan.option_for("single" if processes == 1 else strategy, method, ckpt)
+    return plan.option_for("single" if processes == 1 else _strategy(strategy), method, ckpt)
 
 
 def main() -> None:

@@ -22,6 +22,25 @@ def minimal_config(folder: Path, **output) -> dict:
     }
 
 
+def run_config_with(folder: Path, settings: dict):
+    """A RunConfig (the schema's dataclasses, unvalidated) of a model at `folder`, with each
+    dotted key of `settings` set to its value ("distributed.context_parallel": 2)."""
+    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+
+    cfg = RunConfig(
+        model=ModelConfig(path=str(folder)),
+        data=DataConfig(datasets=[]),
+        output=OutputConfig(dir=str(folder / "out")),
+    )
+    for dotted, value in settings.items():
+        section, name = dotted.rsplit(".", 1)
+        node = cfg
+        for part in section.split("."):
+            node = getattr(node, part)
+        setattr(node, name, value)
+    return cfg
+
+
 def model_type_folder(root: Path, model_type: str) -> Path:
     """root/<model_type>: a model folder as far as config-level code (a dialect's
     translation) reads one, a config.json with its model_type alone."""

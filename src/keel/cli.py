@@ -237,6 +237,15 @@ def _add_folder_flags(parser) -> None:
     )
 
 
+def _refuse_uneven_groups(cfg, world_size: int) -> None:
+    """Context- or tensor-parallel groups that do not divide the processes: refused before a
+    worker starts or anything is read (KeelError, exit 2)."""
+    from keel.distributed.parallel_dims import data_parallel_size
+
+    d = cfg.distributed
+    data_parallel_size(world_size, d.context_parallel, d.tensor_parallel)
+
+
 def _train(args) -> int:
     from keel.config import load_config
     from keel.distributed.launch import LaunchSpec, detect_world, launch, needs_launch
@@ -249,6 +258,8 @@ def _train(args) -> int:
     cfg = load_config(
         args.config, args.overrides, on_translation=show_translation(args.config, say)
     )
+    world = spec.workers_per_node * spec.nnodes if must_launch else detect_world(os.environ)
+    _refuse_uneven_groups(cfg, world if must_launch else world.world_size)
     if must_launch:
         passed = [f for f, on in (("--debug", args.debug), ("--verbose", args.verbose)) if on]
         worker_args = [*passed, "train", args.config, *args.overrides]

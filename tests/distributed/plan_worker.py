@@ -36,9 +36,15 @@ FULL_MODULES = ["embed_tokens", "lm_head"]
 # on 4 processes: HSDP, 2 copies each sharded over 2 processes (distributed.fsdp.shard_size)
 HSDP_CASES = [("fsdp", "full"), ("fsdp", "lora+modules")]
 HSDP_SHARD = 2
+# also on 4 processes: 2 tensor-parallel groups of 2 (each process holds half of every
+# layer's projections, sharded over the 2 groups), on a model whose layers split in two
+TP_CASES = [("fsdp", "full"), ("fsdp", "lora")]
+TP = 2
 
 
-def run_config(model_dir: Path, strategy: str, method: str, shard_size: int = 0) -> dict:
+def run_config(
+    model_dir: Path, strategy: str, method: str, shard_size: int = 0, tensor_parallel: int = 1
+) -> dict:
     lora = {"r": 4, "alpha": 8, "dropout": 0.0}
     if method == "lora+modules":
         method, lora["modules_to_save"] = "lora", FULL_MODULES
@@ -52,7 +58,11 @@ def run_config(model_dir: Path, strategy: str, method: str, shard_size: int = 0)
         "data": {"datasets": ["unused.json"], "cutoff_len": 16},
         "train": {"precision": "fp32", "micro_batch_size": 2},
         "output": {"dir": "unused"},
-        "distributed": {"strategy": strategy, "fsdp": {"shard_size": shard_size}},
+        "distributed": {
+            "strategy": strategy,
+            "fsdp": {"shard_size": shard_size},
+            "tensor_parallel": tensor_parallel,
+        },
     }
 
 
@@ -89,15 +99,16 @@ def predicted(cfg, model_dir: Path, strategy: str, world: int, rank: int) -> dic
     plan = plan_run(cfg, model_dir, devices=devices, precision=Precision("fp32", "test"))
     option = plan.option_for("single" if world == 1 else strategy, cfg.method.type, False)
     device = option.per_device
-    shards = cfg.distributed.fsdp.shard_size or world  # a rank holds its group's share
+    tp = cfg.distributed.tensor_parallel  # a tensor-parallel group shares a data-parallel rank
+    shards = cfg.distributed.fsdp.shard_size or world // tp  # a rank holds its group's share
     census = plan.censuses[cfg.method.type]
     return {
         "per_device": [device.params, device.grads, device.optimizer],
-        "rank": list(state_bytes(census, strategy, shards, rank % shards)),
+        "rank": list(state_bytes(census, strategy, shards, rank // tp % shards)),
     }
 
 
-def main(model_dir: Path, out: Path) -> None:
+def main(model_dir: Path, out: Path, even_model_dir: Path | None = None) -> None:
     world = detect_world(os.environ)
     ctx = init_distributed(
         rank=world.rank,
@@ -117,10 +128,16 @@ def main(model_dir: Path, out: Path) -> None:
             "measured": measure(cfg, model_dir, ctx),
             **predicted(cfg, model_dir, strategy, ctx.world_size, ctx.rank),
         }
+    for strategy, method in TP_CASES if hsdp else []:
+        cfg = load_config(None, base=run_config(even_model_dir, strategy, method, 0, TP))
+        seen[f"tp-{strategy}-{method}"] = {
+            "measured": measure(cfg, even_model_dir, ctx),
+            **predicted(cfg, even_model_dir, strategy, ctx.world_size, ctx.rank),
+        }
     (out / f"rank-{ctx.rank}.json").write_text(json.dumps(seen))
     shutdown(ctx)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), *map(Path, sys.argv[3:]))
     exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from plan_worker import CASES, HSDP_CASES, measure, predicted, run_config
+from plan_worker import CASES, HSDP_CASES, TP_CASES, measure, predicted, run_config
 
 from keel.config import load_config
 from keel.distributed.process_group import DistContext
@@ -35,6 +35,23 @@ def odd_model_dir(tmp_path_factory) -> Path:
     )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("odd-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def even_model_dir(tmp_path_factory) -> Path:
+    """Odd sizes still (vocab 333, FSDP2 pads 51 rows of each half of the MLP over 2
+    groups), but heads and MLP columns that split over 2 processes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=333, hidden_size=48, intermediate_size=102, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("even-llama")
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -79,12 +96,13 @@ def test_two_processes_allocate_what_the_plan_says(odd_model_dir, tmp_path):
     assert ranks[1]["fsdp-full"]["measured"][2] < ranks[0]["fsdp-full"]["measured"][2]
 
 
-def test_hsdp_ranks_hold_their_groups_share(odd_model_dir, tmp_path):
+def test_hsdp_ranks_hold_their_groups_share(odd_model_dir, even_model_dir, tmp_path):
     """distributed.fsdp.shard_size 2 on 4 processes: two copies, each sharded over 2 of
-    them; every rank holds what the plan computes for its place in its group."""
+    them; every rank holds what the plan computes for its place in its group. And
+    distributed.tensor_parallel 2 on the same 4: each holds its half of the layers' share."""
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-         str(WORKER), str(odd_model_dir), str(tmp_path)],
+         str(WORKER), str(odd_model_dir), str(tmp_path), str(even_model_dir)],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -97,6 +115,13 @@ def test_hsdp_ranks_hold_their_groups_share(odd_model_dir, tmp_path):
         # ranks 0 and 2 hold the same rows of the two copies, as do 1 and 3
         assert ranks[0][case]["measured"] == ranks[2][case]["measured"], case
         assert ranks[1][case]["measured"] == ranks[3][case]["measured"], case
+    for strategy, method in TP_CASES:
+        case = f"tp-{strategy}-{method}"
+        for rank, seen in enumerate(ranks):
+            assert seen[case]["measured"] == seen[case]["rank"], (case, rank)
+        assert ranks[0][case]["measured"] == ranks[0][case]["per_device"], case
+        # a group's two processes hold the same amounts (their halves of each layer)
+        assert ranks[0][case]["measured"] == ranks[1][case]["measured"], case
     # sharded over 2, not 4: the moments of ranks 0 and 1 (unpadded shards) are one
     # process's, whole (each rank keeps its own 4-byte step per tensor)
     from transformers import AutoModelForCausalLM

@@ -31,6 +31,7 @@ SMALL_EXAMPLES = [
 RUN_ELSEWHERE = {
     "vision_llava_demo.yaml": "tests/e2e/test_vision_demo.py",
     "pretrain_long_context.yaml": "tests/distributed/test_context_parallel.py",  # 2 processes
+    "sft_tensor_parallel.yaml": "tests/distributed/test_tensor_parallel.py",  # 2 processes
 }
 
 

@@ -311,6 +311,23 @@ def test_context_parallel_size_splits_rows_over_processes(keys, size, fates):
 
 
 @pytest.mark.parametrize(
+    ("keys", "size", "fate"),
+    [
+        ({"tensor_parallel_size": 2, "dp_shard_size": 4, "fsdp_version": 2}, 2, "mapped"),
+        ({"tensor_parallel_size": 1}, None, "ignored"),  # their default (falcon-e's configs)
+        ({"tensor_parallel_size": 0}, None, "refused"),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_size_splits_layers_over_processes(keys, size, fate):
+    translation, found = _translate(**keys)
+    written = translation.config.get("distributed", {})
+    assert written.get("tensor_parallel") == size
+    assert found["tensor_parallel_size"].fate == fate
+    if size:  # their llama-3_1-8b-hsdp-tp: FSDP2 over 4 processes of each tp rank
+        assert written["fsdp"]["shard_size"] == 4
+
+
+@pytest.mark.parametrize(
     ("keys", "fates"),
     [
         ({"torch_compile": True, "torch_compile_mode": "max-autotune"},

@@ -23,7 +23,7 @@ from keel.errors import KeelError
     [
         (dict(dp_replicate=2, dp_shard=2, world_size=8), "= 4, but the world has 8"),
         (dict(dp_replicate=1, dp_shard=0, world_size=1), "dp_shard = 0"),
-        (dict(dp_replicate=1, dp_shard=2, tp=2, world_size=4), "no tensor parallelism"),
+        (dict(dp_replicate=1, dp_shard=2, tp=2, cp=2, world_size=8), "not both"),
         (dict(dp_replicate=2, dp_shard=2, cp=2, world_size=8), "with HSDP"),
     ],
 )
@@ -176,21 +176,11 @@ def test_hsdp_groups_and_their_refusals():
     ],
 )
 def test_context_parallel_is_checked_before_anything_loads(settings, problem, tmp_path):
-    from keel.config.schema import DataConfig, ModelConfig, OutputConfig, RunConfig
+    from config_support import run_config_with
+
     from keel.config.validate import check_config
 
-    cfg = RunConfig(
-        model=ModelConfig(path=str(tmp_path)),
-        data=DataConfig(datasets=[]),
-        output=OutputConfig(dir=str(tmp_path / "out")),
-    )
-    cfg.distributed.context_parallel = 2
-    for dotted, value in settings.items():
-        section, name = dotted.rsplit(".", 1)
-        node = cfg
-        for part in section.split("."):
-            node = getattr(node, part)
-        setattr(node, name, value)
+    cfg = run_config_with(tmp_path, {"distributed.context_parallel": 2, **settings})
     found = [p for p in check_config(cfg) if "distributed.context_parallel" in p]
     assert (found == []) if problem is None else any(problem in p for p in found), found
 

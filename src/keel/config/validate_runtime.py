@@ -24,6 +24,7 @@ def check_distributed(cfg: RunConfig) -> list[str]:
             "use distributed.strategy ddp, or shard_size 0 (all processes) or 2 and up"
         )
     problems += _check_context_parallel(cfg)
+    problems += _check_tensor_parallel(cfg)
     if d.fsdp.shard_size and d.strategy == "ddp":
         problems.append(
             f"distributed.fsdp.shard_size = {d.fsdp.shard_size} shards within groups of "
@@ -63,6 +64,56 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
             f"{key}: the routers' balance term (train.router_aux_loss_coef = "
             f"{cfg.train.router_aux_loss_coef}) is over a whole row's tokens, and each "
             f"process holds a part; set it to 0"
+        )
+    return problems
+
+
+def _check_tensor_parallel(cfg: RunConfig) -> list[str]:
+    """distributed.tensor_parallel: what splitting each decoder layer over processes runs
+    with (keel.distributed.tensor_parallel; the model's own checks come with the model)."""
+    size = cfg.distributed.tensor_parallel
+    if size == 1:
+        return []
+    key = f"distributed.tensor_parallel = {size}"
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return [f"{key} must be a whole number of processes >= 1 (1: off)"]
+    d, method, problems = cfg.distributed, cfg.method, []
+    if d.context_parallel > 1:
+        problems.append(
+            f"{key} with distributed.context_parallel = {d.context_parallel}: keel splits a "
+            f"layer's heads or a row's tokens, not both; set one of them to 1"
+        )
+    if d.strategy == "ddp":
+        problems.append(
+            f"{key} runs under FSDP2 (the layers' split weights sharded over the data-parallel "
+            f"processes); distributed.strategy ddp keeps whole copies: use fsdp or auto"
+        )
+    unsplit = {
+        "qlora": "a 4-bit NF4 base (QLoRA) is quantised in blocks keel does not split: use "
+        "method.type lora",
+        "oft": "OFT's rotations are not split: use method.type lora",
+    }
+    if method.type in unsplit:
+        problems.append(f"{key} with method.type {method.type}: {unsplit[method.type]}")
+    if method.uses_lora and method.lora.dora:
+        problems.append(
+            f"{key} with method.lora.dora: DoRA's magnitudes need the whole weight's norms; "
+            f"turn one of them off"
+        )
+    if method.uses_lora and method.lora.init in ("pissa", "olora"):
+        problems.append(
+            f"{key} with method.lora.init {method.lora.init}: the decomposition needs each "
+            f"whole weight; use init default or gaussian"
+        )
+    if method.qat.scheme != "none":
+        problems.append(
+            f"{key} with method.qat.scheme {method.qat.scheme}: the fake-quantised layers "
+            f"are not split; set one of them off"
+        )
+    if cfg.train.stage == "grpo":
+        problems.append(
+            f"{key} with train.stage grpo: generation is not split over a group; use "
+            f"distributed.tensor_parallel 1 (FSDP2 shards the model)"
         )
     return problems
 

@@ -9,8 +9,16 @@ Context parallelism (distributed.context_parallel C) splits each micro-batch's t
 groups of C consecutive processes (keel.distributed.context_parallel): a group reads the
 same rows, so the data-parallel degree is world / C, while gradients are still averaged
 (DDP) or sharded (FSDP2) over every process, as the group's processes hold the same
-weights. Its "cp" groups come from a (dp, cp) mesh built beside the world's. Tensor
-parallelism (tp) is a size in the layout, refused above 1 until keel implements it.
+weights. Its "cp" groups come from a (dp, cp) mesh built beside the world's.
+
+Tensor parallelism (distributed.tensor_parallel T) splits each decoder layer's attention
+heads and MLP columns over groups of T consecutive processes (keel.distributed.
+tensor_parallel): a group reads the same rows and holds 1/T of those layers, so the
+data-parallel degree is world / T. The world's mesh is then one 2-D (dp, tp) mesh: FSDP2
+shards over its "dp" axis the tensors that the "tp" axis splits (FSDP2 + TP needs both on
+one root mesh), and HSDP unflattens that "dp" axis as it does without tp (a (dp_replicate,
+dp_shard, tp) layout). Gradients are averaged over dp only: a tp group's processes compute
+the same tokens.
 
 The mesh is built once per process group (`build_mesh`) and handed to every `apply_*`
 through `dp_mesh`. Over all ranks a one-axis mesh uses the default process group, so it
@@ -29,6 +37,7 @@ from keel.errors import KeelError
 
 DP = "dp"
 CP = "cp"
+TP = "tp"
 DP_REPLICATE = "dp_replicate"
 DP_SHARD = "dp_shard"
 
@@ -52,10 +61,11 @@ class ParallelDims:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise KeelError(f"parallel degree {name} = {value!r}: it must be an integer >= 1")
-        if self.tp != 1:
+        if self.tp > 1 and self.cp > 1:
             raise KeelError(
-                f"parallel degree tp = {self.tp}: keel has no tensor parallelism yet; use "
-                f"tp = 1 (data parallelism over all processes)"
+                f"tensor parallelism ({self.tp}) with context parallelism ({self.cp}): keel "
+                f"splits a layer's heads or a row's tokens, not both; set one of "
+                f"distributed.tensor_parallel and distributed.context_parallel to 1"
             )
         if self.cp > 1 and self.hybrid:
             raise KeelError(
@@ -135,6 +145,29 @@ class ParallelDims:
             dims, cp_mesh=init_device_mesh(device_type, shape, mesh_dim_names=names)
         )
 
+    def tp_rank(self, rank: int) -> int:
+        """Which part of its group's heads and columns global rank `rank` holds (0 without tp)."""
+        return rank % self.tp
+
+    def with_tensor(self, tp: int, device_type: str) -> ParallelDims:
+        """These processes in groups of `tp` consecutive ones that split each decoder layer,
+        with the world's mesh rebuilt as (dp, tp) (every rank must call it; tp 1: unchanged)."""
+        if tp == self.tp:
+            return self
+        groups = data_parallel_size(self.world_size, self.cp, tp)
+        dims = dataclasses.replace(self, dp_replicate=groups, dp_shard=1, tp=tp)
+        if self.mesh is None:
+            return dims
+        shape, names = (groups, tp), (DP, TP)
+        return dataclasses.replace(
+            dims, mesh=init_device_mesh(device_type, shape, mesh_dim_names=names)
+        )
+
+    def tp_mesh(self) -> DeviceMesh:
+        """The "tp" axis of the world's (dp, tp) mesh: the groups that split each layer."""
+        assert self.mesh is not None and self.tp > 1, "no tensor-parallel mesh"
+        return self.mesh[TP]
+
     def dp_rank(self, rank: int) -> int:
         """Which share of the rows global rank `rank` reads. tp and cp ranks, when they
         exist, are the fastest-moving: they see the same rows as their dp neighbours."""
@@ -157,13 +190,14 @@ class ParallelDims:
         return dp
 
 
-def data_parallel_size(world_size: int, cp: int) -> int:
+def data_parallel_size(world_size: int, cp: int, tp: int = 1) -> int:
     """How many processes read different rows when groups of `cp` split each micro-batch's
-    tokens (known from the config before the groups are made); refused unless cp divides
-    the processes."""
-    if world_size % cp:
-        raise KeelError(
-            f"distributed.context_parallel = {cp} does not divide the {world_size} "
-            f"processes; use a divisor of {world_size}"
-        )
-    return world_size // cp
+    tokens or groups of `tp` split each layer (known from the config before the groups are
+    made); refused unless the group size divides the processes."""
+    for size, key in ((cp, "context_parallel"), (tp, "tensor_parallel")):
+        if world_size % size:
+            raise KeelError(
+                f"distributed.{key} = {size} does not divide the {world_size} processes; "
+                f"use a divisor of {world_size}"
+            )
+    return world_size // (cp * tp)

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from keel.distributed.parallel_dims import DP, ParallelDims
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
+from keel.distributed.tensor_parallel import TensorPlan, apply_tp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,12 +44,18 @@ class ParallelizeSettings:
     # collective of theirs would go out of step. Their trainable parameters' gradients are
     # averaged once per optimizer step by `sync_replicated_grads`.
     replicated: Sequence[nn.Module | nn.Parameter] = ()
+    # Tensor parallelism (dims.tp > 1): how `units` split over the "tp" axis, applied
+    # before FSDP2 shards them over "dp" (keel.distributed.tensor_parallel)
+    tensor: TensorPlan | None = None
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, settings: ParallelizeSettings) -> nn.Module:
     """`model` replicated (DDP) or sharded (FSDP2) over `dims`' data-parallel sub-mesh, or
     as is (single). FSDP works on the meta device (allocate afterwards: each rank then holds
     only its shards); DDP broadcasts weights, so apply it to the loaded model."""
+    if dims.tp > 1:
+        assert settings.tensor is not None and settings.strategy.shards, "tp runs under FSDP2"
+        apply_tp(settings.units, dims.tp_mesh(), settings.tensor)
     if settings.strategy.shards:
         return apply_fsdp(model, settings.units, dims.dp_mesh(), settings)
     if settings.strategy.replicates:
@@ -254,20 +261,22 @@ def sync_replicated_grads(params: Sequence[nn.Parameter], dims: ParallelDims) ->
 
 
 def clip_grad_norm(params: Sequence[nn.Parameter], max_norm: float) -> torch.Tensor:
-    """torch's clip_grad_norm_ (max_norm 0: the norm only) for gradients that mix FSDP2's
-    sharded DTensors with replicated plain tensors (a trainable vision tower): the two norms
-    are taken apart, the sharded one reduced over its mesh, then combined. Returns the
-    total norm before clipping, a plain tensor; every rank must call it."""
+    """torch's clip_grad_norm_ (max_norm 0: the norm only) for gradients on several meshes:
+    FSDP2's sharded DTensors beside replicated plain tensors (a trainable vision tower), or
+    under tensor parallelism the split layers' (dp, tp) DTensors beside the whole modules'
+    dp ones. Each mesh's norm is taken on it and reduced, then they are combined. Returns
+    the total norm before clipping, a plain tensor; every rank must call it."""
     grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
-    if not sharded or not plain:
+    by_mesh: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for grad in grads:  # in parameter order: every rank groups (and reduces) alike
+        by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    if len(by_mesh) < 2:
         if max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    norms = [full_value(torch.nn.utils.get_total_norm(sharded))]  # [] replicated
-    norms.append(torch.nn.utils.get_total_norm(plain).to(norms[0].device))
-    total = torch.linalg.vector_norm(torch.stack(norms))  # []
+    norms = [full_value(torch.nn.utils.get_total_norm(group)) for group in by_mesh.values()]
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))  # []
     if max_norm > 0:  # torch's coefficient, applied to this rank's shards and replicas
         coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

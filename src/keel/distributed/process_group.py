@@ -107,6 +107,27 @@ class DistContext:
         return self.dims.cp_rank(self.rank)
 
     @property
+    def tp_size(self) -> int:
+        """How many processes split each decoder layer (1: none)."""
+        return self.dims.tp
+
+    @property
+    def tp_rank(self) -> int:
+        """Which part of its tensor-parallel group's heads and columns this process holds."""
+        return self.dims.tp_rank(self.rank)
+
+    @property
+    def tp_group(self):
+        """The process group of this process's tensor-parallel group (None: tp 1)."""
+        return None if self.dims.tp == 1 else self.dims.tp_mesh().get_group()
+
+    @property
+    def leads_group(self) -> bool:
+        """Whether this process speaks for its context- or tensor-parallel group, whose
+        processes hold the same rows (and, under tensor parallelism, the same numbers)."""
+        return self.cp_rank == 0 and self.tp_rank == 0
+
+    @property
     def cp_group(self):
         """The process group of this process's context-parallel group (None: cp 1)."""
         return None if self.dims.cp_mesh is None else self.dims.cp_mesh[CP].get_group()
@@ -135,6 +156,15 @@ class DistContext:
         tensor = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.tolist()
+
+    def sum_over_rows(self, values: list[float]) -> list[float]:
+        """Sum per-row numbers (loss sums, counts, statistics) over the processes that hold
+        different rows' numbers: every process but the tensor-parallel group's first sends
+        zeros, since a group's processes compute the same values (one collective over all
+        ranks, so the sum is as exact as `all_reduce_sum`'s)."""
+        if self.tp_rank:
+            values = [0.0] * len(values)
+        return self.all_reduce_sum(values)
 
     def broadcast_object(self, obj, *, src: int = 0, slow: bool = False):
         """Rank `src`'s `obj` on every rank (any picklable object)."""

@@ -43,14 +43,17 @@ STRATEGIES = tuple(Strategy)
 
 
 def configured_strategy(
-    requested: str, *, cpu_offload: bool, dp_size: int, cuda: bool
+    requested: str, *, cpu_offload: bool, dp_size: int, cuda: bool, tensor_parallel: int = 1
 ) -> Strategy | None:
     """The strategy distributed.strategy (auto | ddp | fsdp) and distributed.fsdp.cpu_offload
-    ask for over `dp_size` data-parallel processes; None: auto decides from memory.
+    ask for over `dp_size` data-parallel processes; None: auto decides from memory. Tensor
+    parallelism runs under FSDP2 whatever the data-parallel degree.
 
     Offload needs a GPU to offload from: on a CPU, fsdp with cpu_offload is plain fsdp.
     """
-    if dp_size == 1:
+    if tensor_parallel > 1:
+        requested = "fsdp"
+    elif dp_size == 1:
         return Strategy.SINGLE
     if requested == "auto":
         return None

@@ -51,6 +51,8 @@ class DeviceSpec:
     per_node: int
     nodes: int = 1
     memory_bytes: int  # of one device (on a CPU: this process's share of the node's RAM)
+    # distributed.tensor_parallel: groups of this many devices split each decoder layer
+    tensor_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -58,10 +60,10 @@ class DeviceSpec:
 
     @property
     def dp_size(self) -> int:
-        """The degree FSDP shards over: every device, as long as keel has no tensor
-        parallelism (context parallelism splits tokens, and shards over every device too:
-        keel.distributed.parallel_dims)."""
-        return self.world
+        """The degree FSDP shards over: every device, or under tensor parallelism one
+        device per group (context parallelism splits tokens, and shards over every device
+        too: keel.distributed.parallel_dims)."""
+        return max(self.world // self.tensor_parallel, 1)
 
     @property
     def usable_bytes(self) -> int:
@@ -82,6 +84,7 @@ class DeviceSpec:
             per_node=per_node or self.per_node,
             nodes=nodes or self.nodes,
             memory_bytes=self.memory_bytes,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def describe(self) -> str:

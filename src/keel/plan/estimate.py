@@ -164,7 +164,11 @@ def shard_degree(devices: DeviceSpec, work: Workload) -> int:
 
 
 def strategies_for(devices: DeviceSpec) -> tuple[Strategy, ...]:
-    """One device: no wrapper. Several: DDP, FSDP2, and FSDP2 + CPU offload on GPUs."""
+    """One device: no wrapper. Several: DDP, FSDP2, and FSDP2 + CPU offload on GPUs; under
+    tensor parallelism FSDP2 only (keel.distributed.tensor_parallel)."""
+    if devices.tensor_parallel > 1:
+        fsdp = (Strategy.FSDP, Strategy.FSDP_OFFLOAD)
+        return fsdp if devices.kind == "cuda" else fsdp[:1]
     if devices.dp_size == 1:
         return (Strategy.SINGLE,)
     if devices.kind == "cuda":

@@ -11,8 +11,10 @@ from pathlib import Path
 
 from keel.config import RunConfig
 from keel.distributed.strategy import STRATEGIES, Strategy, configured_strategy
+from keel.distributed.tensor_parallel import TensorPlan
 from keel.errors import KeelError, ModelError
 from keel.models.attention import VARLEN_ATTENTION
+from keel.models.tensor_plan import one_process_part, tensor_plan
 from keel.models.vocabulary import (
     AddedTokens,
     configured_tokens,
@@ -52,6 +54,9 @@ class Plan:
     recommendation: Option | None
     censuses: dict[str, Census] = field(repr=False)
     shapes: Shapes = field(repr=False)
+    # under tensor parallelism the censuses count one process's part of each layer: the
+    # whole model's parameters (0: as the censuses count them)
+    whole_params: int = 0
 
     @property
     def params(self) -> int:
@@ -194,6 +199,12 @@ def plan_run(
     base = build_meta_model(arch, dtype=dtype, trust_remote_code=cfg.model.trust_remote_code)
     added = _planned_tokens(cfg, model_dir, base)
     trains_embeddings = grow_vocabulary(base, added, log=lambda _m: None)  # said in preflight
+    shapes = Shapes.from_config(base.config)  # with any rows added tokens need
+    whole = 0
+    if (tp := cfg.distributed.tensor_parallel) > 1:  # one process's part of each layer
+        devices, shapes = replace(devices, tensor_parallel=tp), _split_shapes(shapes, tp)
+        whole = sum(p.numel() for p in base.parameters())
+        one_process_part(base, _tensor_plan(base, tp), tp)
     precision = precision or resolved_precision(cfg.train.precision, devices.kind)
     censuses = _censuses(base, cfg, precision, log, trains_embeddings=trains_embeddings)
     on_disk = getattr(arch, "dtype", None) or dtype
@@ -207,7 +218,6 @@ def plan_run(
         vision=_vision_shapes(arch, cfg, censuses[cfg.method.type]),
         longest_prompt=longest_prompt,
     )
-    shapes = Shapes.from_config(base.config)  # with any rows added tokens need
     options = [
         estimate(census, shapes, devices, work, strategy=strategy, checkpointing=ckpt)
         for strategy in strategies_for(devices)
@@ -224,11 +234,31 @@ def plan_run(
             cpu_offload=cfg.distributed.fsdp.cpu_offload,
             dp_size=devices.dp_size,
             cuda=devices.kind == "cuda",
+            tensor_parallel=devices.tensor_parallel,
         ),
         options=options,
         recommendation=recommend(options, cfg.method.type),
         censuses=censuses,
         shapes=shapes,
+        whole_params=whole,
+    )
+
+
+def _tensor_plan(base, size: int) -> TensorPlan:
+    plan, problem = tensor_plan(base, size)
+    if problem:
+        raise ModelError(problem)
+    return plan
+
+
+def _split_shapes(shapes: Shapes, size: int) -> Shapes:
+    """The sizes one process of a tensor-parallel group computes inside a layer: its heads
+    and its MLP columns (the hidden size, the layers and the vocabulary stay whole)."""
+    return replace(
+        shapes,
+        intermediate=shapes.intermediate // size,
+        heads=shapes.heads // size,
+        kv_heads=shapes.kv_heads // size,
     )
 
 
@@ -267,6 +297,8 @@ def _censuses(
     base, cfg: RunConfig, precision: Precision, log, *, trains_embeddings: bool
 ) -> dict[str, Census]:
     variants = method_variants(cfg.method)
+    if cfg.distributed.tensor_parallel > 1:  # QLoRA's and OFT's layers are not split
+        variants = [m for m in variants if m.type in ("full", "freeze", "lora")]
     if trains_embeddings:  # as training does for added tokens (keel.models.vocabulary)
         variants = [with_trained_embeddings(base, m, lambda _m: None) for m in variants]
     censuses = {}

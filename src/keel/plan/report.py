@@ -125,8 +125,16 @@ def summary(plan: Plan) -> str:
 
 
 def _extra_summary(plan: Plan) -> list[str]:
-    """The vision-language model's lines, and what a generating stage's step does."""
+    """Tensor parallelism's line, the vision-language model's lines, and what a generating
+    stage's step does."""
     w, lines = plan.work, []
+    if (tp := plan.devices.tensor_parallel) > 1:
+        lines.append(
+            f"tensor parallelism: groups of {tp} devices, each holding 1/{tp} of every decoder "
+            f"layer's projections, heads and MLP columns; the parameters above are one "
+            f"device's (of the model's {plan.whole_params:,}), sharded over "
+            f"{plan.devices.dp_size} group(s) by fsdp"
+        )
     if w.vision is not None:
         lines.append(_vision_summary(plan))
     experts = [layer.experts for layer in plan.censuses[plan.method].layers if layer.experts]
@@ -272,6 +280,8 @@ def decide(plan: Plan) -> Decision:
     if chosen.fits:
         if chosen.strategy is Strategy.SINGLE:
             how = "one process"
+        elif plan.devices.tensor_parallel > 1:
+            how = "tensor parallelism runs under fsdp"
         elif plan.strategy:
             how = "set by distributed.strategy"
         else:
@@ -282,6 +292,8 @@ def decide(plan: Plan) -> Decision:
             how += f"; HSDP: {copies} copies, each sharded over {shards} processes"
         if plan.work.context_parallel > 1:
             how += f"; each micro-batch's tokens split over {plan.work.context_parallel} processes"
+        if plan.devices.tensor_parallel > 1:
+            how += f"; each decoder layer split over {plan.devices.tensor_parallel} processes"
         return Decision(
             chosen.strategy,
             chosen,

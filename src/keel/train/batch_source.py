@@ -101,17 +101,19 @@ class StepPlan:
         return step / self.steps_per_epoch
 
     def describe(
-        self, train: TrainConfig, dp_size: int, total: int, start: int, cp: int = 1
+        self, train: TrainConfig, dp_size: int, total: int, start: int, cp: int = 1, tp: int = 1
     ) -> list[str]:
         """The log lines of a run of `total` steps from step `start`: its length, how a
         step's batch is split over `dp_size` processes (groups of `cp` processes that split
-        each micro-batch's tokens, under context parallelism), and whether a process idles."""
+        each micro-batch's tokens, under context parallelism, or of `tp` that split each
+        layer, under tensor parallelism), and whether a process idles."""
         per_process = math.ceil(self.global_batch / dp_size)
         rows = "streamed rows" if self.num_rows is None else f"{self.num_rows} rows"
         per_epoch = "" if self.num_rows is None else f"{self.steps_per_epoch} steps/epoch, "
         who, each = f"{dp_size} process(es)", "process"
-        if cp > 1:
-            who, each = f"{dp_size} group(s) of {cp} processes (context parallel)", "group"
+        for size, kind in ((cp, "context"), (tp, "tensor")):
+            if size > 1:
+                who, each = f"{dp_size} group(s) of {size} processes ({kind} parallel)", "group"
         lines = [
             f"steps: {self.schedule(train.epochs, train.max_steps)}",
             f"training: {rows}, global batch {self.global_batch} rows over {who} "

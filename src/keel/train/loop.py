@@ -24,6 +24,7 @@ from keel.distributed.parallelize import (
 )
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy
+from keel.distributed.tensor_parallel import sum_partial_grads
 from keel.distributed.watchdog import Progress
 from keel.precision import Precision
 from keel.stages.base import Objective, ObjectiveOutput
@@ -113,6 +114,9 @@ class Trainer:
     # trainable parameters outside DDP/FSDP (a vision tower kept whole on every rank): their
     # gradients are averaged here, once per step (keel.distributed.parallelize)
     replicated: list[nn.Parameter] = field(default_factory=list)
+    # trainable per-head norms under tensor parallelism, whose gradients each process of a
+    # group computes from its heads only: summed here, once per step
+    tp_partial: list[nn.Parameter] = field(default_factory=list)
     trainable: list[nn.Parameter] = field(init=False)
 
     def __post_init__(self):
@@ -188,6 +192,7 @@ class Trainer:
                     statistics = stats if statistics is None else statistics + stats
         mark("optimizer step")
         sync_replicated_grads(self.replicated, self.dist.dims)
+        sum_partial_grads(self.tp_partial, self.dist.tp_group)
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip()
         self.scaler.step(self.optimizer)
@@ -228,7 +233,7 @@ class Trainer:
                     value, count = self.objective(self._batch(rows or [filler]), mode="statistic")
                 if rows:
                     total += torch.stack([value.double(), count.double()])
-        value_sum, count = self.dist.all_reduce_sum(total.cpu().tolist())
+        value_sum, count = self.dist.sum_over_rows(total.cpu().tolist())
         mean = value_sum / max(count, 1)
         inner.set_window_statistic(mean)
         return max(0.0, mean)
@@ -242,7 +247,7 @@ class Trainer:
         local = [r.loss_sum.reshape(1) for r in results]  # [1] each
         local += [r.statistics for r in results if r.statistics is not None]
         flat = torch.cat([t.double().cpu() for t in local]).tolist()
-        reduced = self.dist.all_reduce_sum(flat)
+        reduced = self.dist.sum_over_rows(flat)
         global_sums, rest = reduced[: len(results)], reduced[len(results) :]
         norms = torch.stack([full_value(r.grad_norm).float() for r in results]).cpu().tolist()
         losses = [s / max(r.target_tokens, 1) for s, r in zip(global_sums, results)]
@@ -255,7 +260,7 @@ class Trainer:
 
     def _clip(self) -> torch.Tensor:
         """The total gradient norm (before clipping), left on the device."""
-        if self.replicated:  # plain tensors beside FSDP's DTensors
+        if self.replicated or self.dist.tp_size > 1:  # gradients on several meshes
             return clip_grad_norm(self.trainable, self.max_grad_norm)
         if self.max_grad_norm > 0:
             return torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
@@ -281,7 +286,7 @@ class Trainer:
                 if out.statistics is not None:
                     statistics = statistics + out.statistics
         vector = [] if statistics is None else statistics.double().cpu().tolist()
-        total, count, *vector = self.dist.all_reduce_sum([total, count, *vector])
+        total, count, *vector = self.dist.sum_over_rows([total, count, *vector])
         loss = total / max(count, 1)
         result = {"eval_loss": loss}
         if getattr(self.inner_objective, "reports_perplexity", False):  # pt, sft

@@ -6,6 +6,7 @@ so under FSDP each process allocates and loads only its own shards.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from keel.distributed.parallelize import (
 )
 from keel.distributed.process_group import DistContext
 from keel.distributed.strategy import Strategy, choose_strategy, configured_strategy
+from keel.distributed.tensor_parallel import TensorPlan, partial_parameters
 from keel.errors import ModelError
 from keel.losses import TokenWeighting
 from keel.models import apply_method, torch_dtype
@@ -48,6 +50,7 @@ from keel.models.offload import offload_activations
 from keel.models.qat import describe as describe_qat
 from keel.models.qat import fake_quantize
 from keel.models.qlora import quantize_base, quantized_names
+from keel.models.tensor_plan import tensor_plan
 from keel.models.trainable import decoder_layers
 from keel.models.vision import VisionFamily, family_of
 from keel.models.vocabulary import (
@@ -88,6 +91,9 @@ class TrainingModel:
     # trainable parameters kept whole on every rank, outside DDP/FSDP (a trainable vision
     # tower or projector): the trainer averages their gradients itself
     replicated: list[nn.Parameter] = field(default_factory=list)
+    # trainable per-head norms under tensor parallelism: the trainer sums their gradients
+    # over the group (keel.distributed.tensor_parallel)
+    tp_partial: list[nn.Parameter] = field(default_factory=list)
 
 
 def replica_bytes(model: nn.Module) -> int:
@@ -136,6 +142,7 @@ def build_training_model(
     if problem := context_parallel_problem(model, cfg.distributed.context_parallel):
         raise ModelError(problem)
     dist.dims = dist.dims.with_context(cfg.distributed.context_parallel, dist.device.type)
+    tensor = _split_layers(model, cfg, dist, log)
     strategy = _resolve_strategy(strategy, cfg, model, dist, log)
     dist.dims = dist.dims.with_strategy(strategy, cfg.distributed.fsdp.shard_size)
     if cfg.method.type == "qlora":
@@ -147,7 +154,7 @@ def build_training_model(
             f"loss: each target token's cross-entropy weighted ({cfg.train.token_weighting}); "
             "ce_loss is the unweighted one, eval_loss stays unweighted"
         )
-    _materialize(build, model, objective, strategy)
+    _materialize(build, model, objective, strategy, tensor)
     fast_head = _choose_loss_head(objective, dist, log)
     padding_free, why = False, "train.padding_free is false"
     if cfg.train.padding_free:
@@ -174,7 +181,30 @@ def build_training_model(
         strategy=strategy,
         padding_free=padding_free,
         replicated=_trainable_replicas(model, strategy),
+        tp_partial=[] if tensor is None else partial_parameters(_layers(model), tensor),
     )
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(decoder_layers(causal_lm_of(model)) or [])
+
+
+def _split_layers(model: nn.Module, cfg: RunConfig, dist: DistContext, log) -> TensorPlan | None:
+    """distributed.tensor_parallel's plan for `model` (with its method applied, on the meta
+    device), with the processes grouped into a (dp, tp) mesh; None without it."""
+    size = cfg.distributed.tensor_parallel
+    if size == 1:
+        return None
+    tensor, problem = tensor_plan(causal_lm_of(model), size)
+    if problem:
+        raise ModelError(problem)
+    dist.dims = dist.dims.with_tensor(size, dist.device.type)
+    split = ", ".join(f"{path} {style}" for path, style in tensor.styles.items())
+    log(
+        f"tensor parallelism: {dist.dp_size} group(s) of {size} processes, each splitting "
+        f"every decoder layer ({split})"
+    )
+    return tensor
 
 
 def _vision_modules(model: nn.Module) -> list[nn.Module | nn.Parameter]:
@@ -223,15 +253,22 @@ def _model_on_meta(build: _Build) -> nn.Module:
     return model
 
 
-def _materialize(build: _Build, model: nn.Module, objective: Objective, strategy: Strategy) -> None:
-    """Shard the objective while it has no storage (if the strategy shards), then allocate
-    this process's part and load the weights into it."""
+def _materialize(
+    build: _Build,
+    model: nn.Module,
+    objective: Objective,
+    strategy: Strategy,
+    tensor: TensorPlan | None,
+) -> None:
+    """Split and shard the objective while it has no storage (if the strategy shards), then
+    allocate this process's part and load the weights into it."""
     cfg, dist = build.cfg, build.dist
     init_device = dist.device
     if strategy.shards:
         # The objective is the root unit: its forward is what runs (it calls the decoder and
         # output layer directly), so its hooks are the ones that gather the root's weights.
-        parallelize(objective, dist.dims, _sharded(strategy, cfg, model, build.precision))
+        settings = _sharded(strategy, cfg, model, build.precision)
+        parallelize(objective, dist.dims, dataclasses.replace(settings, tensor=tensor))
         if strategy is Strategy.FSDP_OFFLOAD:  # FSDP2 moves each layer to the GPU to run it
             init_device = torch.device("cpu")
     allocate(objective, init_device)
@@ -407,6 +444,9 @@ def _resolve_strategy(
     fsdp with distributed.fsdp.cpu_offload is fsdp_offload (also when auto chose fsdp),
     except on a CPU, where there is nothing to offload from."""
     strategy = planned
+    if dist.tp_size > 1 and (strategy is None or not Strategy(strategy).shards):
+        strategy = Strategy.FSDP
+        log("strategy: fsdp (tensor parallelism: FSDP2 shards the split layers over dp)")
     if strategy is None:
         requested = configured_strategy(
             cfg.distributed.strategy,

@@ -28,12 +28,13 @@ from keel.distributed.process_group import choose_device
 from keel.errors import ConfigError, DataError, ModelError
 from keel.models import count_parameters, load_tokenizer, resolve_model_path, torch_dtype
 from keel.models.adapters import apply_method, method_problems
-from keel.models.attention import context_parallel_problem, requested_attention
+from keel.models.attention import requested_attention
 from keel.models.experts import fused_experts
 from keel.models.loading import enable_activation_checkpointing
 from keel.models.materialize import build_empty_model
 from keel.models.qat import qat_problems
 from keel.models.sequence_classifier import sequence_classifier_problem
+from keel.models.tensor_plan import split_problems
 from keel.models.trainable import find_decoder_layers
 from keel.models.vision import VisionProcessing, family_of, vision_processing
 from keel.models.vocabulary import (
@@ -252,8 +253,7 @@ def check_model(
     log(f"model: {checked.describe()}; built on the meta device in {checked.seconds:.2f} s")
     problems += [*_checkpointing(cfg, model), *_fsdp(cfg, model, layers), *_experts(cfg, model)]
     problems += qat_problems(model, cfg.method.qat)
-    if split := context_parallel_problem(model, cfg.distributed.context_parallel):
-        problems.append(split)
+    problems += split_problems(model, cfg.distributed)
     if get_stage(cfg.train.stage).head == "score":  # rm: written as a sequence classifier
         problems += filter(None, [sequence_classifier_problem(model.config)])
     refused = method_problems(model, method)

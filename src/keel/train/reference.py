@@ -45,6 +45,7 @@ from keel.models.materialize import (
     fill_weights,
     init_computed_buffers,
 )
+from keel.models.tensor_plan import tensor_plan
 from keel.models.trainable import decoder_layers
 from keel.models.vision import family_of
 from keel.models.vocabulary import configured_tokens, grow_vocabulary
@@ -84,13 +85,15 @@ def build_reference_copy(
     )
     if sharded:
         # Its own layout: no gradients to reduce, no offload, and the embeddings stay in the
-        # root unit (the policy makes untied ones a unit of their own).
+        # root unit (the policy makes untied ones a unit of their own); split as the policy.
+        tensor = tensor_plan(lm, dist.tp_size)[0] if dist.tp_size > 1 else None
         frozen = ParallelizeSettings(
             strategy=Strategy.FSDP,
             units=fsdp_units(lm, decoder_layers(lm), embeddings=False),
             replicated=vision_modules(lm, vision),
             reshard_after_forward=True,
             param_dtype=precision.autocast_dtype,
+            tensor=tensor,
         )
         parallelize(scorer, dist.dims.with_strategy(Strategy.FSDP), frozen)
     allocate(scorer, dist.device)
@@ -210,7 +213,7 @@ def _compute(trainer: Trainer, job: PrecomputeJob, dist: DistContext, log) -> No
                 main_parts.append(main.float().cpu())
                 kl_parts.append(kl.float().cpu() if kl is not None else torch.zeros(0))
                 done += chunk
-        if dist.cp_rank == 0:  # a context-parallel group's processes hold the same values
+        if dist.leads_group:  # a context- or tensor-parallel group holds the same values
             name = f"{split}.rank-{dist.dp_rank:05d}-of-{dist.dp_size:05d}.safetensors"
             files.append(name)
             _save(job.folder / name, rows, done, main_parts, kl_parts)

@@ -179,7 +179,9 @@ def _train(cfg: RunConfig, base_dir: Path, env: RunEnv) -> RunResult:
     rows and the state to start from, run the steps, write the outputs."""
     run = _Run(cfg=cfg, env=env, base_dir=base_dir, out=Path(cfg.output.dir).expanduser())
     set_threads(cfg.train.threads, env.dist.local_world_size, env.log, env.detail)
-    torch.manual_seed(cfg.train.seed + env.dist.rank)  # dropout differs per rank, as it should
+    # Dropout differs per rank, as it should, except within a tensor-parallel group, whose
+    # processes compute the same activations (each drops the same elements).
+    torch.manual_seed(cfg.train.seed + env.dist.rank // cfg.distributed.tensor_parallel)
     checked = _check_inputs(run)
     decided = _decide(run, checked)
     built, loaded_peak_mb = _load_model(run, checked.model_dir, decided)
@@ -235,7 +237,8 @@ def _decide(run: _Run, checked: Preflight) -> _Decisions:
         log(f"precision: {precision.name} ({precision.reason})")
         identity = run_identity(cfg, model_dir, precision, data.fingerprint)
         # model set-up makes the context-parallel groups; the config already says them
-        dp_size = data_parallel_size(dist.world_size, cfg.distributed.context_parallel)
+        d = cfg.distributed
+        dp_size = data_parallel_size(dist.world_size, d.context_parallel, d.tensor_parallel)
         configured_batch = cfg.train.global_batch_size or default_global_batch(
             cfg.train.micro_batch_size, cfg.train.grad_accum, dp_size
         )
@@ -310,6 +313,7 @@ def _build_trainer(
         padding_free=built.padding_free,
         strategy=built.strategy,
         replicated=built.replicated,
+        tp_partial=built.tp_partial,
     )
     if trainer.scaler.is_enabled():
         env.detail(
@@ -439,7 +443,7 @@ def _log_schedule(run: _Run, schedule: _Schedule, start_step: int) -> None:
     """Say how long the run is, how its batch is split, and whether a process idles."""
     dist, total = run.env.dist, schedule.total_steps
     for line in schedule.plan.describe(
-        run.cfg.train, dist.dp_size, total, start_step, dist.cp_size
+        run.cfg.train, dist.dp_size, total, start_step, dist.cp_size, dist.tp_size
     ):
         run.env.log(line)
 

@@ -226,13 +226,29 @@ def _context_parallel(build: Build, key: str, value) -> None:
     row's tokens; their ring-attention settings only say how the same attention is run."""
     if key in ("heads_k_stride", "ring_attn_func"):
         build.ignored(key, f"{value}: a setting of ring-flash-attn's {_RING}")
-    elif value in (None, 1):
-        build.ignored(key, f"{value}: no context parallelism")
-    elif isinstance(value, int) and not isinstance(value, bool) and value > 1:
-        why = f"each row's tokens split over {value} processes; {_RING}"
-        build.put(key, "distributed.context_parallel", value, why)
     else:
-        build.refused(key, f"{value!r}: the processes that split a row, a whole number >= 1")
+        _group_size(build, key, value, "context", ("each row's tokens", f"; {_RING}", "a row"))
+
+
+def _tensor_parallel(build: Build, key: str, value) -> None:
+    """tensor_parallel_size: processes that split each decoder layer (DTensor's colwise and
+    rowwise layers over transformers' plan for the model, as Axolotl's)."""
+    split = ("each decoder layer's heads and MLP columns", "", "a layer")
+    _group_size(build, key, value, "tensor", split)
+
+
+def _group_size(build: Build, key: str, value, kind: str, split: tuple[str, str, str]) -> None:
+    """A number of processes that split something (`kind` parallelism): above 1 it is
+    distributed.<kind>_parallel; 1 (or none) ignored. `split`: (what each process holds a
+    part of, a note on the mapping, what one group splits)."""
+    what, note, unit = split
+    if value in (None, 1):
+        build.ignored(key, f"{value}: no {kind} parallelism")
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        why = f"{what} split over {value} processes{note}"
+        build.put(key, f"distributed.{kind}_parallel", value, why)
+    else:
+        build.refused(key, f"{value!r}: the processes that split {unit}, a whole number >= 1")
 
 
 _RING = (
@@ -245,6 +261,7 @@ RUNTIME_HANDLERS = {
     **{key: _context_parallel for key in _CONTEXT_PARALLEL_KEYS},
     **{key: _speed_only for key in _SPEED_ONLY},
     "bnb_config_kwargs": _bnb_config_kwargs,
+    "tensor_parallel_size": _tensor_parallel,
     "dp_shard_size": _data_parallel_sizes,
     "dp_replicate_size": _data_parallel_sizes,
     "fsdp": _fsdp,
