@@ -10,7 +10,7 @@ within each round:
 - cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it;
 - tp2: 2 processes (`--nproc 2`, distributed.tensor_parallel 2, FSDP2 over the one group)
   each hold the whole row but half of every layer's heads and MLP columns, and of their
-  weights (pt and dpo: tensor parallelism splits neither generation nor a vision model).
+  weights (not with `--stage sft`: tensor parallelism does not split a vision model).
 With `--stage dpo` each step is one preference pair instead, LoRA (the reference is the
 base with the adapters off): its chosen and rejected sequences, each about half of
 `--tokens` (a long prompt and answers of about 100 words), laid end to end in one row.
@@ -69,9 +69,9 @@ STRATEGY = {"one": "single", "cp2": "ddp", "tp2": "fsdp"}
 
 
 def systems_for(stage: str) -> list[str]:
-    """The systems that run `stage`: tensor parallelism does not split grpo's generation,
-    nor a vision-language model (sft here)."""
-    return [s for s in SYSTEMS if s != "tp2" or stage in ("pt", "dpo")]
+    """The systems that run `stage`: tensor parallelism does not split a vision-language
+    model (sft here)."""
+    return [s for s in SYSTEMS if s != "tp2" or stage != "sft"]
 
 
 def doc_words() -> list[str]:

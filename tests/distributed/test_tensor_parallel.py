@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_support import ROOT, keel_in_process
+from conftest import write_grpo_inputs
 from multiproc import (
     PREFERENCE_PAIRS,
     RUN_TIMEOUT_S,
@@ -24,6 +25,7 @@ from multiproc import (
     assert_same_last_eval_loss,
     eval_losses,
     single_process_runs,
+    step_records,
     train_losses,
 )
 from test_parity import MERGED, assert_same_losses, assert_same_weights
@@ -51,7 +53,29 @@ CASES = {
     # DPO with full fine-tuning: the frozen reference copy is split as the policy is, and
     # the pair metrics are summed once per group
     "dpo-full": ("train.stage=dpo", f"data.datasets.0.path={PAIRS}", "method.type=full"),
+    # GRPO: the group generates its block together (the same completions on each process),
+    # counts it once (the tallies, the window's reward std for batch scaling); dapo's
+    # token count, a split reference copy for the KL and a rollout reused for 2 steps
+    "grpo-dapo-full": (
+        "train.stage=grpo",
+        "data.datasets.0.path=prompts.jsonl",
+        "data.cutoff_len=64",
+        "train.global_batch_size=4",
+        "train.max_steps=4",
+        "data.val_size=0",
+        "method.type=full",
+        "train.lr=1e-3",
+        "grpo.rewards=[rewards.py:share_of_letter]",
+        "grpo.num_generations=4",
+        "grpo.max_completion_length=6",
+        "grpo.loss_type=dapo",
+        "grpo.scale_rewards=batch",
+        "grpo.beta=0.1",
+        "grpo.num_iterations=2",
+        "grpo.log_completions_every=1",
+    ),  # fmt: skip
 }
+GRPO_EXACT = ("reward", "reward_std", "completions/mean_length", "completions/max_length")
 # stopped after 4 of 6 steps on a tensor-parallel pair, finished on one process
 RESUMED = "resume-tp-to-one"
 STOPPED_AT_4 = ("train.max_steps=4",)
@@ -84,6 +108,7 @@ def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
     _write_qwen3(tiny_model_dir, space.root / QWEN3)
     pairs = [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PREFERENCE_PAIRS]
     (space.root / PAIRS).write_text(json.dumps(pairs))
+    write_grpo_inputs(space.root)  # prompts.jsonl, rewards.py
     return space
 
 
@@ -110,6 +135,9 @@ def test_a_tensor_parallel_pair_matches_one_process(workspace, reference, two_pr
     said = workspace.outputs_together[case]
     assert "tensor parallelism: 1 group(s) of 2 processes, each splitting every decoder" in said
     assert "over 1 group(s) of 2 processes (tensor parallel)" in said
+    if "train.stage=grpo" in CASES[case]:
+        _assert_grpo_like_one(got, want)
+        return
     if "train.stage=dpo" in CASES[case]:
         # DPO's loss is a function of differences of sequence log-probs, whose round-off
         # (1e-5 of ~60) sets its scale; full fine-tuning at lr 1e-2 carries each step's
@@ -125,6 +153,24 @@ def test_a_tensor_parallel_pair_matches_one_process(workspace, reference, two_pr
     assert_same_weights(got, want, atol=1e-3 if "train.stage=dpo" in CASES[case] else 3e-5)
     if MERGED[0] in CASES[case]:
         assert_same_weights(got / "merged", want / "merged", atol=3e-5)
+
+
+def _assert_grpo_like_one(got: Path, want: Path) -> None:
+    """The same completions (so the same rewards and lengths, exactly), once each in the
+    log, and the losses to fp32 round-off; the weights as full fine-tuning's."""
+    mine, theirs = step_records(got), step_records(want)
+    assert mine.keys() == theirs.keys() == {1, 2, 3, 4}
+    for step, line in theirs.items():
+        for name in GRPO_EXACT:
+            assert mine[step][name] == line[name], (step, name)
+        for name in ("loss", "grad_norm", "kl"):
+            assert mine[step][name] == pytest.approx(line[name], rel=1e-5, abs=1e-7), (step, name)
+    logged, alone = (
+        [json.loads(x)["completion"] for x in (run / "completions.jsonl").read_text().splitlines()]
+        for run in (got, want)
+    )
+    assert logged == alone and len(logged) == 4 * 4 * 4  # 4 steps of 4 prompts x 4
+    assert_same_weights(got, want, atol=3e-5)
 
 
 def test_a_run_stopped_on_a_tensor_parallel_pair_finishes_on_one_process(

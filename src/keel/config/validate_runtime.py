@@ -110,11 +110,6 @@ def _check_tensor_parallel(cfg: RunConfig) -> list[str]:
             f"{key} with method.qat.scheme {method.qat.scheme}: the fake-quantised layers "
             f"are not split; set one of them off"
         )
-    if cfg.train.stage == "grpo":
-        problems.append(
-            f"{key} with train.stage grpo: generation is not split over a group; use "
-            f"distributed.tensor_parallel 1 (FSDP2 shards the model)"
-        )
     return problems
 
 

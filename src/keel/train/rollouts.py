@@ -9,7 +9,9 @@ of `grpo.generation_batch_prompts` prompts is generated on its own: 2 processes 
 completions 1 process samples. A context-parallel group's processes share a block: each
 samples and scores every C-th unit of it, and one gather gives every process of the group
 all of them, so the group trains on the same completions (each its part of their tokens),
-and generation takes 1/C of the time. With `grpo.num_iterations` mu > 1 a rollout feeds mu
+and generation takes 1/C of the time. A tensor-parallel group's processes generate the
+block together, each with its heads (the same seeds and the same all-reduced logits give
+each the same completions), and each scores them; its first process counts them. With `grpo.num_iterations` mu > 1 a rollout feeds mu
 optimizer steps, its old log-probs taken once, before the first of them; a checkpoint
 inside those steps holds each process's rollout, so a resumed run trains the remaining
 steps on it, as the uninterrupted run does.
@@ -27,7 +29,7 @@ import torch
 
 from keel.distributed.context_parallel import gather_parts
 from keel.distributed.parallelize import unwrap
-from keel.errors import CheckpointError
+from keel.errors import CheckpointError, KeelError
 from keel.faults import Fault, after_generation_round
 from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
 from keel.losses.grpo import group_advantages, loss_unit
@@ -140,6 +142,8 @@ class RolloutBatchSource:
         units = generation_units(block, self.settings.generation_batch_prompts)
         mine = units_of_part(units, self.dist.cp_rank, self.dist.cp_size)
         scored = self._score(mine, self._sample(mine, generation_step), step)
+        if self.dist.tp_size > 1:
+            self._check_group_sampled_alike(scored, generation_step)
         logged = logged_metrics(self.dist, scored.logged)  # this process's calls, and others'
         if self.dist.cp_size > 1:  # the group trains on every completion of its block
             scored = self._joined(units, scored)
@@ -159,7 +163,7 @@ class RolloutBatchSource:
         if self.settings.num_iterations > 1:
             self._add_old_logps(micro, filler)
         tally = RolloutTally.of(scored, rows, self.group, self.ctx.rewards)
-        if self.dist.cp_rank:  # its group's first process counts the group's block
+        if not self.dist.leads_group:  # its group's first process counts the group's block
             tally = RolloutTally.zero(len(self.ctx.rewards))
         totals = tally.all_reduced(self.dist)
         # the loss's unit over the whole window: completions, or (dapo) completion tokens
@@ -175,6 +179,23 @@ class RolloutBatchSource:
             metrics=rollout_metrics(totals, [f.short for f in self.ctx.rewards]) | logged,
             samples=self._samples(scored) if self.ctx.completions is not None else [],
         )
+
+    def _check_group_sampled_alike(self, scored: ScoredPrompts, generation_step: int) -> None:
+        """A tensor-parallel group's processes must have sampled the same completions (the
+        same seeds, the same all-reduced logits): one small gather within the group, so a
+        backend whose all-reduce left the processes a last bit apart stops the run here
+        instead of training each process on other rows."""
+        import torch.distributed as dist
+
+        mine = [c.token_ids for c in scored.completions]
+        theirs: list = [None] * self.dist.tp_size
+        dist.all_gather_object(theirs, mine, group=self.dist.tp_group)
+        if any(other != mine for other in theirs):
+            raise KeelError(
+                f"tensor parallelism: the processes of a group sampled different completions "
+                f"at generation step {generation_step} (their all-reduced logits differ in the "
+                f"last bits on this backend); use distributed.tensor_parallel 1 for grpo here"
+            )
 
     def _joined(self, units: list[list[int]], scored: ScoredPrompts) -> ScoredPrompts:
         """The whole block's scored completions from the parts its context-parallel group's
@@ -293,8 +314,9 @@ class RolloutBatchSource:
         size = window_prompts * self.group
         start = self.dist.dp_rank * math.ceil(window_prompts / self.dist.dp_size) * self.group
         values, unscorable = [0.0] * size, [0.0] * size
-        # a context-parallel group's processes hold the same block: its first one sends it
-        for i, reward in enumerate(rewards.tolist() if self.dist.cp_rank == 0 else []):
+        # a context- or tensor-parallel group's processes hold the same block: its first
+        # one sends it
+        for i, reward in enumerate(rewards.tolist() if self.dist.leads_group else []):
             if math.isnan(reward):
                 unscorable[start + i] = 1.0
             else:
