@@ -10,7 +10,7 @@ within each round:
 - cp2: 2 processes (`--nproc 2`, distributed.context_parallel 2, DDP) each hold half of it;
 - tp2: 2 processes (`--nproc 2`, distributed.tensor_parallel 2, FSDP2 over the one group)
   each hold the whole row but half of every layer's heads and MLP columns, and of their
-  weights (not with `--stage sft`: tensor parallelism does not split a vision model).
+  weights (with `--stage sft`: of the language model's layers; the vision tower stays whole).
 With `--stage dpo` each step is one preference pair instead, LoRA (the reference is the
 base with the adapters off): its chosen and rejected sequences, each about half of
 `--tokens` (a long prompt and answers of about 100 words), laid end to end in one row.
@@ -66,12 +66,6 @@ SYSTEMS = {
     "tp2": ["--nproc", "2", "distributed.tensor_parallel=2", "distributed.strategy=fsdp"],
 }
 STRATEGY = {"one": "single", "cp2": "ddp", "tp2": "fsdp"}
-
-
-def systems_for(stage: str) -> list[str]:
-    """The systems that run `stage`: tensor parallelism does not split a vision-language
-    model (sft here)."""
-    return [s for s in SYSTEMS if s != "tp2" or stage != "sft"]
 
 
 def doc_words() -> list[str]:
@@ -324,7 +318,7 @@ def main() -> None:
         else:
             write_corpus(data.path, args.tokens, args.steps)
         print(f"{args.stage}: rows of about {args.tokens} tokens, {args.steps} steps of one each")
-        systems = systems_for(args.stage)
+        systems = list(SYSTEMS)
         results: dict[str, list[dict]] = {name: [] for name in systems}
         for round_ in range(args.rounds):
             order = systems if round_ % 2 == 0 else list(reversed(systems))

@@ -30,10 +30,13 @@ from multiproc import (
 )
 from test_parity import MERGED, assert_same_losses, assert_same_weights
 from test_preference_parity import PAIR_METRICS, assert_same_metrics
+from vlm_support import write_colour_dataset, write_tiny_qwen2_vl_dir
 
 TP2 = ("distributed.tensor_parallel=2",)
 QWEN3 = "qwen3-model"  # under the workspace: a tiny Qwen3 with the tiny model's tokenizer
 PAIRS = "pairs.json"
+QWEN2_VL = "qwen2-vl"  # a tiny Qwen2-VL, and colour questions about images (5 with one)
+COLOURS = "colours.json"
 
 # name -> overrides; the 2-process run adds TP2 (and distributed.strategy fsdp: tensor
 # parallelism runs under FSDP2), the 1-process run is the same config without them
@@ -53,6 +56,18 @@ CASES = {
     # DPO with full fine-tuning: the frozen reference copy is split as the policy is, and
     # the pair metrics are summed once per group
     "dpo-full": ("train.stage=dpo", f"data.datasets.0.path={PAIRS}", "method.type=full"),
+    # a vision-language model (Qwen2-VL): its language model splits, its vision tower and
+    # projector (trained) stay whole on each process, their gradients averaged over dp
+    "qwen2-vl-full-tower": (
+        f"model.path={QWEN2_VL}",
+        f"data.datasets.0.path={COLOURS}",
+        "method.type=full",
+        "model.vision.freeze_tower=false",
+        "model.vision.freeze_projector=false",
+        "train.lr=5e-3",
+        "train.max_steps=3",
+        "train.global_batch_size=4",
+    ),  # fmt: skip
     # GRPO: the group generates its block together (the same completions on each process),
     # counts it once (the tallies, the window's reward std for batch scaling); dapo's
     # token count, a split reference copy for the KL and a rollout reused for 2 steps
@@ -109,6 +124,8 @@ def workspace(tmp_path_factory, tiny_model_dir) -> Workspace:
     pairs = [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PREFERENCE_PAIRS]
     (space.root / PAIRS).write_text(json.dumps(pairs))
     write_grpo_inputs(space.root)  # prompts.jsonl, rewards.py
+    write_tiny_qwen2_vl_dir(space.root / QWEN2_VL)
+    write_colour_dataset(space.root)  # colours.json and its images
     return space
 
 

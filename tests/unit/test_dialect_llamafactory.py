@@ -232,6 +232,10 @@ def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
         ("eval_on_each_dataset", True, "ignored", None),  # a logging difference only
         ("enable_thinking", True, "ignored", None),  # their default
         ("enable_thinking", False, "refused", None),  # strips the reasoning keel trains
+        # video sampling (their MOSS-VL examples set it beside image data): keel refuses a
+        # row with a video when it reads it, so for image data it asks for nothing
+        ("video_fps", 1.0, "ignored", None),
+        ("video_maxlen", 256, "ignored", None),
     ],
 )
 def test_their_data_switches(key, value, fate, shuffle, tmp_path: Path):

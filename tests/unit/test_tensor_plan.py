@@ -74,14 +74,20 @@ def test_models_keel_cannot_split_are_refused_before_loading(model, size, fragme
     assert plan is None and fragment in problem and f"tensor_parallel = {size}" in problem
 
 
-def test_a_vision_language_model_is_refused():
+def test_a_vision_language_model_splits_its_language_model_only():
     from vlm_support import build_tiny_qwen2_vl
 
     with torch.device("meta"):
         model = build_tiny_qwen2_vl()
     cfg = _config()
-    (problem,) = split_problems(model, cfg.distributed)
-    assert "is a vision-language model" in problem
+    assert split_problems(model, cfg.distributed) == []
+    plan, _ = tensor_plan(model, 2)  # its text config's plan, on the language model's layers
+    assert plan.styles == LLAMA_STYLES
+    heads = model.config.get_text_config().num_attention_heads
+    (problem,) = split_problems(
+        model, _config(**{"distributed.tensor_parallel": heads + 1}).distributed
+    )
+    assert f"num_attention_heads {heads}" in problem
     cfg.distributed.tensor_parallel = 1
     assert split_problems(_meta("llama"), cfg.distributed) == []
 

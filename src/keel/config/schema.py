@@ -419,9 +419,9 @@ class DistributedConfig:
     # layer (attention heads, MLP columns; transformers' plan for the model), so a process
     # holds 1/N of those weights, their gradients and optimizer state, and of the
     # activations inside them; a group reads the same rows (the data-parallel degree is
-    # processes / N) and FSDP2 shards the rest over the groups. Text models with dense
-    # layers; full, freeze and LoRA; every stage. Best within a node (a collective per
-    # attention and MLP). 1: off
+    # processes / N) and FSDP2 shards the rest over the groups. Dense layers (text and
+    # vision-language models' language models); full, freeze and LoRA; every stage. Best
+    # within a node (a collective per attention and MLP). 1: off
     tensor_parallel: int = 1
     # Memory of one device (e.g. 24GiB, 80GB); auto: the GPU's, or on a CPU the node's RAM
     # shared by its processes. Used by `keel plan` and by the check before training.

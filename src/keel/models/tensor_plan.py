@@ -10,23 +10,17 @@ from keel.config.schema import DistributedConfig
 from keel.distributed.tensor_parallel import COLWISE, PARTIAL_GRAD, ROWWISE, TensorPlan
 from keel.models.attention import context_parallel_problem
 from keel.models.trainable import decoder_layers
-from keel.models.vision import family_of
 
 _LAYER_PREFIX = "layers.*."
 
 
 def tensor_plan(model: nn.Module, size: int) -> tuple[TensorPlan | None, str | None]:
     """(`model`'s tensor-parallel plan, None), or (None, why it cannot split `size` ways).
-    `model` is the causal LM (a text model: keel does not split vision-language models)."""
+    `model` is the causal LM; a vision-language model's language model splits (its plan is
+    its text config's), its vision tower and projector stay whole on every process."""
     key = f"distributed.tensor_parallel = {size}"
     name = type(model).__name__
     config = model.config
-    if family_of(config) is not None:
-        return None, (
-            f"{key}: {name} is a vision-language model; keel splits text models' decoder "
-            f"layers only. Use distributed.tensor_parallel 1 (FSDP2 shards it) or "
-            f"context parallelism for long rows"
-        )
     text = config.get_text_config()
     planned = getattr(text, "base_model_tp_plan", None) or {}
     layered = {

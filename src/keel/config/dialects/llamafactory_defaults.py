@@ -124,8 +124,6 @@ THEIR_DEFAULTS: dict[str, object] = {
     "use_megatron_bridge": False,
     "use_swanlab": False,
     "use_unsloth_gc": False,
-    "video_fps": 2.0,
-    "video_maxlen": 128,
     "vllm_config": None,
     "vllm_enforce_eager": False,
     "vllm_gpu_util": 0.7,

@@ -74,6 +74,10 @@ _IGNORED = {
     "reads a tokenized copy",
     "video_max_pixels": "keel's vision-language data holds images only",
     "video_min_pixels": "keel's vision-language data holds images only",
+    "video_fps": "keel's vision-language data holds images only (a row with a video is "
+    "refused, naming it)",
+    "video_maxlen": "keel's vision-language data holds images only (a row with a video is "
+    "refused, naming it)",
     "double_quantization": "keel's NF4 base (torchao) quantises the block scales as well",
     "compute_accuracy": "keel's evaluation reports the loss",
     "ddp_find_unused_parameters": "keel's DDP wraps only the weights that train",
