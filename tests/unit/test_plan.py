@@ -194,7 +194,12 @@ def test_json_is_one_document_on_stdout(tmp_path, capsys):
     out = capsys.readouterr().out
     doc = json.loads(out)  # the whole of stdout, nothing before or after
     assert set(doc) == {"model", "devices", "options", "recommendation"}
-    assert doc["devices"] == {"count": 8, "memory_bytes": 24 * GIB, "kind": "cuda"}
+    assert doc["devices"] == {
+        "count": 8,
+        "memory_bytes": 24 * GIB,
+        "kind": "cuda",
+        "tensor_parallel": 1,
+    }
     assert doc["model"]["trainable_params"] < doc["model"]["params"]
     keys = {"params", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "total"}
     keys.add("generation")  # 0 unless the stage generates (grpo)

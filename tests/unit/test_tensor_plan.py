@@ -74,6 +74,15 @@ def test_models_keel_cannot_split_are_refused_before_loading(model, size, fragme
     assert plan is None and fragment in problem and f"tensor_parallel = {size}" in problem
 
 
+def test_a_plan_that_names_no_module_of_the_layers_is_refused():
+    """A plan whose modules the layers do not have would split nothing: each process of a
+    group would compute the whole model, silently."""
+    model = _meta("llama")
+    model.config.base_model_tp_plan = {"layers.*.attn.c_attn": "colwise"}
+    plan, problem = tensor_plan(model, 2)
+    assert plan is None and "none of the modules transformers' plan" in problem
+
+
 def test_a_vision_language_model_splits_its_language_model_only():
     from vlm_support import build_tiny_qwen2_vl
 
@@ -255,6 +264,12 @@ def test_the_plan_counts_one_process_part_of_each_layer(tmp_path):
     tensor = split.option_for(Strategy.FSDP, "full", False)
     assert fsdp.per_device.params == (layers + rest) // 4 + buffers  # sharded over 4
     assert tensor.per_device.params == layers // 2 // 2 + rest // 2 + buffers  # split, sharded
+    from keel.plan.report import to_json
+
+    doc = to_json(split)
+    assert doc["model"]["whole_params"] == sum(named[n].numel() for n in named)
+    assert doc["model"]["params"] < doc["model"]["whole_params"]
+    assert doc["devices"]["tensor_parallel"] == 2
     assert split.devices.dp_size == 2 and {o.strategy for o in split.options} == {
         Strategy.FSDP,
         Strategy.FSDP_OFFLOAD,

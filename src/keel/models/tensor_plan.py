@@ -34,6 +34,11 @@ def tensor_plan(model: nn.Module, size: int) -> tuple[TensorPlan | None, str | N
     layers = list(decoder_layers(model) or [])
     present = {path for layer in layers for path, _ in layer.named_modules()}
     used = {path: style for path, style in layered.items() if path in present}
+    if not any(style in (COLWISE, ROWWISE) for style in used.values()):
+        return None, (
+            f"{key}: none of the modules transformers' plan for {name} splits "
+            f"({', '.join(layered)}) is in its decoder layers; use distributed.tensor_parallel 1"
+        )
     odd = {
         path: style for path, style in used.items() if style not in (COLWISE, ROWWISE, PARTIAL_GRAD)
     }

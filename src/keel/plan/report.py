@@ -14,6 +14,8 @@ from keel.plan.vision import LANGUAGE, PROJECTOR, TOWER, image_assumption
 def to_json(plan: Plan) -> dict:
     """The `keel plan --json` document."""
     model = {"params": plan.params, "trainable_params": plan.trainable_params}
+    if plan.whole_params:  # tensor parallelism: the counts above are one device's part
+        model["whole_params"] = plan.whole_params
     if plan.work.vision is not None:
         model["vision"] = _vision_json(plan)
     return {
@@ -22,6 +24,7 @@ def to_json(plan: Plan) -> dict:
             "count": plan.devices.world,
             "memory_bytes": plan.devices.memory_bytes,
             "kind": plan.devices.kind,
+            "tensor_parallel": plan.devices.tensor_parallel,
         },
         "options": [_option_json(o) for o in plan.options],
         "recommendation": _option_json(plan.recommendation) if plan.recommendation else None,
