@@ -201,6 +201,24 @@ def test_offload_and_zero2(tmp_path: Path):
     assert [f.key for f in translation.refused()] == ["deepspeed.optimizer.type"]
 
 
+def test_deepspeed_autotp_is_tensor_parallelism_under_fsdp(tmp_path: Path):
+    """Their examples/deepspeed/ds_z2_autotp_config.json: ZeRO-2 with AutoTP over 2."""
+    autotp = {
+        "_comment": "supported model list: ...", "train_batch_size": "auto",
+        "zero_optimization": {"stage": 2, "overlap_comm": False},
+        "tensor_parallel": {"autotp_size": 2},
+    }  # fmt: skip
+    raw = {"model_name_or_path": "m", "do_train": True, "deepspeed": autotp}
+    translation = translate(raw, tmp_path / "x.yaml")
+    assert translation.config["distributed"] == {"strategy": "fsdp", "tensor_parallel": 2}
+    fates = {f.key: f for f in translation.fates}
+    assert "ZeRO-2 beside AutoTP" in fates["deepspeed.zero_optimization.stage"].why
+    assert fates["deepspeed.tensor_parallel.autotp_size"].fate == "mapped"
+    assert translation.refused() == []
+    raw["deepspeed"] = {**autotp, "tensor_parallel": {"autotp_size": 1}}
+    assert translate(raw, tmp_path / "x.yaml").config["distributed"] == {"strategy": "ddp"}
+
+
 def test_unknown_and_unsupported_keys_are_refused_with_why(tmp_path: Path):
     raw = {
         "model_name_or_path": "m",

@@ -1,5 +1,6 @@
 """A DeepSpeed JSON as keel's distributed settings: ZeRO-3 shards everything (FSDP2),
-ZeRO-2/1/0 keep a full replica per process (DDP); CPU offload of ZeRO-3 is FSDP2's."""
+ZeRO-2/1/0 keep a full replica per process (DDP); CPU offload of ZeRO-3 is FSDP2's; AutoTP
+(`tensor_parallel.autotp_size`) is keel's tensor parallelism, which runs under FSDP2."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ _KNOWN = (
     "zero_optimization.stage",
     "zero_optimization.offload_optimizer",
     "zero_optimization.offload_param",
+    "tensor_parallel.autotp_size",
 )
 
 
@@ -92,7 +94,23 @@ def read_deepspeed(value, source: Path, key: str) -> tuple[dict, list[KeyFate]]:
         if name in ("zero_optimization.stage", "zero_optimization"):
             continue
         fates.append(_one_key(name, item, config, settings, key))
+    if settings.get("distributed.tensor_parallel", 1) > 1 and fates[0].fate == "mapped":
+        fates[0] = _zero_beside_autotp(config, settings, fates[0])
     return settings, fates
+
+
+def _zero_beside_autotp(config: dict, settings: dict, fate: KeyFate) -> KeyFate:
+    """ZeRO-0/1/2 beside AutoTP: keel's tensor parallelism runs under FSDP2 only."""
+    if settings["distributed.strategy"] == "fsdp":  # ZeRO-3 already
+        return fate
+    settings["distributed.strategy"] = "fsdp"
+    stage = config["zero_optimization"].get("stage", 0)
+    why = (
+        f"ZeRO-{stage} beside AutoTP: keel's tensor parallelism runs under FSDP2, which "
+        f"shards the split layers and the rest over the groups (more than ZeRO-{stage} "
+        "shards; the same math)"
+    )
+    return KeyFate(fate.key, "mapped", "distributed.strategy", why)
 
 
 def _load(value, source: Path) -> tuple[dict, str]:
@@ -136,17 +154,33 @@ def _one_key(name: str, item, config: dict, settings: dict, key: str) -> KeyFate
     dotted = f"{key}.{name}"
     if name in ("zero_optimization.offload_optimizer", "zero_optimization.offload_param"):
         return _offload(dotted, item, config, settings)
+    if name == "tensor_parallel.autotp_size":
+        return _autotp(dotted, item, settings)
     if name == "gradient_clipping":
         if item == "auto":
             return KeyFate(dotted, "ignored", why=_AUTO)
         settings["train.max_grad_norm"] = item
         return KeyFate(dotted, "mapped", "train.max_grad_norm")
     top = name.split(".")[0]
+    if top.startswith("_"):  # "_comment" in LLaMA-Factory's ds_z2_autotp_config.json
+        return KeyFate(dotted, "ignored", why="a comment: DeepSpeed reads no key of that name")
     why = _IGNORED.get(name) or _IGNORED.get(top)
     if why:
         return KeyFate(dotted, "ignored", why=why)
     why = "a DeepSpeed setting keel has no counterpart for; remove it from the JSON"
     return KeyFate(dotted, "refused", why=unknown_key(name, _KNOWN, why))
+
+
+def _autotp(dotted: str, item, settings: dict) -> KeyFate:
+    """AutoTP's group size: keel's distributed.tensor_parallel (transformers' plan for the
+    model, where AutoTP finds the linear layers itself: the same split)."""
+    if item in (0, 1):
+        return KeyFate(dotted, "ignored", why=f"{item}: no tensor parallelism")
+    if not isinstance(item, int) or isinstance(item, bool) or item < 0:
+        return KeyFate(dotted, "refused", why=f"{item!r}: the processes that split a layer")
+    settings["distributed.tensor_parallel"] = item
+    why = f"each decoder layer's heads and MLP columns split over {item} processes"
+    return KeyFate(dotted, "mapped", "distributed.tensor_parallel", why)
 
 
 def _offload(dotted: str, item, config: dict, settings: dict) -> KeyFate:
