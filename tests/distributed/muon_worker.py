@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from keel.distributed.process_group import exit_now
 from keel.train.muon import MuonAdamW, orthogonalise
 
 SHAPES = {"matrix": (37, 20), "experts": (4, 6, 10)}
@@ -57,3 +58,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here

@@ -40,7 +40,7 @@ from keel.distributed.parallelize import (  # noqa: E402
     parallelize,
     replicated_parameters,
 )
-from keel.distributed.process_group import DistContext  # noqa: E402
+from keel.distributed.process_group import DistContext, exit_now  # noqa: E402
 from keel.distributed.strategy import Strategy  # noqa: E402
 from keel.models.trainable import decoder_layers  # noqa: E402
 from keel.models.vision import blobs, family_of  # noqa: E402
@@ -180,3 +180,4 @@ def main(out: Path, specs: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(Path(sys.argv[1]), sys.argv[2:])
+    exit_now(0)  # FSDP2's cached DeviceMesh keeps gloo's threads alive past here
