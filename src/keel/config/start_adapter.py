@@ -2,9 +2,9 @@
 
 The adapter's shape is fixed by its weights, so its adapter_config.json decides the method
 section's shape: method.lora's r, alpha, targets, layers, rsLoRA scale, DoRA and modules
-trained in full; method.oft's block size, targets, Cayley parameterisation and modules trained in full.
-A config that sets one of them to something else is refused, naming both values. Dropout and
-the rest of training are the config's own.
+trained in full; method.oft's block size, targets, Cayley parameterisation and modules
+trained in full. A config that sets one of them to something else is refused, naming both
+values. Dropout and the rest of training are the config's own.
 """
 
 from __future__ import annotations

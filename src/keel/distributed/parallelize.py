@@ -21,7 +21,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn.parallel import DistributedDataParallel
 
 from keel.distributed.parallel_dims import DP, ParallelDims
-from keel.distributed.process_group import DistContext
+from keel.distributed.process_group import DistContext, all_reduce_together
 from keel.distributed.strategy import Strategy
 from keel.distributed.tensor_parallel import TensorPlan, apply_tp
 
@@ -242,21 +242,16 @@ def sync_replicated_grads(params: Sequence[nn.Parameter], dims: ParallelDims) ->
     """
     if dims.mesh is None or dims.grad_size == 1 or not params:
         return
-    used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32)  # [P]
+    used = [p.grad is not None for p in params]
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-    grads = [p.grad for p in params]
     # Divide first, then sum: DDP's order (exact for a power-of-two world).
-    flat = torch.cat([g.reshape(-1) for g in grads]).div_(dims.grad_size)  # [numel]
-    flat = torch.cat([flat, used.to(flat.device, flat.dtype)])  # one collective for all
-    torch.distributed.all_reduce(flat, group=dims.mesh[DP].get_group())
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
-    for param, users in zip(params, flat[offset:].tolist()):
-        if users == 0:
+    grads = [p.grad.div_(dims.grad_size) for p in params]
+    users = torch.tensor(used, dtype=grads[0].dtype, device=grads[0].device)  # [P]
+    all_reduce_together([*grads, users], dims.mesh[DP].get_group())  # one collective for all
+    for param, count in zip(params, users.tolist()):
+        if count == 0:
             param.grad = None
 
 

@@ -184,6 +184,17 @@ class DistContext:
         return out
 
 
+def all_reduce_together(tensors: list[torch.Tensor], group) -> None:
+    """Sum each of `tensors` (one dtype and device) over `group`, in place, in one
+    all-reduce of their concatenation."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # [numel]
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for tensor in tensors:
+        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+
+
 class CollectiveGuard:
     """Numbers keel's collectives and checks, through the rendezvous store, that every rank
     makes the same one (op, shapes, dtype, step) before any backend runs it.

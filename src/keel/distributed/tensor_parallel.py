@@ -26,10 +26,11 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from keel.distributed.process_group import all_reduce_together
 
 COLWISE, ROWWISE = "colwise", "rowwise"
 # a module whose weight every process holds whole but whose gradient each computes from
@@ -103,11 +104,5 @@ def sum_partial_grads(params: Sequence[nn.Parameter], group) -> None:
     group ran the same micro-batches, so each has a gradient)."""
     grads = [p.grad for p in params if p.grad is not None]
     grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    if group is None or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # [numel]
-    torch.distributed.all_reduce(flat, group=group)
-    offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    if group is not None and grads:
+        all_reduce_together(grads, group)

@@ -8,6 +8,7 @@ from torch import nn
 
 from keel.config.schema import DistributedConfig
 from keel.distributed.tensor_parallel import COLWISE, PARTIAL_GRAD, ROWWISE, TensorPlan
+from keel.errors import ModelError
 from keel.models.attention import context_parallel_problem
 from keel.models.trainable import decoder_layers
 
@@ -80,6 +81,14 @@ def tensor_plan(model: nn.Module, size: int) -> tuple[TensorPlan | None, str | N
     styles = {p: s for p, s in used.items() if s != PARTIAL_GRAD}
     partial = tuple(p for p, s in used.items() if s == PARTIAL_GRAD)
     return TensorPlan(styles, partial), None
+
+
+def required_tensor_plan(model: nn.Module, size: int) -> TensorPlan:
+    """`tensor_plan`'s plan, or ModelError with why `model` cannot split `size` ways."""
+    plan, problem = tensor_plan(model, size)
+    if problem:
+        raise ModelError(problem)
+    return plan
 
 
 def split_problems(model: nn.Module, distributed: DistributedConfig) -> list[str]:

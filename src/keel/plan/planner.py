@@ -11,10 +11,9 @@ from pathlib import Path
 
 from keel.config import RunConfig
 from keel.distributed.strategy import STRATEGIES, Strategy, configured_strategy
-from keel.distributed.tensor_parallel import TensorPlan
 from keel.errors import KeelError, ModelError
 from keel.models.attention import VARLEN_ATTENTION
-from keel.models.tensor_plan import one_process_part, tensor_plan
+from keel.models.tensor_plan import one_process_part, required_tensor_plan
 from keel.models.vocabulary import (
     AddedTokens,
     configured_tokens,
@@ -204,7 +203,7 @@ def plan_run(
     if (tp := cfg.distributed.tensor_parallel) > 1:  # one process's part of each layer
         devices, shapes = replace(devices, tensor_parallel=tp), _split_shapes(shapes, tp)
         whole = sum(p.numel() for p in base.parameters())
-        one_process_part(base, _tensor_plan(base, tp), tp)
+        one_process_part(base, required_tensor_plan(base, tp), tp)
     precision = precision or resolved_precision(cfg.train.precision, devices.kind)
     censuses = _censuses(base, cfg, precision, log, trains_embeddings=trains_embeddings)
     on_disk = getattr(arch, "dtype", None) or dtype
@@ -242,13 +241,6 @@ def plan_run(
         shapes=shapes,
         whole_params=whole,
     )
-
-
-def _tensor_plan(base, size: int) -> TensorPlan:
-    plan, problem = tensor_plan(base, size)
-    if problem:
-        raise ModelError(problem)
-    return plan
 
 
 def _split_shapes(shapes: Shapes, size: int) -> Shapes:

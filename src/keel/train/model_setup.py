@@ -6,7 +6,6 @@ so under FSDP each process allocates and loads only its own shards.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +49,7 @@ from keel.models.offload import offload_activations
 from keel.models.qat import describe as describe_qat
 from keel.models.qat import fake_quantize
 from keel.models.qlora import quantize_base, quantized_names
-from keel.models.tensor_plan import tensor_plan
+from keel.models.tensor_plan import required_tensor_plan
 from keel.models.trainable import decoder_layers
 from keel.models.vision import VisionFamily, family_of
 from keel.models.vocabulary import (
@@ -195,9 +194,7 @@ def _split_layers(model: nn.Module, cfg: RunConfig, dist: DistContext, log) -> T
     size = cfg.distributed.tensor_parallel
     if size == 1:
         return None
-    tensor, problem = tensor_plan(causal_lm_of(model), size)
-    if problem:
-        raise ModelError(problem)
+    tensor = required_tensor_plan(causal_lm_of(model), size)
     dist.dims = dist.dims.with_tensor(size, dist.device.type)
     split = ", ".join(f"{path} {style}" for path, style in tensor.styles.items())
     log(
@@ -267,8 +264,7 @@ def _materialize(
     if strategy.shards:
         # The objective is the root unit: its forward is what runs (it calls the decoder and
         # output layer directly), so its hooks are the ones that gather the root's weights.
-        settings = _sharded(strategy, cfg, model, build.precision)
-        parallelize(objective, dist.dims, dataclasses.replace(settings, tensor=tensor))
+        parallelize(objective, dist.dims, _sharded(strategy, cfg, model, build.precision, tensor))
         if strategy is Strategy.FSDP_OFFLOAD:  # FSDP2 moves each layer to the GPU to run it
             init_device = torch.device("cpu")
     allocate(objective, init_device)
@@ -471,10 +467,15 @@ def _resolve_strategy(
 
 
 def _sharded(
-    strategy: Strategy, cfg: RunConfig, model: nn.Module, precision: Precision
+    strategy: Strategy,
+    cfg: RunConfig,
+    model: nn.Module,
+    precision: Precision,
+    tensor: TensorPlan | None,
 ) -> ParallelizeSettings:
-    """The policy's FSDP2 layout: each decoder layer and untied input embeddings are units;
-    compute in the autocast dtype, gradients reduced in fp32."""
+    """The policy's FSDP2 layout: each decoder layer and untied input embeddings are units
+    (split first by `tensor`, under tensor parallelism); compute in the autocast dtype,
+    gradients reduced in fp32."""
     low = precision.autocast_dtype
     lm = causal_lm_of(model)
     return ParallelizeSettings(
@@ -485,4 +486,5 @@ def _sharded(
         cpu_offload=strategy is Strategy.FSDP_OFFLOAD,
         param_dtype=low,
         reduce_dtype=torch.float32 if low is not None else None,
+        tensor=tensor,
     )

@@ -45,7 +45,7 @@ from keel.models.materialize import (
     fill_weights,
     init_computed_buffers,
 )
-from keel.models.tensor_plan import tensor_plan
+from keel.models.tensor_plan import required_tensor_plan
 from keel.models.trainable import decoder_layers
 from keel.models.vision import family_of
 from keel.models.vocabulary import configured_tokens, grow_vocabulary
@@ -86,7 +86,7 @@ def build_reference_copy(
     if sharded:
         # Its own layout: no gradients to reduce, no offload, and the embeddings stay in the
         # root unit (the policy makes untied ones a unit of their own); split as the policy.
-        tensor = tensor_plan(lm, dist.tp_size)[0] if dist.tp_size > 1 else None
+        tensor = required_tensor_plan(lm, dist.tp_size) if dist.tp_size > 1 else None
         frozen = ParallelizeSettings(
             strategy=Strategy.FSDP,
             units=fsdp_units(lm, decoder_layers(lm), embeddings=False),

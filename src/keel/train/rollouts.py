@@ -19,6 +19,7 @@ steps on it, as the uninterrupted run does.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -181,16 +182,19 @@ class RolloutBatchSource:
         )
 
     def _check_group_sampled_alike(self, scored: ScoredPrompts, generation_step: int) -> None:
-        """A tensor-parallel group's processes must have sampled the same completions (the
-        same seeds, the same all-reduced logits): one small gather within the group, so a
-        backend whose all-reduce left the processes a last bit apart stops the run here
-        instead of training each process on other rows."""
-        import torch.distributed as dist
-
-        mine = [c.token_ids for c in scored.completions]
-        theirs: list = [None] * self.dist.tp_size
-        dist.all_gather_object(theirs, mine, group=self.dist.tp_group)
-        if any(other != mine for other in theirs):
+        """A tensor-parallel group's processes must sample the same completions (same seeds,
+        same all-reduced logits): keel's gather of each process's digest of them, compared
+        within the group as `_joined` picks a context-parallel group's parts, so a backend
+        whose all-reduce left them a bit apart stops the run, not trains on other rows."""
+        ids = json.dumps([list(c.token_ids) for c in scored.completions])
+        mine = hashlib.sha256(ids.encode()).hexdigest()  # a digest: the gather is the world's
+        dims = self.dist.dims
+        group = [
+            theirs
+            for rank, theirs in enumerate(self.dist.gather_objects(mine))
+            if dims.dp_rank(rank) == self.dist.dp_rank
+        ]
+        if any(theirs != mine for theirs in group):
             raise KeelError(
                 f"tensor parallelism: the processes of a group sampled different completions "
                 f"at generation step {generation_step} (their all-reduced logits differ in the "
