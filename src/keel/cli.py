@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from keel.cli_convert import add_convert, run_convert, show_translation
+from keel.cli_predict import add_predict, run_predict
 from keel.cli_serve import add_serve, parse_size, run_serve
 from keel.cli_their import add_their_config, fill_from_their_config
 from keel.console import quiet_libraries, say
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(sub)
     _add_export(sub)
     _add_expand(sub)
+    add_predict(sub)
     add_serve(sub)
     add_convert(sub)
     return parser
@@ -385,6 +387,7 @@ COMMANDS = {
     "doctor": _doctor,
     "export": _export,
     "expand": _expand,
+    "predict": run_predict,
     "serve": run_serve,
     "convert": run_convert,
 }
@@ -417,12 +420,12 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> NoReturn:
     """The `keel` program (console script and `python -m keel`): main, then exit.
 
-    A `keel train` worker that torchrun or srun started ends without interpreter teardown:
-    its gloo threads may outlive the process group (see
+    A `keel train` or `keel predict` worker that torchrun or srun started ends without
+    interpreter teardown: its gloo threads may outlive the process group (see
     keel.distributed.process_group.exit_now). Only the program does this, never `main`,
     which a test or another program may call in its own process."""
     args = parse_args()
-    if not _training_worker(args):
+    if not _launched_worker(args):
         raise SystemExit(_run(args))
     from keel.distributed.process_group import exit_now
 
@@ -442,7 +445,7 @@ def _run(args) -> int:
     # doctor imports neither library; train quiets them only where it trains (a launcher
     # of --nproc workers need not import them)
     if args.command not in ("doctor", "train"):
-        quiet_libraries(data=args.command == "validate", verbose=args.verbose)
+        quiet_libraries(data=args.command in ("validate", "predict"), verbose=args.verbose)
     try:
         return COMMANDS[args.command](args)
     except KeelError as exc:
@@ -455,11 +458,11 @@ def _run(args) -> int:
         return 130
 
 
-def _training_worker(args) -> bool:
-    """`keel train` in a process that torchrun or srun started as one rank."""
+def _launched_worker(args) -> bool:
+    """`keel train` or `keel predict` in a process that torchrun or srun started as one rank."""
     from keel.distributed.launch import detect_world
 
-    if args.command != "train":
+    if args.command not in ("train", "predict"):
         return False
     try:
         return detect_world(os.environ).is_distributed

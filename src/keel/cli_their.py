@@ -15,8 +15,17 @@ _DEFAULTS = {
     "chat": {"max_new_tokens": 256, "temperature": 0.0, "top_p": 1.0},
     "serve": {"backend": "keel"},
     "export": {"max_shard_size": "5GB"},
+    "predict": {
+        **{"max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0},
+        **{"seed": 42, "max_batch_size": 16},
+    },
 }
-_REQUIRED = {"chat": ("model",), "serve": ("model",), "export": ("model", "out")}
+_REQUIRED = {
+    "chat": ("model",),
+    "serve": ("model",),
+    "export": ("model", "out"),
+    "predict": ("model", "out"),
+}
 
 
 def add_their_config(parser) -> None:
@@ -74,6 +83,8 @@ def _settings_of(args, command: str) -> dict:
         if not isinstance(out, str) or not out:
             raise ConfigError([f"{args.config}: keel's run config names no output.dir"])
         print(f"{args.config}: keel's run config: --model {out} (its output.dir)", file=sys.stderr)
+        if command == "predict":
+            return _run_config_predict(args)
         merged = {"out": str(Path(out) / "merged")} if command == "export" else {}
         return {"model": out, **merged}
     translation = translate_command(raw, Path(args.config), command)
@@ -81,6 +92,22 @@ def _settings_of(args, command: str) -> dict:
     if problems := refusal_problems(translation):
         raise ConfigError(problems, source=args.config)
     return translation.config
+
+
+def _run_config_predict(args) -> dict:
+    """keel predict on keel's run config: what it trained answers its data.eval_datasets
+    (or --data), rendered and limited by its data settings, into output.dir/predict."""
+    import dataclasses
+
+    from keel.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    out = Path(cfg.output.dir)
+    held_out = cfg.data.eval_datasets
+    if held_out:
+        print(f"{args.config}: the rows: its data.eval_datasets", file=sys.stderr)
+    run_data = dataclasses.replace(cfg.data, datasets=held_out, eval_datasets=[])
+    return {"model": str(out), "out": str(out / "predict"), "run_data": run_data}
 
 
 def _fill(args, settings: dict) -> None:

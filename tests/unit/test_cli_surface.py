@@ -44,6 +44,28 @@ EXPECTED = {
         "--quantize",  # torchao-quantized decoder weights (method.qat's scheme, or one named)
     },
     "expand": {"--model", "--blocks", "--out", "--max-shard-size", "--cache-dir"},
+    "predict": {
+        "config",  # LLaMA-Factory's predict config, keel's run config, Axolotl's training config
+        "overrides",
+        "--model",
+        "--adapter",
+        "--data",
+        "--dataset-dir",
+        "--out",
+        "--template",
+        "--cutoff-len",
+        "--max-samples",
+        "--skip-long",
+        "--skip-invalid",
+        "--system",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--seed",
+        "--max-batch-size",
+        "--cache-dir",
+        "--nproc",  # data-parallel answering via torchrun
+    },
     "serve": {
         "config",
         "overrides",

@@ -88,6 +88,9 @@ def test_axolotl_training_config_names_what_it_trained(adapter):
     raw |= {"adapter": adapter, "lora_r": 16, "learning_rate": 2e-4}
     chat = translate_command(raw, SOURCE, "chat")
     export = translate_command(raw, SOURCE, "export")
+    predict = translate_command(raw, SOURCE, "predict")
+    assert predict.config == chat.config | {"out": str(Path("./outputs/lora-out") / "predict")}
+    assert any("come from --data" in note for note in predict.notes)
     if adapter:
         assert chat.config == {"model": raw["base_model"], "adapter": "./outputs/lora-out"}
     else:

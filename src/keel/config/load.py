@@ -208,6 +208,17 @@ def _from_dialect(raw: dict, path: Path, overrides, where: _Locator, problems, o
     return copy.deepcopy(translation.config)  # the overrides must not change the report's
 
 
+def load_section(cls, raw: dict, prefix: str, source: str):
+    """One section of the run config (e.g. DataConfig, for `keel predict`) built from `raw`
+    and checked as load_config checks it; ConfigError listing every problem. `prefix`
+    ("data.") names its keys in messages."""
+    problems: list[str] = []
+    built = _build(cls, raw, prefix, problems, _Locator(source, {}))
+    if problems:
+        raise ConfigError(problems, source=source)
+    return built
+
+
 class _Locator:
     """Turns a key path into 'key (file:line)' for messages; a key translated from another
     framework's config names theirs: 'train.lr (learning_rate, file:line)'."""

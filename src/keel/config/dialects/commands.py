@@ -16,11 +16,12 @@ from typing import Literal
 from keel.config.dialects import detect_dialect, unread_dialect
 from keel.config.dialects.build import Build
 from keel.config.dialects.families import model_of
+from keel.config.dialects.predict_keys import predict_key, predict_rows
 from keel.config.dialects.report import KeyFate, Translation, unknown_key
 from keel.config.dialects.templates import template_fate
 from keel.errors import ConfigError
 
-Command = Literal["chat", "serve", "export"]
+Command = Literal["chat", "serve", "export", "predict"]
 
 # LLaMA-Factory's generating arguments (hparams/generating_args.py): their defaults, and what
 # keel chat's flags make of each (None: keel chat has no such setting)
@@ -40,8 +41,8 @@ _BACKENDS = ("huggingface", "vllm", "sglang", "ktransformers")
 _EXPORT_KEYS = ("export_dir", "export_size", "export_device", "export_legacy_format")
 _REFUSED_EXPORT = ("export_hub_model_id", "export_quantization_bit", "export_quantization_dataset")
 _REMOTE_CODE = (
-    "keel's chat, serve and export load the architectures transformers ships (Qwen3 and "
-    "Llama among them), without a model repository's own code"
+    "keel's chat, predict, serve and export load the architectures transformers ships (Qwen3 "
+    "and Llama among them), without a model repository's own code"
 )
 
 
@@ -62,8 +63,11 @@ def translate_command(raw: dict, source: Path, command: Command) -> Translation:
     build = Build(raw=raw, source=Path(source), stage=None)
     if dialect == "llamafactory":
         for key, value in raw.items():
-            _llamafactory_key(build, str(key), value, command)
+            if command != "predict" or not predict_key(build, str(key), value):
+                _llamafactory_key(build, str(key), value, command)
         _generation_defaults(build, command)
+        if command == "predict":
+            predict_rows(build)
     else:
         _axolotl(build, command)
     return Translation(dialect=dialect, config=build.config, fates=build.fates, notes=build.notes)
@@ -141,14 +145,16 @@ def _backend(build: Build, key: str, value, command: Command) -> None:
     elif value == "vllm" and command == "serve":
         _flag(build, key, "backend", "vllm", "needs vLLM and a CUDA GPU")
     elif value == "vllm":
-        build.ignored(key, "keel chat decodes with its own engine (keel serve --backend vllm)")
+        why = f"keel {command} decodes with its own engine (keel serve --backend vllm)"
+        build.ignored(key, why)
     else:
         build.refused(key, f"{value}: keel serves with its own engine or vllm")
 
 
 def _generation(build: Build, key: str, value, command: Command) -> None:
-    """Their sampling settings: keel chat's flags; serve's requests each set their own."""
-    if command != "chat":
+    """Their sampling settings: keel chat's and predict's flags; serve's requests each set
+    their own."""
+    if command not in ("chat", "predict"):
         build.ignored(key, "read by chat only" if command == "export" else _PER_REQUEST)
     elif key == "default_system":
         _flag(build, key, "system", value)
@@ -166,10 +172,10 @@ def _generation(build: Build, key: str, value, command: Command) -> None:
     elif key == "max_length":
         build.ignored(key, "max_new_tokens bounds the answer (theirs drops max_length then)")
     elif value == _GENERATION_DEFAULTS[key]:
-        build.ignored(key, f"{value}: their default, which keel chat does too")
+        build.ignored(key, f"{value}: their default, which keel {command} does too")
     else:
         build.refused(
-            key, f"{value!r}: keel chat samples with temperature and top_p only (greedy at 0)"
+            key, f"{value!r}: keel {command} samples with temperature and top_p only (greedy at 0)"
         )
 
 
@@ -177,9 +183,10 @@ _PER_REQUEST = "each request sets its own (temperature, top_p, max_tokens)"
 
 
 def _generation_defaults(build: Build, command: Command) -> None:
-    """Their chat samples (temperature 0.95, top_p 0.7, 1024 new tokens) where keel chat's
-    defaults are greedy and 256: their file left out means theirs."""
-    if command != "chat":
+    """Their chat and predict sample (temperature 0.95, top_p 0.7, 1024 new tokens) where
+    keel's defaults are greedy and 256 (chat) or 512 (predict): their file left out means
+    theirs."""
+    if command not in ("chat", "predict"):
         return
     sampled = build.raw.get("do_sample", True)
     defaults = {"max_new_tokens": 1024}
@@ -190,7 +197,7 @@ def _generation_defaults(build: Build, command: Command) -> None:
             build.set(key, value)
             build.notes.append(f"{_flag_name(key)} {value}: LLaMA-Factory's default {key}")
     if sampled and "top_k" not in build.raw:
-        build.notes.append("top_k 50 (theirs) is not applied: keel chat samples with top_p")
+        build.notes.append(f"top_k 50 (theirs) is not applied: keel {command} samples with top_p")
 
 
 def _export_key(build: Build, key: str, value, command: Command) -> None:
@@ -259,6 +266,12 @@ def _axolotl(build: Build, command: Command) -> None:
     if command == "export":
         build.set("out", str(Path(out) / "merged"))
         build.notes.append(f"--out {Path(out) / 'merged'}: where axolotl merge-lora writes")
+    if command == "predict":
+        build.set("out", str(Path(out) / "predict"))
+        build.notes.append(
+            f"--out {Path(out) / 'predict'}; the rows to answer come from --data (their "
+            f"datasets are read by training)"
+        )
 
 
 def _trained(build: Build, key: str | None, out: str, lora: bool, command: Command) -> None:

@@ -100,7 +100,7 @@ _SWITCHES = {
     "use_adam_mini": "Adam-mini is not available; train.optimizer is adamw, adamw_8bit, "
     "adamw_4bit or muon",
     "freeze_language_model": "keel trains the language model",
-    "do_predict": "keel train does not predict; use keel chat or keel serve on the output",
+    "do_predict": "keel train does not predict: keel predict takes this file as it is",
     "use_asft_loss": "ASFT (DFT plus a KL term to a reference model's next-token "
     "distributions) is not available; use_dft_loss is",
 }

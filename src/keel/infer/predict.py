@@ -1,0 +1,318 @@
+"""`keel predict`: answer every prompt of a dataset with a model, and score the answers
+against the dataset's own (LLaMA-Factory's `do_predict` with `predict_with_generate`).
+
+Each row is a conversation that ends with the assistant's answer, in any format keel trains
+on (messages, sharegpt, alpaca; files, folders, Hub datasets, dataset_info.json names). The
+conversation before the last answer is the prompt, rendered with the chat template and its
+generation prompt as training renders it; the last answer is the label. A row with images
+needs a vision-language model, and is rendered with the model's own template. The prompts
+are answered by the engine `keel serve` runs (continuous batching); row i samples with seed
+`seed + i`, so an answer does not depend on what else is in the batch's sampling.
+
+The output folder gets `generated_predictions.jsonl` (one line per row, in order: prompt,
+predict, label, as theirs, plus finish_reason and source) and `predict_results.json` (the
+scores of keel.infer.text_metrics, as predict_<name>, and the timings). The folder is
+written whole at the end, or not at all; one that is not empty is refused before anything
+loads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from keel.config.schema import DataConfig
+from keel.data.formats import RowError, detect_format, row_to_example, without_system
+from keel.data.report import Rejection, list_capped
+from keel.errors import DataError, ImageError
+
+Log = Callable[[str], None]
+PREDICTIONS = "generated_predictions.jsonl"
+RESULTS = "predict_results.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Answering:
+    """How the answers are generated."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 42  # row i samples with seed + i
+    max_batch_size: int = 16  # sequences decoded together
+    system: str | None = None  # a system prompt for rows without one
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictRequest:
+    model: str  # as keel chat's --model
+    adapter: str | None
+    data: DataConfig  # data.datasets: the rows; template, cutoff_len (prompt tokens), overlength
+    out: Path  # must not exist or be empty
+    answering: Answering
+    cache_dir: str = "~/.cache/keel"
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    where: str  # file and row
+    ids: list[int]
+    text: str  # the rendered prompt (images as their placeholders)
+    label: str
+    images: object | None = None  # keel.infer.vision.ImagePrompt
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """What turns rows into prompts: the tokenizer, template and the model's vision."""
+
+    tokenizer: object
+    template: object  # keel.data.template.ChatTemplate
+    vision: object | None
+    system: str | None
+
+
+def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=None) -> Path:
+    """Answer every row of `request.data.datasets`; write request.out; return it.
+
+    `dist` (keel.distributed.process_group.DistContext; None: this process alone, on its
+    GPU if it has one): each of its processes answers every world_size-th row on its own
+    device, with the same per-row seeds, and the first gathers the answers and writes."""
+    from keel.data.template import resolve_template
+    from keel.distributed.process_group import DistContext, choose_device, main_rank_first
+    from keel.export.write import check_out
+    from keel.infer.vision import vision_of
+    from keel.models import load_for_inference
+
+    dist = dist if dist is not None else DistContext(device=choose_device(0))
+    say = log if dist.is_main else _quiet
+    out = check_out(Path(request.out).expanduser())
+    model, tokenizer = load_for_inference(
+        request.model, request.adapter, cache_dir=request.cache_dir, log=say
+    )
+    model = model.to(dist.device)
+    template, note = resolve_template(request.data.template, tokenizer, base_dir)
+    if note:
+        say(note)
+    reader = _Reader(tokenizer, template, vision_of(model, say), request.answering.system)
+    folders = (Path(base_dir), Path(request.cache_dir).expanduser())
+    with main_rank_first(dist):  # the first reads (and caches) the data; then the others
+        prompts = read_prompts(request.data, reader, folders=folders, log=say)
+    started = time.perf_counter()
+    share = list(range(dist.rank, len(prompts), dist.world_size))
+    if dist.world_size > 1:
+        n = dist.world_size
+        say(f"predict: {n} processes; process r answers rows r, r + {n}, r + {2 * n}, ...")
+    mine = _generate(model, reader, [(i, prompts[i]) for i in share], request.answering, say)
+    gathered = dist.gather_objects(list(zip(share, mine)), slow=True)  # waits for the slowest
+    if not dist.is_main:
+        return out
+    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
+    answers = [answer for _, answer in ordered]
+    seconds = time.perf_counter() - started
+    texts = [tokenizer.decode(a.token_ids, skip_special_tokens=True) for a in answers]
+    results = _results(request, prompts, answers, texts, seconds) | {"processes": dist.world_size}
+
+    def write(folder: Path) -> None:
+        with open(folder / PREDICTIONS, "w", encoding="utf-8") as f:
+            for prompt, answer, text in zip(prompts, answers, texts):
+                record = {
+                    "prompt": prompt.text,
+                    "predict": text,
+                    "label": prompt.label,
+                    "finish_reason": answer.finish_reason,
+                    "source": prompt.where,
+                }
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        (folder / RESULTS).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+    from keel.export.partial_folder import write_folder_atomically
+
+    write_folder_atomically(out, write, log)
+    log(_summary(results, out))
+    return out
+
+
+def _quiet(message: str) -> None:
+    """The log of every process but the first: one copy of each line is enough."""
+
+
+def read_prompts(
+    data: DataConfig, reader: _Reader, *, folders: tuple[Path, Path], log: Log
+) -> list[_Prompt]:
+    """Every row of data.datasets as a prompt and its label, in order; `folders`: the folder
+    relative paths start from, and keel's cache (Hub datasets). DataError naming each
+    row that cannot be one (data.on_invalid skip: skipped and counted), and each prompt over
+    data.cutoff_len tokens (data.overlength drop: skipped and counted)."""
+    from keel.data.detect import spec_for_stage
+    from keel.data.mixing import source_loader
+    from keel.data.sources import resolve_sources
+
+    base_dir, cache_dir = folders
+    sources = resolve_sources(data, base_dir, stage="sft")
+    for note in (n for src in sources for n in src.notes):
+        log(f"note: {note}")
+    load = source_loader(data, cache_dir=cache_dir, base_dir=base_dir, seed=0, log=log)
+    prompts, rejections, overlong = [], [], []
+    for src, units in zip(sources, load(sources)):
+        readable = [u for u in units if u.dataset is not None and len(u.dataset)]
+        first = readable[0].dataset[0] if readable else None
+        where = f"{src.where}, file {readable[0].file}" if readable else src.where
+        fmt = src.format
+        if fmt == "auto" and first is not None:
+            fmt = detect_format(first, src.columns, src.tags, where)
+        if fmt == "text":
+            raise DataError(
+                f"{where}: plain text (format text) has no answer to compare with; keel "
+                f"predict reads conversations that end with the answer (messages, sharegpt, "
+                f"alpaca)"
+            )
+        spec = spec_for_stage(first, src.format, src.columns, src.tags, "sft", where)
+        for unit in units:
+            rejections += unit.rejections
+            for k, row in enumerate(unit.dataset if unit.dataset is not None else ()):
+                number, line = unit.row_of(k)
+                place = Rejection(unit.file, number, "", line)
+                try:
+                    prompt = _prompt(row, (src, spec), reader, place.where())
+                except RowError as e:
+                    rejections.append(Rejection(unit.file, number, str(e), line))
+                    continue
+                if len(prompt.ids) > data.cutoff_len:
+                    overlong.append(f"{place.where()}: {len(prompt.ids)} tokens")
+                    continue
+                prompts.append(prompt)
+    _check_rows(data, rejections, overlong, log)
+    if not prompts:
+        raise DataError("no rows to answer in data.datasets")
+    return prompts
+
+
+def _prompt(row: dict, source, reader: _Reader, where: str) -> _Prompt:
+    """`source`: the row's (keel.data.sources.Source, FormatSpec)."""
+    from keel.data.template import render
+
+    src, spec = source
+    example = row_to_example(without_system(row, spec) if src.config.drop_system else row, spec)
+    messages, label = example.content[:-1], example.content[-1]["content"]
+    if reader.system and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": reader.system}, *messages]
+    tokenizer = reader.tokenizer
+    if example.images:
+        return _prompt_with_images(messages, example.images, src.media_dir, reader, where, label)
+    text = render(tokenizer, reader.template, messages, generation=True, tools=example.tools)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return _Prompt(where, ids, text, label)
+
+
+def _prompt_with_images(messages, refs, media_dir, reader: _Reader, where, label) -> _Prompt:
+    from keel.infer.vision import encode_with_images, render
+    from keel.models.vision.images import load_image
+
+    if reader.vision is None:
+        raise RowError(
+            f"has {len(refs)} image(s), but the model is a text model; images need a "
+            f"vision-language model (e.g. Qwen2-VL, LLaVA)"
+        )
+    try:
+        images = [load_image(ref, media_dir) for ref in refs]
+        prompt = encode_with_images(reader.tokenizer, messages, images, reader.vision)
+    except ImageError as e:
+        raise RowError(str(e)) from None
+    text = render(reader.tokenizer, messages)
+    return _Prompt(where, list(prompt.input_ids), text, label, prompt)
+
+
+def _check_rows(data: DataConfig, rejections: list, overlong: list[str], log: Log) -> None:
+    if rejections and data.on_invalid == "error":
+        lines = "\n".join(list_capped([str(r) for r in rejections]))
+        raise DataError(
+            f"{len(rejections)} row(s) cannot be answered and scored:\n{lines}\nfix them, or "
+            f"skip them (data.on_invalid: skip; keel predict --skip-invalid)"
+        )
+    if rejections:
+        log(f"skipped {len(rejections)} invalid row(s) (data.on_invalid: skip)")
+    if overlong and data.overlength != "drop":
+        lines = "\n".join(list_capped(overlong))
+        raise DataError(
+            f"{len(overlong)} prompt(s) longer than cutoff_len={data.cutoff_len} tokens:\n"
+            f"{lines}\nraise cutoff_len (keel predict --cutoff-len), or skip them "
+            f"(data.overlength: drop; keel predict --skip-long)"
+        )
+    if overlong:
+        log(f"skipped {len(overlong)} prompt(s) over cutoff_len={data.cutoff_len} tokens")
+
+
+def _generate(model, reader: _Reader, share: list[tuple[int, _Prompt]], answering, log: Log):
+    """The completion of each (row index, prompt) of this process's `share`, in order (row i
+    samples with seed + i); a progress line after each chunk of prompts."""
+    from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
+
+    banned = ()
+    if reader.vision is not None:  # a completion holding an image token has no image for it
+        banned = (reader.tokenizer.convert_tokens_to_ids(reader.vision.family.image_token),)
+    sampling = Sampling(
+        max_tokens=answering.max_new_tokens,
+        temperature=answering.temperature,
+        top_p=answering.top_p,
+        banned=banned,
+    )
+    chunk = max(64, 4 * answering.max_batch_size)
+    answers, started = [], time.perf_counter()
+    for start in range(0, len(share), chunk):
+        requests = [
+            GroupRequest(prompt_ids=p.ids, n=1, seed=answering.seed + i, images=p.images)
+            for i, p in share[start : start + chunk]
+        ]
+        done = generate_groups(
+            model, reader.tokenizer, requests, sampling, max_batch_size=answering.max_batch_size
+        )
+        answers += [completions[0] for completions in done]
+        new = sum(len(a.token_ids) for a in answers)
+        seconds = time.perf_counter() - started
+        log(f"predict: {len(answers)}/{len(share)} answered, {new / seconds:.1f} new tokens/s")
+    return answers
+
+
+def _results(request: PredictRequest, prompts, answers, texts: list[str], seconds: float):
+    from keel import __version__
+    from keel.infer.text_metrics import score_answers
+
+    scores = score_answers(zip(texts, (p.label for p in prompts)))
+    new_tokens = sum(len(a.token_ids) for a in answers)
+    answering = request.answering
+    return {
+        **{f"predict_{name}": value for name, value in scores.items()},
+        "predict_samples": len(prompts),
+        # ended by max_new_tokens or by the model's context, not by the model
+        "predict_cut_off": sum(a.finish_reason == "length" for a in answers),
+        "predict_new_tokens": new_tokens,
+        "predict_runtime": round(seconds, 4),
+        "predict_samples_per_second": round(len(prompts) / seconds, 3),
+        "predict_tokens_per_second": round(new_tokens / seconds, 3),
+        "model": request.model,
+        "adapter": request.adapter,
+        "sampling": {
+            "max_new_tokens": answering.max_new_tokens,
+            "temperature": answering.temperature,
+            "top_p": answering.top_p,
+            "seed": answering.seed,
+        },
+        "keel_version": __version__,
+    }
+
+
+def _summary(results: dict, out: Path) -> str:
+    scores = ", ".join(
+        f"{name} {results[f'predict_{name}']:.2f}"
+        for name in ("bleu-4", "rouge-1", "rouge-2", "rouge-l", "exact_match")
+    )
+    cut = results["predict_cut_off"]
+    cut_note = f"; {cut} cut off (max_new_tokens, or the model's context)" if cut else ""
+    return (
+        f"predicted {results['predict_samples']} answers in {results['predict_runtime']:.1f} s "
+        f"({results['predict_tokens_per_second']:.1f} new tokens/s): {scores}{cut_note} -> {out}"
+    )
