@@ -79,14 +79,20 @@ _SWITCHES = (("skip_long", "--skip-long"), ("skip_invalid", "--skip-invalid"))
 def run_predict(args) -> int:
     """One process answers (on its GPU, if any); --nproc N starts N workers via torchrun,
     after the flags, the config and the output folder are checked here once."""
+    import contextlib
+    import io
     import os
 
     from keel.distributed.launch import LaunchSpec, detect_world, launch, needs_launch
     from keel.export.write import check_out
 
     worker_args = _worker_args(args)
-    request = _request(args)
     world = detect_world(os.environ)
+    if world.is_distributed and not world.is_main:  # the mapping report: rank 0 prints it
+        with contextlib.redirect_stderr(io.StringIO()):
+            request = _request(args)
+    else:
+        request = _request(args)
     spec = LaunchSpec(nproc=args.nproc)
     if needs_launch(world, spec):
         check_out(request.out.expanduser())

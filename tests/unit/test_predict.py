@@ -315,3 +315,11 @@ def test_rows_with_images_are_answered_as_keel_chat_answers_them(folders, tmp_pa
     assert done.returncode == 2 and "row 1: has 1 image(s), but the model is a text model" in (
         done.stderr
     )
+
+
+def test_keel_train_on_their_predict_config_names_keel_predict(folders):
+    from keel.config.dialects import translate
+
+    raw = _llamafactory_predict(folders["model"], folders["lora"])
+    refused = {f.key: f.why for f in translate(raw, Path("predict.yaml")).refused()}
+    assert "keel predict takes this file as it is" in refused["do_predict"]

@@ -81,6 +81,8 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
     `dist` (keel.distributed.process_group.DistContext; None: this process alone, on its
     GPU if it has one): each of its processes answers every world_size-th row on its own
     device, with the same per-row seeds, and the first gathers the answers and writes."""
+    import torch
+
     from keel.data.template import resolve_template
     from keel.distributed.process_group import DistContext, choose_device, main_rank_first
     from keel.export.write import check_out
@@ -90,8 +92,10 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
     dist = dist if dist is not None else DistContext(device=choose_device(0))
     say = log if dist.is_main else _quiet
     out = check_out(Path(request.out).expanduser())
+    # on a GPU the checkpoint's own dtype (bf16 for most), on the CPU fp32 as keel chat
+    dtype = None if dist.device.type == "cuda" else torch.float32
     model, tokenizer = load_for_inference(
-        request.model, request.adapter, cache_dir=request.cache_dir, log=say
+        request.model, request.adapter, cache_dir=request.cache_dir, dtype=dtype, log=say
     )
     model = model.to(dist.device)
     template, note = resolve_template(request.data.template, tokenizer, base_dir)
@@ -100,7 +104,7 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
     reader = _Reader(tokenizer, template, vision_of(model, say), request.answering.system)
     folders = (Path(base_dir), Path(request.cache_dir).expanduser())
     with main_rank_first(dist):  # the first reads (and caches) the data; then the others
-        prompts = read_prompts(request.data, reader, folders=folders, log=say)
+        prompts = read_prompts(request, reader, folders=folders, log=say)
     started = time.perf_counter()
     share = list(range(dist.rank, len(prompts), dist.world_size))
     if dist.world_size > 1:
@@ -141,21 +145,28 @@ def _quiet(message: str) -> None:
 
 
 def read_prompts(
-    data: DataConfig, reader: _Reader, *, folders: tuple[Path, Path], log: Log
+    request: PredictRequest, reader: _Reader, *, folders: tuple[Path, Path], log: Log
 ) -> list[_Prompt]:
-    """Every row of data.datasets as a prompt and its label, in order; `folders`: the folder
-    relative paths start from, and keel's cache (Hub datasets). DataError naming each
-    row that cannot be one (data.on_invalid skip: skipped and counted), and each prompt over
-    data.cutoff_len tokens (data.overlength drop: skipped and counted)."""
+    """Every row of request.data.datasets as a prompt and its label, in order; `folders`:
+    the folder relative paths start from, and keel's cache (Hub datasets). DataError naming
+    each row that cannot be one (data.on_invalid skip: skipped and counted), and each prompt
+    over data.cutoff_len tokens (data.overlength drop: skipped and counted). The datasets
+    follow one another (data.mix is training's: a mix that draws rows twice would count
+    them twice); a dataset's num_samples draws with the request's seed, as LLaMA-Factory
+    draws with its run's."""
+    import dataclasses
+
     from keel.data.detect import spec_for_stage
     from keel.data.mixing import source_loader
     from keel.data.sources import resolve_sources
 
     base_dir, cache_dir = folders
+    data = dataclasses.replace(request.data, mix="concat")
     sources = resolve_sources(data, base_dir, stage="sft")
     for note in (n for src in sources for n in src.notes):
         log(f"note: {note}")
-    load = source_loader(data, cache_dir=cache_dir, base_dir=base_dir, seed=0, log=log)
+    seed = request.answering.seed
+    load = source_loader(data, cache_dir=cache_dir, base_dir=base_dir, seed=seed, log=log)
     prompts, rejections, overlong = [], [], []
     for src, units in zip(sources, load(sources)):
         readable = [u for u in units if u.dataset is not None and len(u.dataset)]
