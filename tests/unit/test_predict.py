@@ -126,18 +126,15 @@ def test_refusals_leave_the_folder_alone(folders, tmp_path):
     text = tmp_path / "text.jsonl"
     text.write_text(json.dumps({"text": "plain text"}) + "\n")
     done = _predict(tmp_path, *model, "--data", str(text), "--out", "t")
-    assert done.returncode == 2 and "has no answer to compare with" in done.stderr
+    assert done.returncode == 2 and "holds no prompt to answer" in done.stderr
 
     bad = tmp_path / "bad.jsonl"
     rows = good.read_text().splitlines()
-    unanswered = {"messages": [{"role": "user", "content": "Hi"}]}
-    bad.write_text("\n".join([rows[0], json.dumps(unanswered), rows[3]]) + "\n")
+    misordered = {"messages": [{"role": "assistant", "content": "Hi"}]}
+    bad.write_text("\n".join([rows[0], json.dumps(misordered), rows[3]]) + "\n")
     done = _predict(tmp_path, *model, "--data", str(bad), "--out", "b")
-    assert (
-        done.returncode == 2
-        and f"{bad.name} row 2" in done.stderr
-        and "ends with user" in done.stderr
-    )
+    said = "message 1 is assistant, expected user"
+    assert done.returncode == 2 and f"{bad.name} row 2" in done.stderr and said in done.stderr
     assert not (tmp_path / "b").exists()
     done = _predict(tmp_path, *model, "--data", str(bad), "--out", "b", "--skip-invalid")
     assert done.returncode == 0 and "skipped 1 invalid row" in done.stdout
@@ -158,6 +155,32 @@ def test_refusals_leave_the_folder_alone(folders, tmp_path):
     ):
         done = _predict(tmp_path, *model, "--out", "z", *flags)
         assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_prompts_without_answers_are_answered_not_scored(folders, tmp_path):
+    replies = _replies(folders["model"])
+    chat = tmp_path / "chat.jsonl"  # conversations, two of them ending with the user's turn
+    answered = [*CONVERSATIONS[1], {"role": "assistant", "content": replies[1]}]
+    rows = [{"messages": CONVERSATIONS[0]}, {"messages": answered}, {"messages": CONVERSATIONS[2]}]
+    chat.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    alpaca = tmp_path / "alpaca.json"  # alpaca without outputs
+    alpaca.write_text(json.dumps([{"instruction": CONVERSATIONS[3][0]["content"]}]))
+    trl = tmp_path / "trl.jsonl"  # TRL's prompt-only rows, messages and text
+    trl_rows = [{"prompt": CONVERSATIONS[0]}, {"prompt": "0 1 2"}]
+    trl.write_text("".join(json.dumps(row) + "\n" for row in trl_rows))
+    flags = ["--model", str(folders["model"]), "--max-new-tokens", str(TOKENS)]
+    for path in (chat, alpaca, trl):
+        flags += ["--data", str(path)]
+    done = _predict(tmp_path, *flags, "--out", "out")
+    assert done.returncode == 0, done.stderr
+    records, results = _read(tmp_path / "out")
+    answers = [r["predict"] for r in records]
+    assert answers[:5] == [replies[0], replies[1], replies[2], replies[3], replies[0]]
+    assert records[5]["prompt"] == "0 1 2" and answers[5]  # continued as it is
+    assert [r["label"] for r in records] == [None, replies[1], None, None, None, None]
+    assert results["predict_samples"] == 6 and results["predict_labelled"] == 1
+    assert results["predict_exact_match"] == 100.0 and results["predict_bleu-4"] == 100.0
+    assert "5 without a label, not scored" in done.stdout
 
 
 # examples/extras/nlg_eval/llama3_lora_predict.yaml's keys, on local files

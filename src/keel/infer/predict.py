@@ -4,8 +4,9 @@ against the dataset's own (LLaMA-Factory's `do_predict` with `predict_with_gener
 Each row is a conversation that ends with the assistant's answer, in any format keel trains
 on (messages, sharegpt, alpaca; files, folders, Hub datasets, dataset_info.json names). The
 conversation before the last answer is the prompt, rendered with the chat template and its
-generation prompt as training renders it; the last answer is the label. A row with images
-needs a vision-language model, and is rendered with the model's own template. The prompts
+generation prompt as training renders it; the last answer is the label. A row without an
+answer (grpo's prompts) is answered and not scored. A row with images needs a
+vision-language model, and is rendered with the model's own template. The prompts
 are answered by the engine `keel serve` runs (continuous batching); row i samples with seed
 `seed + i`, so an answer does not depend on what else is in the batch's sampling.
 
@@ -61,8 +62,14 @@ class _Prompt:
     where: str  # file and row
     ids: list[int]
     text: str  # the rendered prompt (images as their placeholders)
-    label: str
-    images: object | None = None  # keel.infer.vision.ImagePrompt
+    label: str | None  # None: a prompt alone, answered but not scored
+    # a row with images: (messages, image references, their folder), encoded again when
+    # its chunk is answered, so that a large dataset's pixels are never all in memory
+    images: tuple | None = None
+
+    def image_prompt(self, reader: _Reader):
+        """The keel.infer.vision.ImagePrompt the model answers; None for a text row."""
+        return None if self.images is None else _encode_images(reader, *self.images)
 
 
 @dataclass(frozen=True)
@@ -156,7 +163,6 @@ def read_prompts(
     draws with its run's."""
     import dataclasses
 
-    from keel.data.detect import spec_for_stage
     from keel.data.mixing import source_loader
     from keel.data.sources import resolve_sources
 
@@ -172,16 +178,7 @@ def read_prompts(
         readable = [u for u in units if u.dataset is not None and len(u.dataset)]
         first = readable[0].dataset[0] if readable else None
         where = f"{src.where}, file {readable[0].file}" if readable else src.where
-        fmt = src.format
-        if fmt == "auto" and first is not None:
-            fmt = detect_format(first, src.columns, src.tags, where)
-        if fmt == "text":
-            raise DataError(
-                f"{where}: plain text (format text) has no answer to compare with; keel "
-                f"predict reads conversations that end with the answer (messages, sharegpt, "
-                f"alpaca)"
-            )
-        spec = spec_for_stage(first, src.format, src.columns, src.tags, "sft", where)
+        spec = _spec_of(src, first, where)
         for unit in units:
             rejections += unit.rejections
             for k, row in enumerate(unit.dataset if unit.dataset is not None else ()):
@@ -202,26 +199,68 @@ def read_prompts(
     return prompts
 
 
+def _spec_of(src, first: dict | None, where: str):
+    """How `src` is read: as SFT reads it (rows that end with their answer); a dataset of
+    prompts alone (TRL's prompt-only rows, alpaca without outputs) as grpo reads it."""
+    from keel.data.detect import spec_for_stage
+
+    fmt = src.format
+    if fmt == "auto" and first is not None:
+        try:
+            fmt = detect_format(first, src.columns, src.tags, where)
+        except DataError:
+            fmt = "auto"  # no SFT format: prompts, perhaps
+    if fmt == "text":
+        raise DataError(
+            f"{where}: plain text (format text) holds no prompt to answer; keel predict reads "
+            f"conversations (messages, sharegpt, alpaca), with or without the answer"
+        )
+    try:
+        return spec_for_stage(first, src.format, src.columns, src.tags, "sft", where)
+    except DataError as answered:
+        try:
+            return spec_for_stage(first, src.format, src.columns, src.tags, "grpo", where)
+        except DataError:
+            raise answered from None
+
+
 def _prompt(row: dict, source, reader: _Reader, where: str) -> _Prompt:
-    """`source`: the row's (keel.data.sources.Source, FormatSpec)."""
+    """`source`: the row's (keel.data.sources.Source, FormatSpec). A row that ends with the
+    assistant's answer is a prompt and its label; one that ends with the user's turn (or an
+    alpaca row without output, or TRL's prompt-only row) is a prompt without a label."""
+    from keel.data.encode_prompt import prompt_ids, row_to_prompt
     from keel.data.template import render
 
     src, spec = source
-    example = row_to_example(without_system(row, spec) if src.config.drop_system else row, spec)
-    messages, label = example.content[:-1], example.content[-1]["content"]
+    row = without_system(row, spec) if src.config.drop_system else row
+    try:
+        if spec.format == "prompt":
+            raise RowError("a prompt alone")
+        example = row_to_example(row, spec)
+        messages, label = example.content[:-1], example.content[-1]["content"]
+        images, tools = example.images, example.tools
+    except RowError as answered:
+        try:
+            asked = row_to_prompt(row, spec)
+        except RowError:
+            raise answered from None
+        messages, label, images, tools = asked.prompt, None, asked.images, ()
+    tokenizer = reader.tokenizer
+    if isinstance(messages, str):  # TRL's text prompt: continued as it is
+        if images:
+            raise RowError("a text prompt with images: give the prompt as messages")
+        return _Prompt(where, prompt_ids(tokenizer, reader.template, messages), messages, label)
     if reader.system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": reader.system}, *messages]
-    tokenizer = reader.tokenizer
-    if example.images:
-        return _prompt_with_images(messages, example.images, src.media_dir, reader, where, label)
-    text = render(tokenizer, reader.template, messages, generation=True, tools=example.tools)
+    if images:
+        return _prompt_with_images(messages, images, src.media_dir, reader, where, label)
+    text = render(tokenizer, reader.template, messages, generation=True, tools=tools)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return _Prompt(where, ids, text, label)
 
 
 def _prompt_with_images(messages, refs, media_dir, reader: _Reader, where, label) -> _Prompt:
-    from keel.infer.vision import encode_with_images, render
-    from keel.models.vision.images import load_image
+    from keel.infer.vision import render
 
     if reader.vision is None:
         raise RowError(
@@ -229,12 +268,19 @@ def _prompt_with_images(messages, refs, media_dir, reader: _Reader, where, label
             f"vision-language model (e.g. Qwen2-VL, LLaVA)"
         )
     try:
-        images = [load_image(ref, media_dir) for ref in refs]
-        prompt = encode_with_images(reader.tokenizer, messages, images, reader.vision)
+        prompt = _encode_images(reader, messages, refs, media_dir)
     except ImageError as e:
         raise RowError(str(e)) from None
     text = render(reader.tokenizer, messages)
-    return _Prompt(where, list(prompt.input_ids), text, label, prompt)
+    return _Prompt(where, list(prompt.input_ids), text, label, (messages, refs, media_dir))
+
+
+def _encode_images(reader: _Reader, messages, refs, media_dir):
+    from keel.infer.vision import encode_with_images
+    from keel.models.vision.images import load_image
+
+    images = [load_image(ref, media_dir) for ref in refs]
+    return encode_with_images(reader.tokenizer, messages, images, reader.vision)
 
 
 def _check_rows(data: DataConfig, rejections: list, overlong: list[str], log: Log) -> None:
@@ -275,7 +321,9 @@ def _generate(model, reader: _Reader, share: list[tuple[int, _Prompt]], answerin
     answers, started = [], time.perf_counter()
     for start in range(0, len(share), chunk):
         requests = [
-            GroupRequest(prompt_ids=p.ids, n=1, seed=answering.seed + i, images=p.images)
+            GroupRequest(
+                prompt_ids=p.ids, n=1, seed=answering.seed + i, images=p.image_prompt(reader)
+            )
             for i, p in share[start : start + chunk]
         ]
         done = generate_groups(
@@ -292,12 +340,14 @@ def _results(request: PredictRequest, prompts, answers, texts: list[str], second
     from keel import __version__
     from keel.infer.text_metrics import score_answers
 
-    scores = score_answers(zip(texts, (p.label for p in prompts)))
+    labelled = [(text, p.label) for text, p in zip(texts, prompts) if p.label is not None]
+    scores = score_answers(labelled)
     new_tokens = sum(len(a.token_ids) for a in answers)
     answering = request.answering
     return {
         **{f"predict_{name}": value for name, value in scores.items()},
         "predict_samples": len(prompts),
+        "predict_labelled": len(labelled),  # the rows scored: those with an answer
         # ended by max_new_tokens or by the model's context, not by the model
         "predict_cut_off": sum(a.finish_reason == "length" for a in answers),
         "predict_new_tokens": new_tokens,
@@ -317,13 +367,17 @@ def _results(request: PredictRequest, prompts, answers, texts: list[str], second
 
 
 def _summary(results: dict, out: Path) -> str:
+    names = ("bleu-4", "rouge-1", "rouge-2", "rouge-l", "exact_match")
     scores = ", ".join(
-        f"{name} {results[f'predict_{name}']:.2f}"
-        for name in ("bleu-4", "rouge-1", "rouge-2", "rouge-l", "exact_match")
+        f"{name} {results[f'predict_{name}']:.2f}" for name in names if f"predict_{name}" in results
     )
-    cut = results["predict_cut_off"]
-    cut_note = f"; {cut} cut off (max_new_tokens, or the model's context)" if cut else ""
+    unscored = results["predict_samples"] - results["predict_labelled"]
+    notes = [scores or "no labels to score"]
+    if unscored and scores:
+        notes.append(f"{unscored} without a label, not scored")
+    if cut := results["predict_cut_off"]:
+        notes.append(f"{cut} cut off (max_new_tokens, or the model's context)")
     return (
         f"predicted {results['predict_samples']} answers in {results['predict_runtime']:.1f} s "
-        f"({results['predict_tokens_per_second']:.1f} new tokens/s): {scores}{cut_note} -> {out}"
+        f"({results['predict_tokens_per_second']:.1f} new tokens/s): {'; '.join(notes)} -> {out}"
     )
