@@ -147,6 +147,16 @@ def test_refusals_leave_the_folder_alone(folders, tmp_path):
     )
     kept = _read(tmp_path / "c")[1]["predict_samples"]
     assert done.returncode == 0 and 0 < kept < 4
+    # the tiny model's positions (512), not a larger cutoff_len, bound a prompt
+    long = tmp_path / "long.jsonl"
+    turns = [
+        {"role": "user", "content": "hello world " * 400},
+        {"role": "assistant", "content": "x"},
+    ]
+    long.write_text(json.dumps({"messages": turns}) + "\n")
+    done = _predict(tmp_path, *model, "--data", str(long), "--out", "d", "--cutoff-len", "4096")
+    said = "1 prompt(s) with no room to answer in the model's context of 512 tokens"
+    assert done.returncode == 2 and said in done.stderr, done.stderr
 
     for flags, said in (
         ((), "keel predict needs --data"),

@@ -80,6 +80,7 @@ class _Reader:
     template: object  # keel.data.template.ChatTemplate
     vision: object | None
     system: str | None
+    context: int  # the longest sequence the model's positions allow (prompt and answer)
 
 
 def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=None) -> Path:
@@ -108,7 +109,10 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
     template, note = resolve_template(request.data.template, tokenizer, base_dir)
     if note:
         say(note)
-    reader = _Reader(tokenizer, template, vision_of(model, say), request.answering.system)
+    from keel.infer.serve.engine import context_length
+
+    vision, context = vision_of(model, say), context_length(model.config)
+    reader = _Reader(tokenizer, template, vision, request.answering.system, context)
     folders = (Path(base_dir), Path(request.cache_dir).expanduser())
     with main_rank_first(dist):  # the first reads (and caches) the data; then the others
         prompts = read_prompts(request, reader, folders=folders, log=say)
@@ -189,11 +193,11 @@ def read_prompts(
                 except RowError as e:
                     rejections.append(Rejection(unit.file, number, str(e), line))
                     continue
-                if len(prompt.ids) > data.cutoff_len:
+                if len(prompt.ids) > min(data.cutoff_len, reader.context - 1):
                     overlong.append(f"{place.where()}: {len(prompt.ids)} tokens")
                     continue
                 prompts.append(prompt)
-    _check_rows(data, rejections, overlong, log)
+    _check_rows(data, rejections, (overlong, reader.context), log)
     if not prompts:
         raise DataError("no rows to answer in data.datasets")
     return prompts
@@ -283,7 +287,8 @@ def _encode_images(reader: _Reader, messages, refs, media_dir):
     return encode_with_images(reader.tokenizer, messages, images, reader.vision)
 
 
-def _check_rows(data: DataConfig, rejections: list, overlong: list[str], log: Log) -> None:
+def _check_rows(data: DataConfig, rejections: list, overlong: tuple, log: Log) -> None:
+    """`overlong`: (the prompts over the limit, the model's context length)."""
     if rejections and data.on_invalid == "error":
         lines = "\n".join(list_capped([str(r) for r in rejections]))
         raise DataError(
@@ -292,15 +297,19 @@ def _check_rows(data: DataConfig, rejections: list, overlong: list[str], log: Lo
         )
     if rejections:
         log(f"skipped {len(rejections)} invalid row(s) (data.on_invalid: skip)")
-    if overlong and data.overlength != "drop":
-        lines = "\n".join(list_capped(overlong))
-        raise DataError(
-            f"{len(overlong)} prompt(s) longer than cutoff_len={data.cutoff_len} tokens:\n"
-            f"{lines}\nraise cutoff_len (keel predict --cutoff-len), or skip them "
-            f"(data.overlength: drop; keel predict --skip-long)"
-        )
-    if overlong:
-        log(f"skipped {len(overlong)} prompt(s) over cutoff_len={data.cutoff_len} tokens")
+    prompts, context = overlong
+    if data.cutoff_len < context:
+        limit = f"longer than cutoff_len={data.cutoff_len} tokens"
+    else:  # the model's positions, not cutoff_len, bound them; an answer needs one at least
+        limit = f"with no room to answer in the model's context of {context} tokens"
+    if prompts and data.overlength != "drop":
+        lines = "\n".join(list_capped(prompts))
+        skip = "skip them (data.overlength: drop; keel predict --skip-long)"
+        if data.cutoff_len < context:
+            skip = f"raise cutoff_len (keel predict --cutoff-len), or {skip}"
+        raise DataError(f"{len(prompts)} prompt(s) {limit}:\n{lines}\n{skip}")
+    if prompts:
+        log(f"skipped {len(prompts)} prompt(s) {limit}")
 
 
 def _generate(model, reader: _Reader, share: list[tuple[int, _Prompt]], answering, log: Log):
