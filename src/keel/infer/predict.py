@@ -8,7 +8,8 @@ generation prompt as training renders it; the last answer is the label. A row wi
 answer (grpo's prompts) is answered and not scored. A row with images needs a
 vision-language model, and is rendered with the model's own template. The prompts
 are answered by the engine `keel serve` runs (continuous batching); row i samples with seed
-`seed + i`, so an answer does not depend on what else is in the batch's sampling.
+`seed + i`, so its answer does not depend on the rows decoded beside it, nor on how many
+processes share the rows.
 
 The output folder gets `generated_predictions.jsonl` (one line per row, in order: prompt,
 predict, label, as theirs, plus finish_reason and source) and `predict_results.json` (the
