@@ -356,3 +356,34 @@ def test_keel_train_on_their_predict_config_names_keel_predict(folders):
     raw = _llamafactory_predict(folders["model"], folders["lora"])
     refused = {f.key: f.why for f in translate(raw, Path("predict.yaml")).refused()}
     assert "keel predict takes this file as it is" in refused["do_predict"]
+
+
+def test_tool_calling_rows_render_their_tools_or_are_refused(folders, tmp_path):
+    from importlib import resources
+
+    from conftest import openai_weather_turns
+
+    qwen = resources.files("trl").joinpath("chat_templates/qwen2_5.jinja")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    turns = openai_weather_turns("Paris", "sunny")
+    row = {"messages": [*turns, {"role": "assistant", "content": "Sunny."}], "tools": tools}
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    tokenizer = build_tiny_tokenizer()
+    model = varied_tiny_model(len(tokenizer))
+    model.config.max_position_embeddings = 1024  # Qwen's tool prompt is ~570 tiny tokens
+    model_dir = write_model_dir(model, tokenizer, tmp_path / "model")
+    flags = ["--model", str(model_dir), "--data", str(data), "--max-new-tokens", "4"]
+    done = _predict(tmp_path, *flags, "--out", "plain")  # the tiny model's ChatML: no tools
+    assert done.returncode == 2 and "does not render tools" in done.stderr
+    done = _predict(tmp_path, *flags, "--out", "out", "--template", str(qwen))
+    assert done.returncode == 0, done.stderr
+    record = _read(tmp_path / "out")[0][0]
+    turns[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}  # parsed, as TRL's
+    turns[1]["content"] = ""
+    expected = tokenizer.apply_chat_template(
+        turns, tools=tools, chat_template=qwen.read_text(), add_generation_prompt=True,
+        tokenize=False,
+    )  # fmt: skip
+    assert record["prompt"] == expected and record["label"] == "Sunny."
+    assert '"name": "get_weather"' in record["prompt"] and "sunny" in record["prompt"]

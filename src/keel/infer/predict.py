@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from keel.config.schema import DataConfig
-from keel.data.formats import RowError, detect_format, row_to_example, without_system
+from keel.data.formats import RowError, detect_format, without_system
 from keel.data.report import Rejection, list_capped
 from keel.errors import DataError, ImageError
 
@@ -235,15 +235,18 @@ def _prompt(row: dict, source, reader: _Reader, where: str) -> _Prompt:
     alpaca row without output, or TRL's prompt-only row) is a prompt without a label."""
     from keel.data.encode_prompt import prompt_ids, row_to_prompt
     from keel.data.template import render
+    from keel.data.tools import check_tool_template, read_example
 
     src, spec = source
     row = without_system(row, spec) if src.config.drop_system else row
     try:
         if spec.format == "prompt":
             raise RowError("a prompt alone")
-        example = row_to_example(row, spec)
+        example = read_example(row, spec)  # tool definitions, calls and outputs too
         messages, label = example.content[:-1], example.content[-1]["content"]
         images, tools = example.images, example.tools
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            check_tool_template(reader.template)  # a DataError: the template, not the row
     except RowError as answered:
         try:
             asked = row_to_prompt(row, spec)
