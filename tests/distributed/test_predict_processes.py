@@ -43,3 +43,4 @@ def test_two_processes_write_what_one_writes(tmp_path):
     assert len({r["predict"] for r in records("one")}) == len(QUESTIONS)  # sampled, varied
     results = json.loads((tmp_path / "two" / "predict_results.json").read_text())
     assert results["processes"] == 2 and results["predict_samples"] == len(QUESTIONS)
+    assert not list(tmp_path.glob(".two.predict-progress-*"))  # each process's, once written

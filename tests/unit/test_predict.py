@@ -387,3 +387,48 @@ def test_tool_calling_rows_render_their_tools_or_are_refused(folders, tmp_path):
     )  # fmt: skip
     assert record["prompt"] == expected and record["label"] == "Sunny."
     assert '"name": "get_weather"' in record["prompt"] and "sunny" in record["prompt"]
+
+
+def test_an_interrupted_run_answers_only_the_rest(folders, tmp_path, monkeypatch):
+    import keel.infer.batch_generate as batch_generate
+
+    rows = [
+        {"messages": [{"role": "user", "content": f"{q} {k}"}, {"role": "assistant", "content": "a"}]}
+        for k in range(5) for q in ("Who are you?", "Name a color.", "Add 2 and 3.", "Hi")
+    ]  # fmt: skip
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--model", str(folders["model"]), "--data", str(data), "--temperature", "1"]
+    flags += ["--max-batch-size", "2", "--max-new-tokens", "6"]  # 20 rows in chunks of 8
+    real, calls = batch_generate.generate_groups, []
+
+    def counted(model, tokenizer, requests, *args, stop_at=None, **kwargs):
+        calls.append(len(requests))
+        if len(calls) == stop_at:
+            raise KeyboardInterrupt  # Ctrl-C, a preemption, a crash: after the first chunk
+        return real(model, tokenizer, requests, *args, **kwargs)
+
+    def run(out: str, *more: str, stop_at=None):
+        calls.clear()
+        monkeypatch.setattr(
+            batch_generate,
+            "generate_groups",
+            lambda *a, **k: counted(*a, stop_at=stop_at, **k),
+        )
+        return _predict(tmp_path, *flags, *more, "--out", out)
+
+    assert run("whole").returncode == 0 and calls == [8, 8, 4]
+    assert run("out", stop_at=2).returncode == 130 and not (tmp_path / "out").exists()
+    progress = tmp_path / ".out.predict-progress-0-of-1.jsonl"
+    assert len(progress.read_text().splitlines()) == 2  # its fingerprint, the first chunk
+    with open(progress, "a") as f:
+        f.write("[[8, [1, 2")  # a line torn by a kill mid-write
+    done = run("out")
+    assert done.returncode == 0, done.stderr
+    assert calls == [8, 4] and "resuming: 8 of 20 rows answered before" in done.stdout
+    assert _read(tmp_path / "out")[0] == _read(tmp_path / "whole")[0] and not progress.exists()
+
+    # another request (another seed) does not take the answers of this one
+    assert run("other", stop_at=2).returncode == 130
+    done = run("other", "--seed", "5")
+    assert done.returncode == 0 and calls == [8, 8, 4] and "starting over" in done.stdout

@@ -89,31 +89,16 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
 
     `dist` (keel.distributed.process_group.DistContext; None: this process alone, on its
     GPU if it has one): each of its processes answers every world_size-th row on its own
-    device, with the same per-row seeds, and the first gathers the answers and writes."""
-    import torch
-
-    from keel.data.template import resolve_template
-    from keel.distributed.process_group import DistContext, choose_device, main_rank_first
+    device, with the same per-row seeds, and the first gathers the answers and writes. Each
+    keeps what it answered on disk as it goes (keel.infer.predict_progress), so the same
+    command after an interruption answers only the rest."""
+    from keel.distributed.process_group import DistContext, choose_device, main_rank_first, on_main
     from keel.export.write import check_out
-    from keel.infer.vision import vision_of
-    from keel.models import load_for_inference
 
     dist = dist if dist is not None else DistContext(device=choose_device(0))
     say = log if dist.is_main else _quiet
     out = check_out(Path(request.out).expanduser())
-    # on a GPU the checkpoint's own dtype (bf16 for most), on the CPU fp32 as keel chat
-    dtype = None if dist.device.type == "cuda" else torch.float32
-    model, tokenizer = load_for_inference(
-        request.model, request.adapter, cache_dir=request.cache_dir, dtype=dtype, log=say
-    )
-    model = model.to(dist.device)
-    template, note = resolve_template(request.data.template, tokenizer, base_dir)
-    if note:
-        say(note)
-    from keel.infer.serve.engine import context_length
-
-    vision, context = vision_of(model, say), context_length(model.config)
-    reader = _Reader(tokenizer, template, vision, request.answering.system, context)
+    model, reader = _load(request, dist.device, base_dir, say)
     folders = (Path(base_dir), Path(request.cache_dir).expanduser())
     with main_rank_first(dist):  # the first reads (and caches) the data; then the others
         prompts = read_prompts(request, reader, folders=folders, log=say)
@@ -122,13 +107,73 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
     if dist.world_size > 1:
         n = dist.world_size
         say(f"predict: {n} processes; process r answers rows r, r + {n}, r + {2 * n}, ...")
-    mine = _generate(model, reader, [(i, prompts[i]) for i in share], request.answering, say)
-    gathered = dist.gather_objects(list(zip(share, mine)), slow=True)  # waits for the slowest
-    if not dist.is_main:
-        return out
-    ordered = sorted((pair for part in gathered for pair in part), key=lambda pair: pair[0])
-    answers = [answer for _, answer in ordered]
-    seconds = time.perf_counter() - started
+    progress = _progress(model, request, [(i, prompts[i]) for i in share], (dist, out), say)
+    todo = [(i, prompts[i]) for i in share if i not in progress.answers]
+    _generate(model, reader, todo, request.answering, (progress.add, say))
+    mine = [(i, progress.answers[i]) for i in share]
+    gathered = dist.gather_objects(mine, slow=True)  # waits for the slowest
+
+    def write() -> None:
+        ordered = sorted((pair for part in gathered for pair in part), key=lambda p: p[0])
+        answers = [answer for _, answer in ordered]
+        seconds = time.perf_counter() - started
+        _write_out(request, out, (prompts, answers, reader.tokenizer), (seconds, dist), log)
+
+    on_main(dist, write)  # a failure there stops every process, each keeping its progress
+    progress.remove()
+    return out
+
+
+def _load(request: PredictRequest, device, base_dir: Path, say: Log):
+    """The model on `device` (on a GPU the checkpoint's own dtype, bf16 for most; on the
+    CPU fp32, as keel chat) and the _Reader of its prompts."""
+    import torch
+
+    from keel.data.template import resolve_template
+    from keel.infer.serve.engine import context_length
+    from keel.infer.vision import vision_of
+    from keel.models import load_for_inference
+
+    dtype = None if device.type == "cuda" else torch.float32
+    model, tokenizer = load_for_inference(
+        request.model, request.adapter, cache_dir=request.cache_dir, dtype=dtype, log=say
+    )
+    model = model.to(device)
+    template, note = resolve_template(request.data.template, tokenizer, base_dir)
+    if note:
+        say(note)
+    vision, context = vision_of(model, say), context_length(model.config)
+    return model, _Reader(tokenizer, template, vision, request.answering.system, context)
+
+
+def _progress(model, request: PredictRequest, share, place: tuple, say: Log):
+    """This process's Progress, holding what an interrupted run of the same request answered
+    (`place`: the DistContext and the output folder)."""
+    import dataclasses
+
+    from keel.infer.predict_progress import Progress, fingerprint, progress_path
+
+    dist, out = place
+    answering = dataclasses.asdict(request.answering)
+    answering.pop("max_batch_size")  # how many decode together: not what each answers
+    facts = {
+        **{"model": request.model, "adapter": request.adapter, "answering": answering},
+        **{"rank": dist.rank, "world_size": dist.world_size},
+    }
+    path = progress_path(out, dist.rank, dist.world_size)
+    progress = Progress(path, fingerprint(model, facts, [p for _, p in share]), say)
+    if kept := progress.load():
+        say(f"predict: resuming: {len(kept)} of {len(share)} rows answered before ({path})")
+    return progress
+
+
+def _write_out(request: PredictRequest, out: Path, answered: tuple, run: tuple, log: Log):
+    """The output folder, whole: `answered` (prompts, answers, tokenizer); `run` (seconds,
+    DistContext)."""
+    from keel.export.partial_folder import write_folder_atomically
+
+    prompts, answers, tokenizer = answered
+    seconds, dist = run
     texts = [tokenizer.decode(a.token_ids, skip_special_tokens=True) for a in answers]
     results = _results(request, prompts, answers, texts, seconds) | {"processes": dist.world_size}
 
@@ -145,11 +190,8 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         (folder / RESULTS).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
 
-    from keel.export.partial_folder import write_folder_atomically
-
     write_folder_atomically(out, write, log)
     log(_summary(results, out))
-    return out
 
 
 def _quiet(message: str) -> None:
@@ -316,11 +358,13 @@ def _check_rows(data: DataConfig, rejections: list, overlong: tuple, log: Log) -
         log(f"skipped {len(prompts)} prompt(s) {limit}")
 
 
-def _generate(model, reader: _Reader, share: list[tuple[int, _Prompt]], answering, log: Log):
-    """The completion of each (row index, prompt) of this process's `share`, in order (row i
-    samples with seed + i); a progress line after each chunk of prompts."""
+def _generate(model, reader: _Reader, todo: list[tuple[int, _Prompt]], answering, sinks):
+    """Answer each (row index, prompt) of `todo` (row i samples with seed + i), a chunk of
+    4 x max_batch_size rows at a time; `sinks`: (keep, log): keep(pairs) gets each chunk's
+    (row index, Completion) pairs as it ends, then a progress line is logged."""
     from keel.infer.batch_generate import GroupRequest, Sampling, generate_groups
 
+    keep, log = sinks
     banned = ()
     if reader.vision is not None:  # a completion holding an image token has no image for it
         banned = (reader.tokenizer.convert_tokens_to_ids(reader.vision.family.image_token),)
@@ -330,23 +374,24 @@ def _generate(model, reader: _Reader, share: list[tuple[int, _Prompt]], answerin
         top_p=answering.top_p,
         banned=banned,
     )
-    chunk = max(64, 4 * answering.max_batch_size)
-    answers, started = [], time.perf_counter()
-    for start in range(0, len(share), chunk):
+    chunk = 4 * answering.max_batch_size
+    new, started = 0, time.perf_counter()
+    for start in range(0, len(todo), chunk):
+        part = todo[start : start + chunk]
         requests = [
             GroupRequest(
                 prompt_ids=p.ids, n=1, seed=answering.seed + i, images=p.image_prompt(reader)
             )
-            for i, p in share[start : start + chunk]
+            for i, p in part
         ]
         done = generate_groups(
             model, reader.tokenizer, requests, sampling, max_batch_size=answering.max_batch_size
         )
-        answers += [completions[0] for completions in done]
-        new = sum(len(a.token_ids) for a in answers)
+        keep([(i, completions[0]) for (i, _), completions in zip(part, done)])
+        new += sum(len(completions[0].token_ids) for completions in done)
         seconds = time.perf_counter() - started
-        log(f"predict: {len(answers)}/{len(share)} answered, {new / seconds:.1f} new tokens/s")
-    return answers
+        answered = start + len(part)
+        log(f"predict: {answered}/{len(todo)} answered, {new / seconds:.1f} new tokens/s")
 
 
 def _results(request: PredictRequest, prompts, answers, texts: list[str], seconds: float):
