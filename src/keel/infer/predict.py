@@ -275,31 +275,20 @@ def _prompt(row: dict, source, reader: _Reader, where: str) -> _Prompt:
     """`source`: the row's (keel.data.sources.Source, FormatSpec). A row that ends with the
     assistant's answer is a prompt and its label; one that ends with the user's turn (or an
     alpaca row without output, or TRL's prompt-only row) is a prompt without a label."""
-    from keel.data.encode_prompt import prompt_ids, row_to_prompt
+    from keel.data.encode_prompt import prompt_ids
     from keel.data.template import render
-    from keel.data.tools import check_tool_template, read_example
+    from keel.data.tools import check_tool_template
 
     src, spec = source
     row = without_system(row, spec) if src.config.drop_system else row
-    try:
-        if spec.format == "prompt":
-            raise RowError("a prompt alone")
-        example = read_example(row, spec)  # tool definitions, calls and outputs too
-        messages, label = example.content[:-1], example.content[-1]["content"]
-        images, tools = example.images, example.tools
-        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            check_tool_template(reader.template)  # a DataError: the template, not the row
-    except RowError as answered:
-        try:
-            asked = row_to_prompt(row, spec)
-        except RowError:
-            raise answered from None
-        messages, label, images, tools = asked.prompt, None, asked.images, ()
+    messages, label, images, tools = _read_row(row, spec)
     tokenizer = reader.tokenizer
     if isinstance(messages, str):  # TRL's text prompt: continued as it is
         if images:
             raise RowError("a text prompt with images: give the prompt as messages")
         return _Prompt(where, prompt_ids(tokenizer, reader.template, messages), messages, label)
+    if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        check_tool_template(reader.template)  # a DataError: the template, not the row
     if reader.system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": reader.system}, *messages]
     if images:
@@ -307,6 +296,27 @@ def _prompt(row: dict, source, reader: _Reader, where: str) -> _Prompt:
     text = render(tokenizer, reader.template, messages, generation=True, tools=tools)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return _Prompt(where, ids, text, label)
+
+
+def _read_row(row: dict, spec) -> tuple:
+    """(the prompt: messages, or TRL's text prompt; the label, None without one; the images;
+    the tool definitions). RowError when the row is neither answered nor a prompt (the
+    answered reading's reason)."""
+    from keel.data.encode_prompt import row_to_prompt
+    from keel.data.tools import read_example
+
+    if spec.format == "prompt":  # TRL's prompt-only rows: prompts alone
+        asked = row_to_prompt(row, spec)
+        return asked.prompt, None, asked.images, ()
+    try:
+        example = read_example(row, spec)  # tool definitions, calls and outputs too
+    except RowError as answered:
+        try:
+            asked = row_to_prompt(row, spec)
+        except RowError:
+            raise answered from None
+        return asked.prompt, None, asked.images, ()
+    return example.content[:-1], example.content[-1]["content"], example.images, example.tools
 
 
 def _prompt_with_images(messages, refs, media_dir, reader: _Reader, where, label) -> _Prompt:
