@@ -101,16 +101,13 @@ def run_predict(args) -> int:
 
 
 def _answer(request, world) -> int:
-    from keel.distributed.process_group import init_distributed, shutdown
+    from keel.distributed.process_group import join_world, shutdown
     from keel.infer.predict import predict
 
     dist = None
-    if world.is_distributed:
-        dist = init_distributed(
-            rank=world.rank,
-            world_size=world.world_size,
-            local_rank=world.local_rank,
-            local_world_size=world.local_world_size,
+    if world.is_distributed:  # torchrun's workers (--nproc), or srun's tasks
+        dist = join_world(
+            world,
             timeout_s=600.0,
             preprocess_timeout_s=86400.0,  # a process answering longer rows waits this long
             log=say,

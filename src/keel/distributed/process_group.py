@@ -337,6 +337,24 @@ def init_distributed(
     return ctx
 
 
+def join_world(world, *, timeout_s: float, preprocess_timeout_s: float, log: Log = print):
+    """The process group of `world` (keel.distributed.launch.WorldInfo, started by torchrun
+    or srun): an srun task first gets the env:// variables torchrun would have set (node 0's
+    address, a port, its rank), then `init_distributed` joins at the world's place."""
+    from keel.distributed.launch import slurm_rendezvous_env
+
+    os.environ.update(slurm_rendezvous_env(os.environ))  # {} unless srun started us
+    return init_distributed(
+        rank=world.rank,
+        world_size=world.world_size,
+        local_rank=world.local_rank,
+        local_world_size=world.local_world_size,
+        timeout_s=timeout_s,
+        preprocess_timeout_s=preprocess_timeout_s,
+        log=log,
+    )
+
+
 def _check_placement(ctx: DistContext) -> None:
     """All ranks on the same device type, and no two ranks of a host on one GPU."""
     mine = (socket.gethostname(), ctx.device.type, ctx.device.index)

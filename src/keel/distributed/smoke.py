@@ -6,7 +6,7 @@
 with OMP_NUM_THREADS=1, a deadline, and the workers' stderr kept for the report.
 
 Each rank joins the process group exactly as a training run does (`detect_world`, then
-`init_distributed`: `gloo` on CPUs, `cpu:gloo,cuda:nccl` on GPUs, placement checked), then
+`join_world`: `gloo` on CPUs, `cpu:gloo,cuda:nccl` on GPUs, placement checked), then
 runs these checks in order, each numbered:
 
   1  all_reduce of a CPU tensor (the CPU backend, gloo)
@@ -46,7 +46,7 @@ from keel.distributed.process_group import (
     DistContext,
     backend_for,
     exit_now,
-    init_distributed,
+    join_world,
     shutdown,
 )
 from keel.distributed.strategy import Strategy
@@ -169,11 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
     try:
-        ctx = init_distributed(
-            rank=world.rank,
-            world_size=world.world_size,
-            local_rank=world.local_rank,
-            local_world_size=world.local_world_size,
+        ctx = join_world(
+            world,
             timeout_s=args.timeout,
             preprocess_timeout_s=args.timeout,
             log=lambda message: print(message, file=sys.stderr),

@@ -22,11 +22,11 @@ from keel.config import RunConfig, config_to_dict
 from keel.data import PreparedData
 from keel.data.stream import StreamedData
 from keel.data.template import resolve_template
-from keel.distributed.launch import detect_world, slurm_rendezvous_env
+from keel.distributed.launch import detect_world
 from keel.distributed.parallel_dims import data_parallel_size
 from keel.distributed.process_group import (
     DistContext,
-    init_distributed,
+    join_world,
     main_rank_first,
     on_main,
     shutdown,
@@ -100,16 +100,11 @@ def run_training(
     """
     fault = fault_from_env()
     world = detect_world(os.environ)
-    if world.launcher == "slurm":
-        os.environ.update(slurm_rendezvous_env(os.environ))
     if world.launcher == "single":
         dist = DistContext()
     else:
-        dist = init_distributed(
-            rank=world.rank,
-            world_size=world.world_size,
-            local_rank=world.local_rank,
-            local_world_size=world.local_world_size,
+        dist = join_world(
+            world,
             timeout_s=cfg.distributed.timeout_s,
             preprocess_timeout_s=cfg.distributed.preprocess_timeout_s,
             log=log,
