@@ -117,7 +117,8 @@ def predict(request: PredictRequest, *, base_dir: Path, log: Log = print, dist=N
         ordered = sorted((pair for part in gathered for pair in part), key=lambda p: p[0])
         answers = [answer for _, answer in ordered]
         seconds = time.perf_counter() - started
-        _write_out(request, out, (prompts, answers, reader.tokenizer), (seconds, dist), log)
+        run = (seconds, dist.world_size)
+        _write_out(request, out, (prompts, answers, reader.tokenizer), run, log)
 
     on_main(dist, write)  # a failure there stops every process, each keeping its progress
     progress.remove()
@@ -169,13 +170,12 @@ def _progress(model, request: PredictRequest, share, place: tuple, say: Log):
 
 def _write_out(request: PredictRequest, out: Path, answered: tuple, run: tuple, log: Log):
     """The output folder, whole: `answered` (prompts, answers, tokenizer); `run` (seconds,
-    DistContext)."""
+    processes)."""
     from keel.export.partial_folder import write_folder_atomically
 
     prompts, answers, tokenizer = answered
-    seconds, dist = run
     texts = [tokenizer.decode(a.token_ids, skip_special_tokens=True) for a in answers]
-    results = _results(request, prompts, answers, texts, seconds) | {"processes": dist.world_size}
+    results = _results(request, (prompts, answers, texts), run)
 
     def write(folder: Path) -> None:
         with open(folder / PREDICTIONS, "w", encoding="utf-8") as f:
@@ -404,10 +404,14 @@ def _generate(model, reader: _Reader, todo: list[tuple[int, _Prompt]], answering
         log(f"predict: {answered}/{len(todo)} answered, {new / seconds:.1f} new tokens/s")
 
 
-def _results(request: PredictRequest, prompts, answers, texts: list[str], seconds: float):
+def _results(request: PredictRequest, answered: tuple, run: tuple) -> dict:
+    """predict_results.json: `answered` (prompts, answers, their texts); `run` (seconds,
+    processes)."""
     from keel import __version__
     from keel.infer.text_metrics import score_answers
 
+    prompts, answers, texts = answered
+    seconds, processes = run
     labelled = [(text, p.label) for text, p in zip(texts, prompts) if p.label is not None]
     scores = score_answers(labelled)
     new_tokens = sum(len(a.token_ids) for a in answers)
@@ -430,6 +434,7 @@ def _results(request: PredictRequest, prompts, answers, texts: list[str], second
             "top_p": answering.top_p,
             "seed": answering.seed,
         },
+        "processes": processes,
         "keel_version": __version__,
     }
 
